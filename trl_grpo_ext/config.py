@@ -1,0 +1,131 @@
+"""`GRPOConfig`: TRL's GRPO configuration plus the fields of the extra loss types and the degenerate-group rule.
+
+Every field keeps TRL's name and meaning; the additions are validated in `__post_init__`, so a bad recipe fails
+when it is parsed, not after the model has loaded.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import trl
+
+from trl_grpo_ext.losses import DEFAULT_CLIP
+
+# Loss types TRL 1.16's `GRPOTrainer._compute_loss` implements; the subclass hands these to TRL unchanged.
+TRL_LOSS_TYPES = ("grpo", "dr_grpo", "dapo", "bnpo", "cispo", "sapo", "luspo", "vespo")
+# Loss types the subclass computes itself (per-token math in `trl_grpo_ext.losses`, TRL's `dapo` normaliser).
+EXTRA_LOSS_TYPES = ("importance_sampling", "cispo")
+# `cispo` means the two-sided CISPO here; TRL's own (one-sided, capped at `epsilon_high`) stays reachable by this name.
+TRL_CISPO_ALIAS = "trl_cispo"
+VALID_LOSS_TYPES = tuple(t for t in TRL_LOSS_TYPES if t != "cispo") + EXTRA_LOSS_TYPES + (TRL_CISPO_ALIAS,)
+SCALE_REWARDS = ("group", "batch", "none")
+
+
+def trl_loss_type(loss_type: str) -> str | None:
+    """The TRL loss type that `loss_type` delegates to, or ``None`` when the subclass computes it."""
+    if loss_type == TRL_CISPO_ALIAS:
+        return "cispo"
+    if loss_type in EXTRA_LOSS_TYPES:
+        return None
+    return loss_type
+
+
+@dataclass
+class GRPOConfig(trl.GRPOConfig):
+    """TRL's `GRPOConfig` with two more loss types and a tolerance for degenerate prompt groups.
+
+    See `docs/losses.md` for the formulas, the options that do not combine with the new loss types, and the
+    degenerate-group rule.
+    """
+
+    loss_type: str = field(
+        default="dapo",
+        metadata={
+            "help": "Loss formulation. TRL's types ('grpo', 'dr_grpo', 'dapo', 'bnpo', 'sapo', 'luspo', 'vespo') run "
+            "unchanged in TRL's code. Added: 'importance_sampling' (-r * A, no clipping) and 'cispo' (two-sided "
+            "CISPO: -sg(clip(r, cispo_clip_low, cispo_clip_high)) * A * logp), both normalised like 'dapo'. "
+            "'trl_cispo' selects TRL's own one-sided cispo (ratio capped at `epsilon_high`, which must then be set)."
+        },
+    )
+    cispo_clip_low: float = field(
+        default=DEFAULT_CLIP["cispo"][0],
+        metadata={
+            "help": "Lower bound of the importance ratio r (not an epsilon) for loss_type='cispo'. 0 leaves the "
+            "lower side open, as MiniMax-M1 and Tinker do."
+        },
+    )
+    cispo_clip_high: float = field(
+        default=DEFAULT_CLIP["cispo"][1],
+        metadata={
+            "help": "Upper bound of the importance ratio r (not an epsilon) for loss_type='cispo'. Tinker's default "
+            "is 4.0; on-policy tokens (r = 1) are never capped as long as it is >= 1."
+        },
+    )
+    degenerate_tol: float = field(
+        default=1e-6,
+        metadata={
+            "help": "A prompt group whose rewards all lie within this absolute distance (max - min) is degenerate: "
+            "counted in `frac_degenerate` and, with zero_degenerate_advantages, given zero advantage. TRL's own "
+            "exact test misses float rounding noise (std ~1e-7) that scale_rewards='group' turns into ±1e-3."
+        },
+    )
+    zero_degenerate_advantages: bool = field(
+        default=True,
+        metadata={"help": "Set the advantages of degenerate prompt groups to exactly zero (any loss type)."},
+    )
+    degenerate_reward: str | None = field(
+        default=None,
+        metadata={
+            "help": "Name of one reward function (e.g. 'boxed_reward'). Groups where this reward is flat (within "
+            "degenerate_tol) count as degenerate even if a shaping reward such as format varies."
+        },
+    )
+
+    def __post_init__(self):
+        if isinstance(self.scale_rewards, str) and self.scale_rewards.lower() in ("true", "false"):
+            self.scale_rewards = self.scale_rewards.lower() == "true"  # CLI / YAML strings
+        super().__post_init__()
+        self._validate_extensions()
+
+    def _validate_extensions(self):
+        if self.loss_type not in VALID_LOSS_TYPES:
+            raise ValueError(f"loss_type={self.loss_type!r} is not valid; valid values: {', '.join(VALID_LOSS_TYPES)}")
+        if self.scale_rewards not in SCALE_REWARDS:
+            raise ValueError(
+                f"scale_rewards={self.scale_rewards!r} is not valid; valid values: {', '.join(SCALE_REWARDS)} "
+                "(or true/false)"
+            )
+        for name in ("cispo_clip_low", "cispo_clip_high", "degenerate_tol"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value) or value < 0:
+                raise ValueError(f"{name}={value!r} is not valid; it must be a finite number >= 0")
+        if self.cispo_clip_low > self.cispo_clip_high:
+            raise ValueError(
+                f"cispo_clip_low ({self.cispo_clip_low}) must be <= cispo_clip_high ({self.cispo_clip_high}); both "
+                "are bounds of the importance ratio r, not epsilons"
+            )
+        if self.degenerate_reward is not None and (
+            not isinstance(self.degenerate_reward, str) or not self.degenerate_reward.strip()
+        ):
+            raise ValueError(f"degenerate_reward={self.degenerate_reward!r} must be a reward function name or None")
+
+        if self.loss_type == TRL_CISPO_ALIAS and self.epsilon_high is None:
+            raise ValueError(
+                "loss_type='trl_cispo' (TRL's one-sided cispo) caps the ratio at epsilon_high, which defaults to "
+                "epsilon=0.2 and then scales every on-policy gradient by 0.2. Set epsilon_high explicitly (MiniMax-M1 "
+                "and Tinker cap at 4.0, ScaleRL recommends 5.0), or use loss_type='cispo' (cispo_clip_low/high)."
+            )
+        if self.loss_type in EXTRA_LOSS_TYPES:
+            clip_fields = "cispo_clip_low / cispo_clip_high" if self.loss_type == "cispo" else "nothing (no clipping)"
+            if self.epsilon_high is not None:
+                raise ValueError(
+                    f"epsilon_high={self.epsilon_high} has no effect with loss_type={self.loss_type!r}; its ratio "
+                    f"bounds are {clip_fields}. Unset epsilon_high (or use loss_type='trl_cispo' for TRL's cispo)."
+                )
+            if self.delta is not None:
+                raise ValueError(
+                    f"delta={self.delta} (INTELLECT-2 two-sided clipping of TRL's PPO-style losses) does not apply to "
+                    f"loss_type={self.loss_type!r}; unset delta or use loss_type='dapo'/'grpo'."
+                )
