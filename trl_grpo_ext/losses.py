@@ -256,6 +256,8 @@ def group_advantages(
     if scale_rewards not in ("group", "batch", "none"):
         raise ValueError(f"scale_rewards must be 'group', 'batch' or 'none', got {scale_rewards!r}")
     rewards = torch.as_tensor(rewards, dtype=torch.float32)
+    if group_size < 1 or rewards.shape[0] % group_size:
+        raise ValueError(f"{rewards.shape[0]} rewards do not split into groups of {group_size}")
     grouped = rewards.view(-1, group_size)
     mean = torch.nanmean(grouped, dim=1).repeat_interleave(group_size)
     advantages = rewards - mean

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 import trl
-from trl.models.utils import get_config_model_id
+from trl.trainer.utils import get_config_model_id
 
 from trl_grpo_ext.config import EXTRA_LOSS_TYPES, GRPOConfig, trl_loss_type
 from trl_grpo_ext.losses import degenerate_groups, policy_loss_from_log_ratio, ratio_metrics, token_level_mean

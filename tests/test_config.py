@@ -1,0 +1,81 @@
+"""`trl_grpo_ext.GRPOConfig`: defaults, help texts, validation at config time, YAML parsing."""
+
+import dataclasses
+
+import pytest
+import trl
+
+from trl_grpo_ext.config import EXTRA_LOSS_TYPES, VALID_LOSS_TYPES, GRPOConfig, trl_loss_type
+
+NEW_FIELDS = ("cispo_clip_low", "cispo_clip_high", "degenerate_tol", "zero_degenerate_advantages", "degenerate_reward")
+
+
+def make(**kwargs):
+    return GRPOConfig(output_dir="unused", report_to="none", use_cpu=True, bf16=False, **kwargs)
+
+
+def test_defaults_and_help():
+    config = make()
+    assert isinstance(config, trl.GRPOConfig)
+    assert config.loss_type == "dapo"
+    assert (config.cispo_clip_low, config.cispo_clip_high) == (0.0, 4.0)
+    assert config.degenerate_tol == 1e-6 and config.zero_degenerate_advantages is True
+    assert config.degenerate_reward is None
+    fields = {f.name: f for f in dataclasses.fields(GRPOConfig)}
+    for name in NEW_FIELDS + ("loss_type",):
+        assert len(fields[name].metadata.get("help", "")) > 20, name
+    assert "trl_cispo" in fields["loss_type"].metadata["help"]
+
+
+def test_loss_type_names():
+    assert set(EXTRA_LOSS_TYPES) == {"importance_sampling", "cispo"}
+    assert trl_loss_type("trl_cispo") == "cispo"
+    assert trl_loss_type("cispo") is None and trl_loss_type("importance_sampling") is None
+    assert trl_loss_type("dapo") == "dapo"
+    for loss_type in VALID_LOSS_TYPES:
+        extra = {"epsilon_high": 4.0} if loss_type == "trl_cispo" else {}
+        assert make(loss_type=loss_type, **extra).loss_type == loss_type
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"loss_type": "reinforce"}, r"loss_type='reinforce' is not valid; valid values: .*importance_sampling"),
+        ({"cispo_clip_low": 2.0, "cispo_clip_high": 1.0}, r"cispo_clip_low \(2.0\) must be <= cispo_clip_high"),
+        ({"cispo_clip_low": -0.5}, r"cispo_clip_low=-0.5 is not valid"),
+        ({"cispo_clip_high": float("inf")}, r"cispo_clip_high=inf is not valid"),
+        ({"degenerate_tol": -1e-6}, r"degenerate_tol=-1e-06 is not valid"),
+        ({"degenerate_reward": " "}, r"degenerate_reward=' ' must be a reward function name"),
+        ({"scale_rewards": "std"}, r"scale_rewards='std' is not valid; valid values: group, batch, none"),
+        # TRL's cispo silently caps every ratio at epsilon_high (0.2 unless set): refuse the unset default.
+        ({"loss_type": "trl_cispo"}, r"Set epsilon_high explicitly"),
+        ({"loss_type": "cispo", "epsilon_high": 0.28}, r"epsilon_high=0.28 has no effect with loss_type='cispo'"),
+        ({"loss_type": "importance_sampling", "epsilon_high": 0.28}, r"no clipping"),
+        ({"loss_type": "importance_sampling", "delta": 2.0}, r"delta=2.0 .* does not apply"),
+    ],
+)
+def test_invalid_values_fail_at_config_time(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        make(**kwargs)
+
+
+def test_scale_rewards_strings_and_bools():
+    assert make(scale_rewards="false").scale_rewards == "none"
+    assert make(scale_rewards=True).scale_rewards == "group"
+    assert make(scale_rewards="batch").scale_rewards == "batch"
+
+
+def test_yaml_recipe_parses(tmp_path):
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text(
+        "output_dir: out\nloss_type: cispo\ncispo_clip_low: 0.5\ncispo_clip_high: 2.0\n"
+        "degenerate_reward: boxed_reward\nzero_degenerate_advantages: false\nuse_cpu: true\nbf16: false\n"
+        "report_to: none\n"
+    )
+    (config,) = trl.TrlParser((GRPOConfig,)).parse_args_and_config(["--config", str(recipe)])
+    assert (config.loss_type, config.cispo_clip_low, config.cispo_clip_high) == ("cispo", 0.5, 2.0)
+    assert config.degenerate_reward == "boxed_reward" and config.zero_degenerate_advantages is False
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("output_dir: out\nloss_type: cispo\ncispo_clip_low: 3\ncispo_clip_high: 1\nuse_cpu: true\n")
+    with pytest.raises(ValueError, match="cispo_clip_low"):
+        trl.TrlParser((GRPOConfig,)).parse_args_and_config(["--config", str(bad)])
