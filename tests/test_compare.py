@@ -1,0 +1,177 @@
+"""`trl-grpo-ext compare` on synthetic metrics files: table values, config differences, plots, robustness."""
+
+import json
+
+import pytest
+import yaml
+
+from trl_grpo_ext.compare import (
+    build_report,
+    config_differences,
+    load_run,
+    load_runs,
+    normalized_auc,
+    read_metrics,
+    smooth,
+    summarize,
+)
+
+
+def write_run(root, name, rows, config=None, marker=None, raw_lines=()):
+    d = root / name
+    d.mkdir(parents=True)
+    with open(d / "metrics.jsonl", "w") as f:
+        for row in rows:
+            f.write(json.dumps(row) + "\n")
+        for line in raw_lines:
+            f.write(line + "\n")
+    if config is not None:
+        (d / "sweep_config.yaml").write_text(yaml.safe_dump(config))
+    if marker is not None:
+        (d / "sweep_done.json").write_text(json.dumps(marker))
+    return d
+
+
+BASE = {"learning_rate": 1e-5, "num_generations": 4, "max_steps": 4, "seed": 0}
+
+
+@pytest.fixture
+def runs(tmp_path):
+    a = write_run(
+        tmp_path,
+        "loss_type=ppo",
+        [
+            {"step": 1, "reward": 0.0, "frac_degenerate": 1.0, "entropy": 2.0, "kl": 0.0, "completions/mean_length": 100,
+             "clip_low_frac": 0.1, "clip_high_frac": 0.3, "train_tokens": 100, "step_time": 2.0},
+            {"step": 2, "reward": 0.5, "frac_degenerate": 0.5, "entropy": 1.5, "kl": 0.01, "completions/mean_length": 80,
+             "clip_low_frac": 0.1, "clip_high_frac": 0.1, "train_tokens": 300, "step_time": 2.0},
+            {"step": 3, "reward": 0.25, "frac_degenerate": 0.5, "entropy": 1.0, "kl": 0.02, "completions/mean_length": 60,
+             "clip_low_frac": 0.4, "clip_high_frac": 0.2, "train_tokens": 200, "step_time": 1.0},
+        ],
+        config={**BASE, "loss_type": "ppo", "output_dir": "/x/a"},
+        marker={"backend": "trl", "wall_time": 12.5, "config": {**BASE, "loss_type": "ppo", "output_dir": "/x/a"}},
+        raw_lines=['{"step": 4, "reward": 0.9'],  # torn last line of a killed run
+    )
+    # PyTRIO-style run: no entropy/kl/clip metrics, a resumed step logged twice, different learning rate
+    b = write_run(
+        tmp_path,
+        "loss_type=cispo",
+        [
+            {"step": 2, "reward": 0.2, "frac_degenerate": 0.25},
+            {"step": 4, "reward": 0.1, "frac_degenerate": 0.0},
+            {"step": 4, "reward": 0.6, "frac_degenerate": 0.0, "completions/mean_length": 50},
+        ],
+        config={**BASE, "loss_type": "cispo", "learning_rate": 4e-5, "backend": "pytrio", "output_dir": "/x/b"},
+    )
+    return a, b
+
+
+def test_read_metrics_dedupes_steps_and_skips_torn_lines(runs):
+    rows, notes = read_metrics(runs[0] / "metrics.jsonl")
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    assert any("unreadable" in n for n in notes)
+    rows, _ = read_metrics(runs[1] / "metrics.jsonl")
+    assert [(r["step"], r["reward"]) for r in rows] == [(2, 0.2), (4, 0.6)]  # the later row of step 4 wins
+    assert rows[1]["completions/mean_length"] == 50
+
+
+def test_curve_numbers():
+    assert smooth([0, 1, 2, 3], 2) == [0, 0.5, 1.5, 2.5]
+    assert smooth([1, 2], 1) == [1, 2]
+    # trapezoid over steps 1..3: (0+0.5)/2 + (0.5+0.25)/2 = 0.625, over a span of 2
+    assert normalized_auc([1, 2, 3], [0.0, 0.5, 0.25]) == pytest.approx(0.3125)
+    assert normalized_auc([5], [0.7]) == 0.7
+    assert normalized_auc([], []) is None
+
+
+def test_summary_values(runs):
+    a = summarize(load_run(runs[0]))
+    assert a["steps"] == 3
+    assert a["final_reward"] == 0.25 and a["best_reward"] == 0.5
+    assert a["reward_auc"] == pytest.approx(0.3125)
+    assert a["frac_degenerate"] == pytest.approx(2 / 3)
+    assert a["clip_low_frac"] == pytest.approx(0.2) and a["clip_high_frac"] == pytest.approx(0.2)
+    assert a["completion_length"] == pytest.approx(80)
+    assert a["tokens_per_s"] == pytest.approx(600 / 5)
+    assert a["wall_time"] == 12.5  # from the sweep marker
+    b = summarize(load_run(runs[1]))
+    assert b["final_reward"] == 0.6 and b["best_reward"] == 0.6
+    assert b["reward_auc"] == pytest.approx(0.4)
+    assert b["clip_low_frac"] is None and b["tokens_per_s"] is None and b["wall_time"] is None
+    smoothed = summarize(load_run(runs[0]), smooth_window=2)
+    assert smoothed["final_reward"] == pytest.approx(0.375) and smoothed["best_reward"] == pytest.approx(0.375)
+
+
+def test_config_differences_ignore_output_paths(runs):
+    loaded = load_runs(list(runs))
+    assert config_differences(loaded) == ["learning_rate", "loss_type", "backend"]
+    assert loaded[0].backend == "trl" and loaded[1].backend == "pytrio"
+
+
+def test_report_files_and_table(runs, tmp_path):
+    out = tmp_path / "report"
+    report = build_report(list(runs), out)
+    md = (out / "report.md").read_text()
+    assert report.table in md
+    lines = report.table.splitlines()
+    assert lines[0].startswith("| run | backend | steps | final reward | best reward | reward AUC/step |")
+    ppo = next(line for line in lines if line.startswith("| loss_type=ppo"))
+    cells = [c.strip() for c in ppo.strip("|").split("|")]
+    assert cells[:6] == ["loss_type=ppo", "trl", "3", "0.250", "0.500", "0.312"]
+    assert "12s" in cells
+    cispo = next(line for line in lines if line.startswith("| loss_type=cispo"))
+    assert "| pytrio | 4 | 0.600 | 0.600 | 0.400 |" in cispo and "–" in cispo
+    assert "## Config differences" in md and "| run | learning_rate | loss_type | backend |" in md
+    for name in ("reward", "frac_degenerate", "entropy", "kl", "completion_length"):
+        png = out / f"{name}.png"
+        assert png.is_file() and png.stat().st_size > 1000
+        assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+        assert f"]({name}.png)" in md
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary[0]["run"] == "loss_type=ppo" and summary[0]["config"]["loss_type"] == "ppo"
+
+
+def test_metric_no_run_logged_is_skipped(tmp_path):
+    d = write_run(tmp_path, "r1", [{"step": 1, "reward": 0.1}, {"step": 2, "reward": 0.3}])
+    report = build_report([d], tmp_path / "out", smooth_window=3)
+    assert set(report.plots) == {"reward"}
+    assert any("'entropy'" in n for n in report.notes)
+    assert any("no saved config" in n for n in report.notes)
+    assert not (tmp_path / "out" / "entropy.png").exists()
+    assert "(one run: nothing to compare)" in report.markdown
+
+
+def test_sweep_root_expands_to_its_runs_in_summary_order(runs, tmp_path):
+    (tmp_path / "sweep_summary.json").write_text(
+        json.dumps({"runs": [{"name": "loss_type=ppo"}, {"name": "loss_type=cispo"}]})
+    )
+    (tmp_path / "not-a-run").mkdir()
+    loaded = load_runs([tmp_path])
+    assert [r.label for r in loaded] == ["loss_type=ppo", "loss_type=cispo"]
+
+
+def test_missing_files_give_clear_errors(tmp_path, capsys):
+    from trl_grpo_ext.cli import main
+
+    assert main(["compare", str(tmp_path / "nope")]) == 2
+    assert "run folder not found" in capsys.readouterr().err
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert main(["compare", str(empty)]) == 2
+    assert "no metrics.jsonl" in capsys.readouterr().err
+    # a run with a config but no metrics is listed, with a note, not a crash
+    cfg_only = tmp_path / "cfg-only"
+    cfg_only.mkdir()
+    (cfg_only / "sweep_config.yaml").write_text("loss_type: ppo\n")
+    assert main(["compare", str(cfg_only), "--out", str(tmp_path / "o")]) == 0
+    captured = capsys.readouterr()
+    assert "| cfg-only |" in captured.out and "no metrics.jsonl" in captured.err
+
+
+def test_cli_prints_table(runs, tmp_path, capsys):
+    from trl_grpo_ext.cli import main
+
+    assert main(["compare", *map(str, runs), "--out", str(tmp_path / "o"), "--smooth", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "| loss_type=ppo | trl | 3 | 0.375 | 0.375 |" in out
+    assert (tmp_path / "o" / "reward.png").stat().st_size > 1000

@@ -1,0 +1,293 @@
+"""`trl-grpo-ext sweep`: expansion, naming, skipping, resuming and failure handling with a fake recipe,
+plus one real tiny TRL run when the TRL recipe is present."""
+
+import json
+import os
+import textwrap
+from pathlib import Path
+
+import pytest
+import yaml
+
+from trl_grpo_ext.sweep import (
+    DONE_MARKER,
+    SUMMARY_FILE,
+    TRAIN_LOG,
+    describe_runs,
+    eval_command,
+    expand,
+    format_value,
+    latest_checkpoint,
+    load_sweep,
+    parse_sweep,
+    run_sweep,
+    sanitize_name,
+)
+
+REPO = Path(__file__).resolve().parents[1]
+
+# A stand-in recipe: reads --config like the real ones, writes metrics.jsonl and HF-style checkpoints,
+# resumes from --resume_from_checkpoint, and fails when its config asks it to.
+FAKE_RECIPE = textwrap.dedent(
+    r"""
+    import argparse, json, os, sys
+    from pathlib import Path
+    import yaml
+
+    p = argparse.ArgumentParser()
+    p.add_argument("--config", required=True)
+    p.add_argument("--resume_from_checkpoint", default=None)
+    args = p.parse_args()
+    cfg = yaml.safe_load(open(args.config))
+    out = Path(cfg["output_dir"])
+    out.mkdir(parents=True, exist_ok=True)
+    with open(out / "invocations.jsonl", "a") as f:
+        f.write(json.dumps({"resume": args.resume_from_checkpoint, "group": os.environ.get("SWANLAB_GROUP"),
+                            "exp": os.environ.get("SWANLAB_EXP_NAME"), "run_name": cfg.get("run_name")}) + "\n")
+    print("training", cfg.get("loss_type"), flush=True)
+    if cfg.get("fail_always"):
+        print("Traceback: boom, this run is broken", file=sys.stderr)
+        sys.exit(7)
+    start = int(args.resume_from_checkpoint.rsplit("-", 1)[1]) if args.resume_from_checkpoint else 0
+    for step in range(start + 1, cfg["max_steps"] + 1):
+        if step == cfg.get("crash_once_at") and not (out / "crashed").exists():
+            (out / "crashed").write_text("")
+            print("killed at step", step, flush=True)
+            sys.exit(9)
+        with open(out / "metrics.jsonl", "a") as f:
+            f.write(json.dumps({"step": step, "reward": step * cfg["learning_rate"]}) + "\n")
+        ckpt = out / f"checkpoint-{step}"
+        ckpt.mkdir(exist_ok=True)
+        (ckpt / "trainer_state.json").write_text("{}")
+    """
+)
+
+
+@pytest.fixture
+def fake_sweep(tmp_path):
+    """Write a base recipe, the fake script and a sweep file; return a function making variants of it."""
+    (tmp_path / "fake_recipe.py").write_text(FAKE_RECIPE)
+    (tmp_path / "base.yaml").write_text("max_steps: 3\nlearning_rate: 1.0e-6\nloss_type: importance_sampling\nseed: 1\n")
+
+    def make(**changes):
+        data = {
+            "name": "fake",
+            "base": "base.yaml",
+            "output_root": str(tmp_path / "runs"),
+            "scripts": {"trl": "fake_recipe.py"},
+            "grid": {"loss_type": ["ppo", "cispo"], "learning_rate": ["1e-5", "4e-5"]},
+            "overrides": {"max_steps": 2},
+        }
+        data.update(changes)
+        path = tmp_path / "sweep.yaml"
+        path.write_text(yaml.safe_dump(data, sort_keys=False))
+        return load_sweep(path)
+
+    return make
+
+
+def invocations(run_dir):
+    return [json.loads(line) for line in (Path(run_dir) / "invocations.jsonl").read_text().splitlines()]
+
+
+def test_expansion_names_and_configs(fake_sweep, tmp_path):
+    spec = fake_sweep()
+    runs = expand(spec)
+    assert [r.name for r in runs] == [
+        "loss_type=ppo,learning_rate=1e-05",
+        "loss_type=ppo,learning_rate=4e-05",
+        "loss_type=cispo,learning_rate=1e-05",
+        "loss_type=cispo,learning_rate=4e-05",
+    ]
+    r = runs[1]
+    assert r.params == {"loss_type": "ppo", "learning_rate": 4e-05}
+    assert r.config["learning_rate"] == 4e-05 and isinstance(r.config["learning_rate"], float)  # "4e-5" -> float
+    assert r.config["max_steps"] == 2 and r.config["seed"] == 1  # override beats base; base kept
+    assert r.config["output_dir"] == str(tmp_path / "runs" / r.name)
+    assert r.config["run_name"] == f"fake/{r.name}"
+    assert [x.name for x in expand(spec)] == [x.name for x in runs]  # deterministic
+
+
+def test_variants_backend_and_overrides(fake_sweep, tmp_path):
+    spec = fake_sweep(
+        grid={"backend": ["trl", "pytrio"]},
+        variants=[{"loss_type": "ppo"}, {"loss_type": "cispo", "cispo_clip_high": 5.0}],
+        backend_overrides={"pytrio": {"base_model": "embedded"}},
+        scripts={"trl": "fake_recipe.py", "pytrio": "fake_recipe.py"},
+    )
+    runs = expand(spec)
+    assert [r.name for r in runs] == [
+        "loss_type=ppo,backend=trl",
+        "loss_type=ppo,backend=pytrio",
+        "loss_type=cispo,cispo_clip_high=5.0,backend=trl",
+        "loss_type=cispo,cispo_clip_high=5.0,backend=pytrio",
+    ]
+    assert [r.backend for r in runs] == ["trl", "pytrio"] * 2
+    assert all("backend" not in r.config for r in runs)
+    assert runs[1].config["base_model"] == "embedded" and "base_model" not in runs[0].config
+
+
+def test_names_are_path_safe():
+    assert format_value(4e-05) == "4e-05" and format_value([1, 2]) == "1+2" and format_value(True) == "True"
+    assert sanitize_name("model=org/model name,lr=1e-05") == "model=org_model_name,lr=1e-05"
+    for evil in ("../../etc", "..", ".hidden", "a/b\\c"):
+        name = sanitize_name(evil)
+        assert "/" not in name and "\\" not in name and not name.startswith(".") and name
+    long = sanitize_name("k=" + "x" * 400)
+    assert len(long) <= 150 and long != sanitize_name("k=" + "x" * 399)
+
+
+@pytest.mark.parametrize(
+    "data, message",
+    [
+        ({"grid": {"lr": []}}, "no values"),
+        ({"grid": {"lr": [1, 1]}}, "twice"),
+        ({"gird": {"lr": [1]}}, "unknown sweep keys"),
+        ({"grid": {"output_dir": ["a", "b"]}}, "cannot be swept"),
+        ({"grid": {"backend": ["nope"]}}, "unknown backend"),
+        ({"base": "missing.yaml"}, "not found"),
+        ({"launcher": "srun"}, "launcher"),
+        ({"grid": {"a": ["x_y", "x/y"]}}, "same name"),
+    ],
+)
+def test_bad_sweep_files_fail_clearly(tmp_path, data, message):
+    with pytest.raises((ValueError, FileNotFoundError), match=message):
+        spec = parse_sweep(data, source=tmp_path / "s.yaml")
+        expand(spec)
+
+
+def test_run_skip_fail_and_summary(fake_sweep, capsys):
+    spec = fake_sweep(variants=[{"fail_always": False}, {"fail_always": True}], grid={"loss_type": ["ppo"]})
+    results, summary_path = run_sweep(spec, progress=False)
+    assert [r.status for r in results] == ["finished", "failed"]
+    ok_dir, bad_dir = (Path(r.run_dir) for r in results)
+    assert (ok_dir / DONE_MARKER).is_file() and not (bad_dir / DONE_MARKER).exists()
+    marker = json.loads((ok_dir / DONE_MARKER).read_text())
+    assert marker["config"]["loss_type"] == "ppo" and marker["config"]["fail_always"] is False
+    assert "training ppo" in (ok_dir / TRAIN_LOG).read_text()
+    assert [json.loads(x)["step"] for x in (ok_dir / "metrics.jsonl").read_text().splitlines()] == [1, 2]
+    inv = invocations(ok_dir)[0]
+    assert inv["group"] == "fake" and inv["exp"] == results[0].name and inv["run_name"] == f"fake/{results[0].name}"
+
+    summary = json.loads(summary_path.read_text())
+    assert summary_path.name == SUMMARY_FILE
+    bad = summary["runs"][1]
+    assert bad["status"] == "failed" and bad["returncode"] == 7 and "boom" in bad["log_tail"]
+    assert summary["counts"] == {"failed": 1, "finished": 1}
+
+    # second pass: the finished run is skipped (not launched again), the failed one retried
+    results, _ = run_sweep(spec, progress=False)
+    assert [r.status for r in results] == ["skipped", "failed"]
+    assert len(invocations(ok_dir)) == 1 and len(invocations(bad_dir)) == 2
+
+
+def test_interrupted_run_resumes_from_latest_checkpoint(fake_sweep):
+    spec = fake_sweep(grid={"loss_type": ["ppo"]}, overrides={"max_steps": 4, "crash_once_at": 3})
+    (result,), _ = run_sweep(spec, progress=False)
+    run_dir = Path(result.run_dir)
+    assert result.status == "failed" and result.returncode == 9
+    assert latest_checkpoint(run_dir) == run_dir / "checkpoint-2"
+    (run_dir / "checkpoint-7").mkdir()  # a checkpoint killed while saving (no trainer_state.json) is ignored
+    assert "resume" in describe_runs(spec, expand(spec))
+    (result,), _ = run_sweep(spec, progress=False)
+    assert result.status == "finished"
+    assert result.resumed_from == str(run_dir / "checkpoint-2")
+    assert invocations(run_dir)[-1]["resume"] == str(run_dir / "checkpoint-2")
+    assert [json.loads(x)["step"] for x in (run_dir / "metrics.jsonl").read_text().splitlines()] == [1, 2, 3, 4]
+
+
+def test_restart_without_checkpoint_sets_old_metrics_aside(fake_sweep):
+    spec = fake_sweep(grid={"loss_type": ["ppo"]}, overrides={"max_steps": 2, "crash_once_at": 1})
+    run = expand(spec)[0]
+    run.run_dir.mkdir(parents=True)
+    (run.run_dir / "metrics.jsonl").write_text('{"step": 1, "reward": 5}\n')
+    (run.run_dir / "crashed").write_text("")
+    (result,), _ = run_sweep(spec, progress=False)
+    assert result.status == "finished" and result.resumed_from is None
+    assert (run.run_dir / "metrics.attempt-1.jsonl").read_text() == '{"step": 1, "reward": 5}\n'
+    assert len((run.run_dir / "metrics.jsonl").read_text().splitlines()) == 2
+
+
+def test_parallel_runs_all(fake_sweep):
+    results, _ = run_sweep(fake_sweep(), parallel=2, progress=False)
+    assert [r.status for r in results] == ["finished"] * 4
+
+
+def test_cli_dry_run_and_exit_codes(fake_sweep, tmp_path, capsys):
+    from trl_grpo_ext.cli import main
+
+    spec = fake_sweep(grid={"loss_type": ["ppo", "cispo"]}, variants=[{"fail_always": False}])
+    path = str(spec.source)
+    assert main(["sweep", path, "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    assert "2 runs" in out and "fail_always=False,loss_type=cispo" in out and "--config" in out
+    assert not (tmp_path / "runs").exists()
+    assert main(["sweep", path, "--no-progress", "--only", "cispo"]) == 0
+    assert "1/1 runs ok" in capsys.readouterr().out
+    fake_sweep(grid={"loss_type": ["ppo"]}, variants=[{"fail_always": True}])
+    assert main(["sweep", path, "--no-progress"]) == 1
+    assert main(["sweep", str(tmp_path / "missing.yaml")]) == 2
+
+
+def test_eval_command_picks_saved_model(fake_sweep):
+    spec = fake_sweep(grid={"loss_type": ["ppo"]}, evaluate={"data": "embedded", "limit": 4, "k": 2})
+    run = expand(spec)[0]
+    run.run_dir.mkdir(parents=True)
+    with pytest.raises(FileNotFoundError, match="no saved model"):
+        eval_command(run, spec.evaluate)
+    (run.run_dir / "config.json").write_text("{}")
+    cmd = eval_command(run, spec.evaluate)
+    assert cmd[cmd.index("--model") + 1] == str(run.run_dir)
+    assert cmd[cmd.index("--limit") + 1] == "4" and cmd[cmd.index("--out") + 1].endswith("eval.jsonl")
+    (run.run_dir / "adapter_config.json").write_text("{}")
+    run.config["model_name_or_path"] = "base-model"
+    cmd = eval_command(run, spec.evaluate)
+    assert cmd[cmd.index("--model") + 1] == "base-model" and cmd[cmd.index("--adapter") + 1] == str(run.run_dir)
+
+
+def test_shipped_sweep_files_expand():
+    files = sorted((REPO / "recipes" / "sweeps").glob("*.yaml"))
+    assert any(f.name == "embedded_losses.yaml" for f in files)
+    for f in files:
+        spec = load_sweep(f)
+        runs = expand(spec)
+        assert runs, f
+        if f.name == "embedded_losses.yaml":
+            assert sorted(r.params["loss_type"] for r in runs) == ["cispo", "importance_sampling", "ppo"]
+
+
+TRL_RECIPE = REPO / "recipes" / "gsm8k_grpo.py"
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not TRL_RECIPE.is_file(), reason="recipes/gsm8k_grpo.py is not in this checkout yet")
+def test_real_tiny_trl_sweep_then_compare_and_eval(tiny_model_path, tmp_path):
+    from trl_grpo_ext.compare import build_report
+
+    sweep = {
+        "name": "tiny",
+        "base": str(REPO / "recipes" / "gsm8k" / "embedded.yaml"),
+        "output_root": str(tmp_path / "runs"),
+        "grid": {"loss_type": ["importance_sampling", "cispo"]},
+        "overrides": {
+            "model_name_or_path": tiny_model_path,
+            "max_steps": 1,
+            "num_generations": 2,
+            "per_device_train_batch_size": 2,
+            "max_completion_length": 8,
+            "logging_steps": 1,
+            "save_strategy": "no",
+            "report_to": "none",
+        },
+        "env": {"OMP_NUM_THREADS": "1"},
+        "evaluate": {"data": "embedded", "limit": 2, "max_new_tokens": 4, "k": 2},
+    }
+    path = tmp_path / "tiny.yaml"
+    path.write_text(yaml.safe_dump(sweep))
+    results, _ = run_sweep(load_sweep(path), progress=False)
+    for r in results:
+        assert r.status == "finished", (Path(r.run_dir) / TRAIN_LOG).read_text()[-3000:] + str(r.eval)
+        assert r.eval["status"] == "finished" and r.eval["n"] == 2
+    report = build_report([tmp_path / "runs"], tmp_path / "report")
+    assert "loss_type=cispo" in report.table and "reward" in report.plots
+    assert os.path.getsize(report.plots["reward"]) > 1000

@@ -1,0 +1,50 @@
+"""`trl-grpo-ext sweep SWEEP.yaml`: expand a grid over a base recipe and run every variant."""
+
+from __future__ import annotations
+
+import sys
+
+
+def add_arguments(parser) -> None:
+    parser.add_argument("sweep_file", help="sweep YAML (base recipe + grid + overrides); see docs/comparison.md")
+    parser.add_argument("--dry-run", "--dry_run", dest="dry_run", action="store_true", help="list the runs, run nothing")
+    parser.add_argument("--parallel", type=int, default=None, help="runs at once (default: the file's, else 1)")
+    parser.add_argument("--output_root", "--output-root", default=None, help="override the file's output_root")
+    parser.add_argument("--only", action="append", default=None, metavar="SUBSTRING",
+                        help="run only runs whose name contains SUBSTRING (repeatable)")
+    parser.add_argument("--force", action="store_true",
+                        help="delete the selected runs' folders and run them again from scratch")
+    parser.add_argument("--no-progress", "--no_progress", dest="progress", action="store_false",
+                        help="no progress bar (plain lines only)")
+
+
+def run(args) -> int:
+    from trl_grpo_ext.sweep import describe_runs, expand, load_sweep, run_sweep
+
+    try:
+        spec = load_sweep(args.sweep_file, output_root=args.output_root)
+        runs = expand(spec)
+    except (FileNotFoundError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    if args.only:
+        runs = [r for r in runs if any(s in r.name for s in args.only)]
+        if not runs:
+            print(f"error: no run name contains any of {args.only}", file=sys.stderr)
+            return 2
+    if args.parallel is not None and args.parallel < 1:
+        print("error: --parallel must be >= 1", file=sys.stderr)
+        return 2
+    if args.dry_run:
+        print(describe_runs(spec, runs))
+        return 0
+    try:
+        results, summary = run_sweep(spec, runs, parallel=args.parallel, force=args.force, progress=args.progress)
+    except KeyboardInterrupt:
+        print("sweep interrupted; running it again resumes where it stopped", file=sys.stderr)
+        return 130
+    bad = [r for r in results if not r.ok]
+    print(f"{len(results) - len(bad)}/{len(results)} runs ok; summary: {summary}")
+    for r in bad:
+        print(f"  {r.status}: {r.name} (exit {r.returncode}) -> {r.run_dir}", file=sys.stderr)
+    return 1 if bad else 0

@@ -1,0 +1,436 @@
+"""Side-by-side reports of finished runs: a markdown table and one plot per metric, one line per run.
+
+Reads `<run_dir>/metrics.jsonl` (written the same way by the TRL and PyTRIO recipes, see
+docs/ARCHITECTURE.md) and the run's saved config. Anything missing is reported and skipped.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+METRICS_FILE = "metrics.jsonl"
+# Where a run's config may lie, best first: the sweep's marker and config, then what recipes save.
+CONFIG_CANDIDATES = (
+    "sweep_done.json",
+    "sweep_config.yaml",
+    "config.yaml",
+    "run_config.yaml",
+    "config.json",
+    "training_config.json",
+    "args.json",
+)
+# Config keys that differ between any two runs by construction and say nothing about the variant.
+IGNORED_CONFIG_KEYS = {"output_dir", "run_name", "logging_dir", "resume_from_checkpoint", "hub_model_id"}
+# Canonical metric -> other spellings seen in older TRL versions or other loggers.
+ALIASES = {
+    "reward": ("reward", "train/reward", "rewards/mean"),
+    "completions/mean_length": ("completions/mean_length", "completion_length", "train/completions/mean_length"),
+    "kl": ("kl", "train/kl", "objective/kl"),
+    "entropy": ("entropy", "train/entropy"),
+    "frac_degenerate": ("frac_degenerate", "train/frac_degenerate"),
+}
+PLOTS = (
+    ("reward", "reward"),
+    ("frac_degenerate", "fraction of degenerate groups"),
+    ("entropy", "entropy"),
+    ("kl", "KL to reference"),
+    ("completions/mean_length", "mean completion length (tokens)"),
+)
+EVAL_SUMMARY = "eval_summary.json"
+
+
+@dataclass
+class RunData:
+    """One run as read from disk: metrics by step (deduplicated, sorted), config and what was missing."""
+
+    label: str
+    path: Path
+    rows: list[dict]
+    config: dict
+    config_source: str | None = None
+    backend: str | None = None
+    wall_time: float | None = None
+    eval_summary: dict | None = None
+    notes: list[str] = field(default_factory=list)
+
+    def series(self, metric: str) -> tuple[list[float], list[float]]:
+        """(steps, values) of a metric, finite values only, under any of its known spellings."""
+        names = ALIASES.get(metric, (metric,))
+        steps, values = [], []
+        for row in self.rows:
+            for name in names:
+                v = row.get(name)
+                if _is_number(v):
+                    steps.append(float(row["step"]))
+                    values.append(float(v))
+                    break
+        return steps, values
+
+
+def _is_number(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def read_metrics(path: Path) -> tuple[list[dict], list[str]]:
+    """Rows of a metrics.jsonl merged by step (a resumed run logs some steps twice: the later row wins)."""
+    notes: list[str] = []
+    by_step: dict[int, dict] = {}
+    bad = no_step = 0
+    with open(path, errors="replace") as f:
+        for line in f:
+            line = line.strip()
+            if not line:
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError:
+                bad += 1  # typically the last line of a run killed mid-write
+                continue
+            if not isinstance(row, dict):
+                bad += 1
+                continue
+            step = row.get("step", row.get("global_step"))
+            if not _is_number(step):
+                no_step += 1
+                continue
+            by_step.setdefault(int(step), {}).update(row)
+            by_step[int(step)]["step"] = int(step)
+    if bad:
+        notes.append(f"{bad} unreadable line(s) in {path.name} skipped")
+    if no_step:
+        notes.append(f"{no_step} line(s) without a 'step' in {path.name} skipped")
+    return [by_step[s] for s in sorted(by_step)], notes
+
+
+def read_config(run_dir: Path) -> tuple[dict, str | None, dict | None]:
+    """(config, file it came from, sweep marker if any) for a run folder; ({}, None, None) when none is found."""
+    marker = None
+    for name in CONFIG_CANDIDATES:
+        p = run_dir / name
+        if not p.is_file():
+            continue
+        try:
+            data = yaml.safe_load(p.read_text()) if p.suffix == ".yaml" else json.loads(p.read_text())
+        except (yaml.YAMLError, json.JSONDecodeError, OSError):
+            continue
+        if not isinstance(data, dict):
+            continue
+        if name == "sweep_done.json":
+            marker = data
+            if isinstance(data.get("config"), dict):
+                return data["config"], name, marker
+            continue
+        return data, name, marker
+    return {}, None, marker
+
+
+def looks_like_run(path: Path) -> bool:
+    return (path / METRICS_FILE).is_file() or any((path / n).is_file() for n in CONFIG_CANDIDATES)
+
+
+def expand_run_dirs(paths: list[str | os.PathLike]) -> list[Path]:
+    """Run folders from the arguments; a sweep's output root stands for all the runs under it."""
+    out: list[Path] = []
+    for raw in paths:
+        p = Path(raw)
+        if not p.is_dir():
+            raise FileNotFoundError(f"run folder not found: {p}")
+        if looks_like_run(p):
+            out.append(p)
+            continue
+        children = _sweep_children(p)
+        if not children:
+            raise FileNotFoundError(f"{p} holds no {METRICS_FILE} or saved config, and no run folders under it")
+        out.extend(children)
+    return out
+
+
+def _sweep_children(root: Path) -> list[Path]:
+    children = [c for c in root.iterdir() if c.is_dir() and looks_like_run(c)]
+    order: dict[str, int] = {}
+    summary = root / "sweep_summary.json"
+    if summary.is_file():
+        try:
+            order = {r["name"]: i for i, r in enumerate(json.loads(summary.read_text()).get("runs", []))}
+        except (json.JSONDecodeError, KeyError, TypeError, AttributeError):
+            order = {}
+    return sorted(children, key=lambda c: (order.get(c.name, len(order)), c.name))
+
+
+def load_run(path: Path, label: str | None = None) -> RunData:
+    path = Path(path)
+    notes: list[str] = []
+    metrics = path / METRICS_FILE
+    if metrics.is_file():
+        rows, more = read_metrics(metrics)
+        notes += more
+        if not rows:
+            notes.append(f"{METRICS_FILE} holds no step")
+    else:
+        rows = []
+        notes.append(f"no {METRICS_FILE} in {path}")
+    config, source, marker = read_config(path)
+    if source is None:
+        notes.append("no saved config found (looked for " + ", ".join(CONFIG_CANDIDATES) + ")")
+    backend = (marker or {}).get("backend") or config.get("backend")
+    if backend is None and any(c.name.startswith("checkpoint-") for c in path.iterdir()):
+        backend = "trl"
+    wall = (marker or {}).get("wall_time")
+    if not _is_number(wall):
+        runtimes = [r["train_runtime"] for r in rows if _is_number(r.get("train_runtime"))]
+        times = [r["step_time"] for r in rows if _is_number(r.get("step_time"))]
+        wall = runtimes[-1] if runtimes else (sum(times) if times else None)
+    eval_summary = None
+    if (path / EVAL_SUMMARY).is_file():
+        try:
+            eval_summary = json.loads((path / EVAL_SUMMARY).read_text()).get("summary")
+        except (json.JSONDecodeError, AttributeError):
+            notes.append(f"unreadable {EVAL_SUMMARY}")
+    return RunData(label or path.name, path, rows, config, source, backend, wall, eval_summary, notes)
+
+
+def load_runs(paths: list[str | os.PathLike]) -> list[RunData]:
+    dirs = expand_run_dirs(paths)
+    labels = [d.resolve().name for d in dirs]
+    # Same folder name in two sweeps (e.g. trl/ vs pytrio/ roots): prefix the parent.
+    labels = [f"{d.resolve().parent.name}/{n}" if labels.count(n) > 1 else n for d, n in zip(dirs, labels, strict=False)]
+    return [load_run(d, label) for d, label in zip(dirs, labels, strict=False)]
+
+
+# ------------------------------------------------------------------------------------------- numbers
+
+
+def smooth(values: list[float], window: int) -> list[float]:
+    """Trailing moving average; the first points average over what exists so far."""
+    if window <= 1 or not values:
+        return list(values)
+    out, total = [], 0.0
+    for i, v in enumerate(values):
+        total += v
+        if i >= window:
+            total -= values[i - window]
+        out.append(total / min(i + 1, window))
+    return out
+
+
+def normalized_auc(steps: list[float], values: list[float]) -> float | None:
+    """Trapezoid area under the curve divided by the step span: the run's average level over training."""
+    if not values:
+        return None
+    if len(values) == 1 or steps[-1] == steps[0]:
+        return values[-1]
+    area = sum((steps[i + 1] - steps[i]) * (values[i] + values[i + 1]) / 2 for i in range(len(values) - 1))
+    return area / (steps[-1] - steps[0])
+
+
+def _mean(values: list[float]) -> float | None:
+    return sum(values) / len(values) if values else None
+
+
+def summarize(run: RunData, smooth_window: int = 1) -> dict:
+    """The report's numbers for one run; None where the run did not log what a number needs."""
+    steps, reward = run.series("reward")
+    sm = smooth(reward, smooth_window)
+    _, tokens = run.series("train_tokens")
+    _, step_times = run.series("step_time")
+    tok_s = None
+    if tokens and step_times and len(tokens) == len(step_times) and sum(step_times) > 0:
+        tok_s = sum(tokens) / sum(step_times)
+    out = {
+        "steps": run.rows[-1]["step"] if run.rows else None,
+        "final_reward": sm[-1] if sm else None,
+        "best_reward": max(sm) if sm else None,
+        "reward_auc": normalized_auc(steps, reward),
+        "frac_degenerate": _mean(run.series("frac_degenerate")[1]),
+        "clip_low_frac": _mean(run.series("clip_low_frac")[1]),
+        "clip_high_frac": _mean(run.series("clip_high_frac")[1]),
+        "completion_length": _mean(run.series("completions/mean_length")[1]),
+        "tokens_per_s": tok_s,
+        "wall_time": run.wall_time,
+    }
+    if run.eval_summary:
+        for key in ("pass@1", "maj@k", "pass@k"):
+            if _is_number(run.eval_summary.get(key)):
+                out[f"eval_{key}"] = run.eval_summary[key]
+    return out
+
+
+def config_differences(runs: list[RunData]) -> list[str]:
+    """Config keys whose value is not the same in every run (a key missing from a run counts as differing)."""
+    keys: list[str] = []
+    for run in runs:
+        for k in run.config:
+            if k not in keys and k not in IGNORED_CONFIG_KEYS:
+                keys.append(k)
+    missing = object()
+    diff = []
+    for k in keys:
+        values = {json.dumps(run.config.get(k, missing), sort_keys=True, default=str) for run in runs}
+        if len(values) > 1:
+            diff.append(k)
+    return diff
+
+
+# -------------------------------------------------------------------------------------------- report
+
+COLUMNS = (
+    ("backend", "backend"),
+    ("steps", "steps"),
+    ("final_reward", "final reward"),
+    ("best_reward", "best reward"),
+    ("reward_auc", "reward AUC/step"),
+    ("frac_degenerate", "frac degenerate"),
+    ("clip_low_frac", "clip low"),
+    ("clip_high_frac", "clip high"),
+    ("completion_length", "completion len"),
+    ("tokens_per_s", "train tok/s"),
+    ("wall_time", "wall time"),
+)
+EVAL_COLUMNS = (("eval_pass@1", "eval pass@1"), ("eval_maj@k", "eval maj@k"), ("eval_pass@k", "eval pass@k"))
+
+
+def _fmt(key: str, value: Any) -> str:
+    if value is None:
+        return "–"
+    if key == "wall_time":
+        value = float(value)
+        return f"{value:.0f}s" if value < 120 else f"{value / 60:.1f}min"
+    if key in ("steps", "backend"):
+        return str(value)
+    if key in ("completion_length", "tokens_per_s"):
+        return f"{value:.1f}"
+    if isinstance(value, float):
+        return f"{value:.3f}"
+    return _escape(str(value))
+
+
+def _escape(text: str) -> str:
+    return text.replace("|", "\\|").replace("\n", " ")
+
+
+def markdown_table(header: list[str], rows: list[list[str]]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "|".join(["---"] * len(header)) + "|"]
+    lines += ["| " + " | ".join(row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def results_table(runs: list[RunData], summaries: list[dict]) -> str:
+    cols = list(COLUMNS) + [c for c in EVAL_COLUMNS if any(c[0] in s for s in summaries)]
+    # A column no run can fill (e.g. clip fractions for importance_sampling only) is left out.
+    cols = [c for c in cols if c[0] == "backend" or any(s.get(c[0]) is not None for s in summaries)]
+    rows = []
+    for run, s in zip(runs, summaries, strict=False):
+        values = {**s, "backend": run.backend}
+        rows.append([_escape(run.label)] + [_fmt(key, values.get(key)) for key, _ in cols])
+    return markdown_table(["run"] + [title for _, title in cols], rows)
+
+
+def diff_table(runs: list[RunData], keys: list[str]) -> str:
+    rows = [[_escape(r.label)] + [_escape(json.dumps(r.config[k]) if k in r.config else "–") for k in keys]
+            for r in runs]
+    return markdown_table(["run"] + keys, rows)
+
+
+def plot_metric(runs: list[RunData], metric: str, title: str, path: Path, smooth_window: int = 1) -> bool:
+    """One PNG with a line per run that logged `metric`; False (no file) when none did."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    series = [(run, *run.series(metric)) for run in runs]
+    series = [(run, s, v) for run, s, v in series if v]
+    if not series:
+        return False
+    fig, ax = plt.subplots(figsize=(7, 4.2), dpi=110)
+    for i, (run, steps, values) in enumerate(series):
+        color = f"C{i % 10}"
+        if smooth_window > 1:
+            ax.plot(steps, values, color=color, alpha=0.25, linewidth=1)
+            ax.plot(steps, smooth(values, smooth_window), color=color, linewidth=2, label=run.label)
+        else:
+            ax.plot(steps, values, color=color, linewidth=1.8, label=run.label, marker="." if len(steps) < 40 else None)
+    ax.set_xlabel("optimizer step")
+    ax.set_ylabel(metric)
+    suffix = f" (moving average over {smooth_window} steps)" if smooth_window > 1 else ""
+    ax.set_title(title + suffix, fontsize=10)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7, loc="best")
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+    return True
+
+
+def plot_filename(metric: str) -> str:
+    return {"completions/mean_length": "completion_length"}.get(metric, metric.replace("/", "_")) + ".png"
+
+
+@dataclass
+class Report:
+    markdown: str
+    table: str
+    summaries: list[dict]
+    plots: dict[str, Path]
+    notes: list[str]
+    out_dir: Path
+
+
+def build_report(run_paths: list[str | os.PathLike], out_dir: str | os.PathLike, smooth_window: int = 1) -> Report:
+    """Read the runs, write `report.md`, `summary.json` and one PNG per metric to `out_dir`."""
+    if smooth_window < 1:
+        raise ValueError("--smooth must be >= 1")
+    runs = load_runs(run_paths)
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    summaries = [summarize(r, smooth_window) for r in runs]
+    table = results_table(runs, summaries)
+    diff_keys = config_differences(runs)
+    notes = [f"{r.label}: {n}" for r in runs for n in r.notes]
+
+    plots: dict[str, Path] = {}
+    for metric, title in PLOTS:
+        path = out / plot_filename(metric)
+        if plot_metric(runs, metric, title, path, smooth_window):
+            plots[metric] = path
+        else:
+            notes.append(f"no run logged '{metric}'; no plot")
+
+    md = ["# Run comparison", ""]
+    md += [f"{len(runs)} runs: " + ", ".join(f"`{r.path}`" for r in runs), ""]
+    md += [table, ""]
+    md += [
+        "final/best reward: last and highest value of the reward curve"
+        + (f" after a {smooth_window}-step moving average" if smooth_window > 1 else "")
+        + "; reward AUC/step: area under the raw reward curve divided by the step span (mean level over"
+        " training); frac degenerate, clip fractions and completion length: means over logged steps;"
+        " train tok/s: tokens with non-zero advantage per second of step time.",
+        "",
+    ]
+    md += ["## Config differences", ""]
+    if len(runs) < 2:
+        md += ["(one run: nothing to compare)", ""]
+    elif diff_keys:
+        md += [diff_table(runs, diff_keys), ""]
+    else:
+        md += ["(saved configs are identical apart from output paths)", ""]
+    md += ["## Curves", ""]
+    for metric, path in plots.items():
+        md += [f"### {metric}", "", f"![{metric}]({path.name})", ""]
+    if notes:
+        md += ["## Notes", ""] + [f"- {n}" for n in notes] + [""]
+    markdown = "\n".join(md)
+    (out / "report.md").write_text(markdown)
+    payload = [
+        {"run": r.label, "path": str(r.path), "backend": r.backend, **s, "config": {k: r.config.get(k) for k in diff_keys}}
+        for r, s in zip(runs, summaries, strict=False)
+    ]
+    (out / "summary.json").write_text(json.dumps(payload, indent=2, default=str))
+    return Report(markdown, table, summaries, plots, notes, out)

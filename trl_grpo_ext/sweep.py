@@ -1,0 +1,704 @@
+"""Grid sweeps over a base recipe: expand, name, run one after another (or N at once), skip, resume.
+
+A sweep file is YAML::
+
+    name: embedded_losses              # SwanLab group and default output folder name
+    base: ../gsm8k/embedded.yaml       # base recipe (path relative to this file), or {trl: ..., pytrio: ...}
+    output_root: runs/embedded_losses  # relative to the working directory
+    backend: trl                       # or put `backend: [trl, pytrio]` in the grid
+    grid:                              # full product, in the order written
+      loss_type: [importance_sampling, ppo, cispo]
+      learning_rate: [1.0e-5, 4.0e-5]
+    variants:                          # optional bundles of keys that vary together, crossed with the grid
+      - {loss_type: cispo, cispo_clip_high: 0.2}
+    overrides: {max_steps: 30}         # fixed for every run
+    backend_overrides: {pytrio: {...}} # fixed for every run of one backend
+    evaluate: {data: embedded, limit: 32, k: 4}   # optional: `trl-grpo-ext eval` each finished run
+
+Each run gets `<output_root>/<name>/` holding `sweep_config.yaml` (the exact recipe config it was given),
+`train.log`, the recipe's own outputs (`metrics.jsonl`, checkpoints) and, on success, `sweep_done.json`.
+"""
+
+from __future__ import annotations
+
+import copy
+import datetime as _dt
+import hashlib
+import itertools
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor, as_completed
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import yaml
+
+DONE_MARKER = "sweep_done.json"
+RUN_CONFIG = "sweep_config.yaml"
+TRAIN_LOG = "train.log"
+EVAL_LOG = "eval.log"
+EVAL_RESULTS = "eval.jsonl"
+EVAL_SUMMARY = "eval_summary.json"
+SUMMARY_FILE = "sweep_summary.json"
+SWEEP_LOG = "sweep.log"
+PYTRIO_STATE = "pytrio_state.json"
+LOG_TAIL_LINES = 40
+MAX_NAME_LEN = 150
+
+# Keys of the sweep file itself; anything else at top level is a typo worth reporting.
+SWEEP_KEYS = {
+    "name", "base", "output_root", "backend", "grid", "variants", "overrides", "backend_overrides",
+    "evaluate", "parallel", "launcher", "accelerate_config", "num_processes", "scripts", "env",
+}
+SWEEP_ONLY_RUN_KEYS = {"backend"}  # grid/override keys consumed here, never passed to a recipe
+# Keys the sweep sets per run; a grid over them would send every run to the same place.
+RESERVED_KEYS = {"output_dir", "run_name", "resume_from_checkpoint", "config"}
+
+
+@dataclass(frozen=True)
+class Backend:
+    """How to launch one execution path: the recipe script, and the flags that resume an interrupted run."""
+
+    name: str
+    script: str
+    resume_args: Callable[[Path], list[str]]
+    takes_run_name: bool = True
+
+
+def latest_checkpoint(run_dir: Path) -> Path | None:
+    """Newest complete HF Trainer `checkpoint-N` under `run_dir` (one whose trainer_state.json was written)."""
+    best, best_step = None, -1
+    if not run_dir.is_dir():
+        return None
+    for child in run_dir.iterdir():
+        m = re.fullmatch(r"checkpoint-(\d+)", child.name)
+        # trainer_state.json is written last, so a checkpoint killed while saving is passed over.
+        if m and child.is_dir() and (child / "trainer_state.json").is_file() and int(m.group(1)) > best_step:
+            best, best_step = child, int(m.group(1))
+    return best
+
+
+def _trl_resume_args(run_dir: Path) -> list[str]:
+    ckpt = latest_checkpoint(run_dir)
+    return ["--resume_from_checkpoint", str(ckpt)] if ckpt else []
+
+
+def _pytrio_resume_args(run_dir: Path) -> list[str]:
+    # The PyTRIO loop records its last save_state in <output_dir>/pytrio_state.json and reloads it on --resume.
+    return ["--resume", "true"] if (run_dir / PYTRIO_STATE).is_file() else []
+
+
+BACKENDS: dict[str, Backend] = {
+    "trl": Backend("trl", "recipes/gsm8k_grpo.py", _trl_resume_args),
+    "pytrio": Backend("pytrio", "recipes/gsm8k_pytrio.py", _pytrio_resume_args),
+}
+
+
+def _has_previous_attempt(run_dir: Path) -> bool:
+    return (
+        (run_dir / "metrics.jsonl").is_file()
+        or (run_dir / PYTRIO_STATE).is_file()
+        or latest_checkpoint(run_dir) is not None
+    )
+
+
+# --------------------------------------------------------------------------------------------- loading
+
+_NUMBER_RE = re.compile(r"[+-]?(\d+\.?\d*|\.\d+)([eE][+-]?\d+)?")
+
+
+def coerce_scalar(value: Any) -> Any:
+    """YAML 1.1 reads `4e-5` (no dot) as a string; a sweep means the number."""
+    if isinstance(value, str) and _NUMBER_RE.fullmatch(value.strip()):
+        text = value.strip()
+        try:
+            return int(text)
+        except ValueError:
+            return float(text)
+    return value
+
+
+def _coerce_tree(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {k: _coerce_tree(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_coerce_tree(v) for v in value]
+    return coerce_scalar(value)
+
+
+def load_yaml(path: str | os.PathLike) -> dict:
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"YAML file not found: {path}")
+    with open(path) as f:
+        data = yaml.safe_load(f)
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ValueError(f"{path}: expected a mapping at top level, got {type(data).__name__}")
+    return _coerce_tree(data)
+
+
+@dataclass
+class SweepSpec:
+    """A parsed sweep file; paths are already resolved."""
+
+    name: str
+    output_root: Path
+    base: dict[str, Path | None]  # backend -> base recipe YAML (None: no base, overrides only)
+    grid: dict[str, list]
+    variants: list[dict]
+    overrides: dict
+    backend_overrides: dict[str, dict]
+    backend: str = "trl"
+    evaluate: dict | None = None
+    parallel: int = 1
+    launcher: str = "python"
+    accelerate_config: str | None = None
+    num_processes: int | None = None
+    scripts: dict[str, str] = field(default_factory=dict)
+    env: dict[str, str] = field(default_factory=dict)
+    source: Path | None = None
+
+
+def _resolve_rel(path: str | None, anchor: Path) -> Path | None:
+    if path is None:
+        return None
+    p = Path(os.path.expanduser(str(path)))
+    if p.is_absolute():
+        return p
+    # Written relative to the sweep file; a path relative to the working directory is accepted too.
+    for candidate in (anchor / p, Path.cwd() / p):
+        if candidate.exists():
+            return candidate.resolve()
+    return (anchor / p).resolve()
+
+
+def parse_sweep(data: dict, source: Path | None = None, output_root: str | None = None) -> SweepSpec:
+    """Validate a sweep mapping (as read from YAML) into a `SweepSpec`, with clear errors for bad input."""
+    unknown = set(data) - SWEEP_KEYS
+    where = f"{source}: " if source else ""
+    if unknown:
+        raise ValueError(f"{where}unknown sweep keys {sorted(unknown)}; known keys: {sorted(SWEEP_KEYS)}")
+    anchor = source.parent if source else Path.cwd()
+    name = str(data.get("name") or (source.stem if source else "sweep"))
+
+    grid = data.get("grid") or {}
+    if not isinstance(grid, dict):
+        raise ValueError(f"{where}'grid' must map a config key to a list of values")
+    grid = {k: (list(v) if isinstance(v, list) else [v]) for k, v in grid.items()}
+    for key, values in grid.items():
+        if not values:
+            raise ValueError(f"{where}grid key '{key}' has no values")
+        if len({json.dumps(v, sort_keys=True, default=str) for v in values}) != len(values):
+            raise ValueError(f"{where}grid key '{key}' lists a value twice: {values}")
+    variants = data.get("variants") or []
+    if not isinstance(variants, list) or not all(isinstance(v, dict) and v for v in variants):
+        raise ValueError(f"{where}'variants' must be a list of non-empty mappings")
+    overrides = data.get("overrides") or {}
+    backend_overrides = data.get("backend_overrides") or {}
+    if not isinstance(overrides, dict) or not isinstance(backend_overrides, dict):
+        raise ValueError(f"{where}'overrides' and 'backend_overrides' must be mappings")
+    for key in RESERVED_KEYS:
+        if key in grid or any(key in v for v in variants):
+            raise ValueError(f"{where}'{key}' is set by the sweep for each run and cannot be swept")
+
+    backend = str(data.get("backend", "trl"))
+    backends_used = set(map(str, grid.get("backend", []))) | {str(v["backend"]) for v in variants if "backend" in v}
+    backends_used = backends_used or {backend}
+    scripts = {str(k): str(v) for k, v in (data.get("scripts") or {}).items()}
+    for b in backends_used:
+        if b not in BACKENDS and b not in scripts:
+            raise ValueError(f"{where}unknown backend '{b}'; known: {sorted(BACKENDS)} (or give 'scripts: {{{b}: ...}}')")
+
+    base_raw = data.get("base")
+    if isinstance(base_raw, dict):
+        base = {str(b): _resolve_rel(p, anchor) for b, p in base_raw.items()}
+        missing = backends_used - set(base)
+        if missing:
+            raise ValueError(f"{where}'base' names no recipe for backend(s) {sorted(missing)}")
+    else:
+        path = _resolve_rel(base_raw, anchor)
+        base = {b: path for b in backends_used}
+    for b, p in base.items():
+        if p is not None and not p.is_file():
+            raise FileNotFoundError(f"{where}base recipe for backend '{b}' not found: {p}")
+
+    launcher = str(data.get("launcher", "python"))
+    if launcher not in ("python", "accelerate"):
+        raise ValueError(f"{where}'launcher' must be 'python' or 'accelerate', got '{launcher}'")
+    evaluate = data.get("evaluate")
+    if evaluate is not None and not isinstance(evaluate, dict):
+        raise ValueError(f"{where}'evaluate' must be a mapping of `trl-grpo-ext eval` options")
+    parallel = int(data.get("parallel", 1))
+    if parallel < 1:
+        raise ValueError(f"{where}'parallel' must be >= 1")
+    root = output_root or data.get("output_root") or str(Path("runs") / name)
+    return SweepSpec(
+        name=name,
+        output_root=Path(root).expanduser().resolve(),
+        base=base,
+        grid=grid,
+        variants=[dict(v) for v in variants],
+        overrides=dict(overrides),
+        backend_overrides={str(k): dict(v or {}) for k, v in backend_overrides.items()},
+        backend=backend,
+        evaluate=dict(evaluate) if evaluate else None,
+        parallel=parallel,
+        launcher=launcher,
+        accelerate_config=(
+            str(_resolve_rel(data["accelerate_config"], anchor)) if data.get("accelerate_config") else None
+        ),
+        num_processes=int(data["num_processes"]) if data.get("num_processes") else None,
+        scripts={b: str(_resolve_rel(s, anchor)) for b, s in scripts.items()},
+        env={str(k): str(v) for k, v in (data.get("env") or {}).items()},
+        source=source,
+    )
+
+
+def load_sweep(path: str | os.PathLike, output_root: str | None = None) -> SweepSpec:
+    path = Path(path).resolve()
+    return parse_sweep(load_yaml(path), source=path, output_root=output_root)
+
+
+# ------------------------------------------------------------------------------------------ expansion
+
+
+def format_value(value: Any) -> str:
+    """Short, stable text for a value in a run name (`4e-05`, `0.2`, `True`, `a+b` for lists)."""
+    if isinstance(value, float):
+        return repr(value)
+    if isinstance(value, (list, tuple)):
+        return "+".join(format_value(v) for v in value)
+    if isinstance(value, dict):
+        return "+".join(f"{k}-{format_value(v)}" for k, v in value.items())
+    return str(value)
+
+
+def sanitize_name(name: str) -> str:
+    """A folder-safe run name: only `[A-Za-z0-9._=,+-]`, no leading dot, bounded length (hash-suffixed)."""
+    clean = re.sub(r"[^A-Za-z0-9._=,+-]+", "_", name).strip("_") or "run"
+    if clean.startswith("."):
+        clean = "_" + clean[1:]
+    if len(clean) > MAX_NAME_LEN:
+        digest = hashlib.sha1(name.encode()).hexdigest()[:8]
+        clean = f"{clean[: MAX_NAME_LEN - 9]}-{digest}"
+    return clean
+
+
+@dataclass
+class RunSpec:
+    """One expanded run: its name, the keys that make it differ, and the full recipe config it gets."""
+
+    name: str
+    backend: str
+    params: dict  # the swept keys, in grid order
+    config: dict  # the recipe config written to sweep_config.yaml
+    run_dir: Path
+    base: Path | None = None
+
+    def to_json(self) -> dict:
+        return {
+            "name": self.name,
+            "backend": self.backend,
+            "params": self.params,
+            "config": self.config,
+            "run_dir": str(self.run_dir),
+            "base": str(self.base) if self.base else None,
+        }
+
+
+def expand(spec: SweepSpec) -> list[RunSpec]:
+    """All runs of the sweep, in a deterministic order (variants outermost, then the grid as written)."""
+    keys = list(spec.grid)
+    combos = [dict(zip(keys, values, strict=False)) for values in itertools.product(*(spec.grid[k] for k in keys))] or [{}]
+    variants = spec.variants or [{}]
+    base_cache: dict[Path, dict] = {}
+    runs: list[RunSpec] = []
+    seen: dict[str, dict] = {}
+    for variant in variants:
+        for combo in combos:
+            params = {**variant, **combo}
+            clash = {k for k in variant if k in combo and variant[k] != combo[k]}
+            if clash:
+                raise ValueError(f"variant {variant} and grid both set {sorted(clash)}; set each key in one place")
+            backend = str(params.get("backend", spec.backend))
+            name = sanitize_name(",".join(f"{k}={format_value(v)}" for k, v in params.items()) or spec.name)
+            if name in seen:
+                raise ValueError(f"two runs map to the same name '{name}': {seen[name]} and {params}")
+            seen[name] = params
+            base_path = spec.base.get(backend)
+            if base_path is not None and base_path not in base_cache:
+                base_cache[base_path] = load_yaml(base_path)
+            config = copy.deepcopy(base_cache.get(base_path, {})) if base_path else {}
+            config.update(copy.deepcopy(spec.overrides))
+            config.update(copy.deepcopy(spec.backend_overrides.get(backend, {})))
+            config.update({k: v for k, v in params.items() if k not in SWEEP_ONLY_RUN_KEYS})
+            for key in SWEEP_ONLY_RUN_KEYS:
+                config.pop(key, None)
+            run_dir = spec.output_root / name
+            config["output_dir"] = str(run_dir)
+            if _backend(spec, backend).takes_run_name:
+                config["run_name"] = f"{spec.name}/{name}"
+            runs.append(RunSpec(name, backend, params, config, run_dir, base_path))
+    return runs
+
+
+def _backend(spec: SweepSpec, name: str) -> Backend:
+    known = BACKENDS.get(name)
+    script = spec.scripts.get(name)
+    if known is None:
+        return Backend(name, script, lambda run_dir: [], takes_run_name=False)
+    return Backend(name, script or known.script, known.resume_args, known.takes_run_name)
+
+
+# -------------------------------------------------------------------------------------------- running
+
+
+def run_status(run: RunSpec) -> str:
+    """`done` (marker present), `resume` (a previous attempt left outputs) or `new`."""
+    if (run.run_dir / DONE_MARKER).is_file():
+        return "done"
+    if _has_previous_attempt(run.run_dir):
+        return "resume"
+    return "new"
+
+
+def resolve_script(script: str, source: Path | None) -> Path:
+    """Find a recipe script: as given, next to the sweep file's folders, or in this repository's checkout."""
+    p = Path(script)
+    if p.is_absolute():
+        return p
+    candidates = [Path.cwd() / p]
+    if source is not None:
+        candidates += [parent / p for parent in source.parents]
+    candidates.append(Path(__file__).resolve().parents[1] / p)
+    for c in candidates:
+        if c.is_file():
+            return c.resolve()
+    raise FileNotFoundError(f"recipe script '{script}' not found (looked in {[str(c.parent) for c in candidates]})")
+
+
+def build_command(spec: SweepSpec, run: RunSpec) -> list[str]:
+    backend = _backend(spec, run.backend)
+    if not backend.script:
+        raise ValueError(f"backend '{run.backend}' has no script; set 'scripts: {{{run.backend}: path}}'")
+    script = str(resolve_script(backend.script, spec.source))
+    if spec.launcher == "accelerate":
+        cmd = [sys.executable, "-m", "accelerate.commands.launch"]
+        if spec.accelerate_config:
+            cmd += ["--config_file", spec.accelerate_config]
+        if spec.num_processes:
+            cmd += ["--num_processes", str(spec.num_processes)]
+        cmd.append(script)
+    else:
+        cmd = [sys.executable, script]
+    cmd += ["--config", str(run.run_dir / RUN_CONFIG)]
+    cmd += backend.resume_args(run.run_dir)
+    return cmd
+
+
+def run_env(spec: SweepSpec, run: RunSpec) -> dict[str, str]:
+    env = dict(os.environ)
+    env.update(spec.env)
+    # SwanLab reads these when the recipe calls swanlab.init without naming them; a user's own values win.
+    env.setdefault("SWANLAB_GROUP", spec.name)
+    env["SWANLAB_EXP_NAME"] = run.name
+    env["TRL_GRPO_EXT_SWEEP"] = spec.name
+    env["TRL_GRPO_EXT_RUN_NAME"] = run.name
+    env.setdefault("PYTHONUNBUFFERED", "1")
+    return env
+
+
+def log_tail(path: Path, lines: int = LOG_TAIL_LINES) -> str:
+    if not path.is_file():
+        return ""
+    with open(path, "rb") as f:
+        f.seek(0, os.SEEK_END)
+        size = f.tell()
+        f.seek(max(0, size - 64_000))
+        text = f.read().decode("utf-8", errors="replace")
+    return "\n".join(text.splitlines()[-lines:])
+
+
+def _now() -> str:
+    return _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
+
+
+class _ProcessTable:
+    """Child processes still running, so Ctrl-C stops the whole sweep instead of orphaning trainers."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._procs: set[subprocess.Popen] = set()
+        self.stopping = False
+
+    def add(self, proc):
+        with self._lock:
+            self._procs.add(proc)
+
+    def discard(self, proc):
+        with self._lock:
+            self._procs.discard(proc)
+
+    def terminate_all(self):
+        self.stopping = True
+        with self._lock:
+            procs = list(self._procs)
+        for p in procs:
+            if p.poll() is None:
+                p.terminate()
+        for p in procs:
+            try:
+                p.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                p.kill()
+
+
+def _run_logged(cmd: list[str], log_path: Path, env: dict, table: _ProcessTable, header: str) -> int:
+    with open(log_path, "a", buffering=1) as log:
+        log.write(f"\n===== {_now()} {header}\n$ {' '.join(cmd)}\n")
+        log.flush()
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, stdin=subprocess.DEVNULL)
+        table.add(proc)
+        try:
+            return proc.wait()
+        finally:
+            table.discard(proc)
+
+
+def _set_aside_stale_metrics(run_dir: Path) -> None:
+    # A previous attempt died before its first checkpoint: the retry starts from step 0, so its old
+    # metrics would interleave with the new ones. Kept under another name rather than deleted.
+    metrics = run_dir / "metrics.jsonl"
+    if metrics.is_file():
+        n = 1
+        while (run_dir / f"metrics.attempt-{n}.jsonl").exists():
+            n += 1
+        metrics.rename(run_dir / f"metrics.attempt-{n}.jsonl")
+
+
+def eval_command(run: RunSpec, options: dict) -> list[str]:
+    """`trl-grpo-ext eval` on a finished run's model (its saved adapter over the base model when it has one)."""
+    run_dir = run.run_dir
+    if (run_dir / "adapter_config.json").is_file():
+        base = run.config.get("model_name_or_path")
+        if not base:
+            raise ValueError(f"{run_dir} holds a LoRA adapter but the config names no 'model_name_or_path'")
+        model_args = ["--model", str(base), "--adapter", str(run_dir)]
+    elif (run_dir / "config.json").is_file():
+        model_args = ["--model", str(run_dir)]
+    elif (ckpt := latest_checkpoint(run_dir)) is not None:
+        model_args = ["--model", str(ckpt)]
+    else:
+        raise FileNotFoundError(f"{run_dir} holds no saved model (no config.json, adapter or checkpoint)")
+    cmd = [sys.executable, "-c", "import sys; from trl_grpo_ext.cli import main; sys.exit(main())", "eval"]
+    cmd += model_args
+    for key, value in options.items():
+        if key in ("model", "adapter", "out"):
+            continue
+        if isinstance(value, bool):
+            if value:
+                cmd.append(f"--{key}")
+            continue
+        cmd += [f"--{key}", str(value)]
+    cmd += ["--out", str(run_dir / EVAL_RESULTS)]
+    return cmd
+
+
+@dataclass
+class RunResult:
+    name: str
+    status: str  # finished | skipped | failed | interrupted | eval_failed
+    run_dir: str
+    returncode: int | None = None
+    wall_time: float | None = None
+    command: list[str] | None = None
+    resumed_from: str | None = None
+    log_tail: str | None = None
+    eval: dict | None = None
+    finished_at: str | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.status in ("finished", "skipped")
+
+
+def execute_run(spec: SweepSpec, run: RunSpec, table: _ProcessTable, force: bool = False) -> RunResult:
+    """Train one run (skipping or resuming as its folder says), then evaluate it if the sweep asks."""
+    run_dir = run.run_dir
+    if force and run_dir.exists():
+        shutil.rmtree(run_dir)
+    status = run_status(run)
+    result = RunResult(run.name, "skipped", str(run_dir))
+    if status == "done":
+        marker = json.loads((run_dir / DONE_MARKER).read_text())
+        result.wall_time = marker.get("wall_time")
+        if marker.get("config") != run.config:
+            result.log_tail = "finished with a different config than the sweep now gives; pass --force to rerun"
+    else:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        with open(run_dir / RUN_CONFIG, "w") as f:
+            yaml.safe_dump(run.config, f, sort_keys=False)
+        resume = _backend(spec, run.backend).resume_args(run_dir)
+        if status == "resume" and not resume:
+            _set_aside_stale_metrics(run_dir)
+        elif resume:
+            result.resumed_from = str(latest_checkpoint(run_dir) or run_dir)
+        cmd = build_command(spec, run)
+        result.command = cmd
+        start = time.monotonic()
+        rc = _run_logged(cmd, run_dir / TRAIN_LOG, run_env(spec, run), table, f"train {run.name}")
+        result.wall_time = round(time.monotonic() - start, 3)
+        result.returncode = rc
+        result.finished_at = _now()
+        if table.stopping:
+            result.status, result.log_tail = "interrupted", log_tail(run_dir / TRAIN_LOG)
+            return result
+        if rc != 0:
+            result.status, result.log_tail = "failed", log_tail(run_dir / TRAIN_LOG)
+            return result
+        marker = {
+            "name": run.name,
+            "sweep": spec.name,
+            "backend": run.backend,
+            "params": run.params,
+            "config": run.config,
+            "command": cmd,
+            "wall_time": result.wall_time,
+            "finished_at": result.finished_at,
+            "resumed_from": result.resumed_from,
+        }
+        (run_dir / DONE_MARKER).write_text(json.dumps(marker, indent=2, default=str))
+        result.status = "finished"
+
+    if spec.evaluate:
+        result.eval = _evaluate_run(spec, run, table)
+        if result.eval.get("status") == "failed" and not table.stopping:
+            result.status = "eval_failed"
+    return result
+
+
+def _evaluate_run(spec: SweepSpec, run: RunSpec, table: _ProcessTable) -> dict:
+    summary_path = run.run_dir / EVAL_SUMMARY
+    if summary_path.is_file():
+        return {"status": "skipped", **json.loads(summary_path.read_text()).get("summary", {})}
+    try:
+        cmd = eval_command(run, spec.evaluate)
+    except (FileNotFoundError, ValueError) as e:
+        return {"status": "failed", "error": str(e)}
+    rc = _run_logged(cmd, run.run_dir / EVAL_LOG, run_env(spec, run), table, f"eval {run.name}")
+    if rc != 0 or not summary_path.is_file():
+        return {"status": "failed", "returncode": rc, "log_tail": log_tail(run.run_dir / EVAL_LOG)}
+    return {"status": "finished", **json.loads(summary_path.read_text()).get("summary", {})}
+
+
+def _write_summary(spec: SweepSpec, runs: list[RunSpec], results: dict[str, RunResult], started: str) -> Path:
+    path = spec.output_root / SUMMARY_FILE
+    ordered = [asdict(results[r.name]) for r in runs if r.name in results]
+    payload = {
+        "sweep": spec.name,
+        "source": str(spec.source) if spec.source else None,
+        "started_at": started,
+        "updated_at": _now(),
+        "counts": {s: sum(1 for r in ordered if r["status"] == s) for s in sorted({r["status"] for r in ordered})},
+        "runs": ordered,
+    }
+    tmp = path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(payload, indent=2, default=str))
+    tmp.replace(path)
+    return path
+
+
+def _append_sweep_log(spec: SweepSpec, line: str) -> None:
+    with open(spec.output_root / SWEEP_LOG, "a") as f:
+        f.write(f"{_now()} {line}\n")
+
+
+def run_sweep(
+    spec: SweepSpec,
+    runs: list[RunSpec] | None = None,
+    parallel: int | None = None,
+    force: bool = False,
+    progress: bool = True,
+    echo: Callable[[str], None] | None = print,
+) -> tuple[list[RunResult], Path]:
+    """Run every run of `spec` (skipping finished ones); returns the results and the summary file's path."""
+    from tqdm.auto import tqdm
+
+    runs = expand(spec) if runs is None else runs
+    parallel = parallel or spec.parallel
+    spec.output_root.mkdir(parents=True, exist_ok=True)
+    started = _now()
+    results: dict[str, RunResult] = {}
+    table = _ProcessTable()
+    lock = threading.Lock()
+    bar = tqdm(total=len(runs), desc=f"sweep {spec.name}", unit="run", disable=not progress, dynamic_ncols=True)
+
+    def record(result: RunResult):
+        with lock:
+            results[result.name] = result
+            _write_summary(spec, runs, results, started)
+            line = f"{result.status:<12} {result.name}"
+            if result.returncode not in (None, 0):
+                line += f" (exit {result.returncode}, log: {Path(result.run_dir) / TRAIN_LOG})"
+            if result.wall_time is not None:
+                line += f" [{result.wall_time:.1f}s]"
+            _append_sweep_log(spec, line)
+            bar.update(1)
+            failed = sum(1 for r in results.values() if not r.ok)
+            bar.set_postfix(ok=len(results) - failed, failed=failed)
+            if echo:
+                bar.write(line) if progress else echo(line)
+
+    def one(run: RunSpec) -> RunResult:
+        if table.stopping:
+            return RunResult(run.name, "interrupted", str(run.run_dir))
+        try:
+            return execute_run(spec, run, table, force=force)
+        except Exception as e:  # a bad run (missing script, unwritable dir) must not stop the others
+            return RunResult(run.name, "failed", str(run.run_dir), log_tail=f"{type(e).__name__}: {e}")
+
+    _append_sweep_log(spec, f"start {len(runs)} runs, parallel={parallel}")
+    try:
+        if parallel <= 1:
+            for run in runs:
+                record(one(run))
+        else:
+            with ThreadPoolExecutor(max_workers=parallel) as pool:
+                futures = [pool.submit(one, run) for run in runs]
+                for fut in as_completed(futures):
+                    record(fut.result())
+    except KeyboardInterrupt:
+        table.terminate_all()
+        for run in runs:
+            if run.name not in results:
+                results[run.name] = RunResult(run.name, "interrupted", str(run.run_dir))
+        _append_sweep_log(spec, "interrupted")
+        raise
+    finally:
+        bar.close()
+        path = _write_summary(spec, runs, results, started)
+    return [results[r.name] for r in runs], path
+
+
+def describe_runs(spec: SweepSpec, runs: list[RunSpec]) -> str:
+    """The `--dry-run` listing: one line per run with its status, folder and command."""
+    lines = [f"sweep '{spec.name}': {len(runs)} runs under {spec.output_root}"]
+    for i, run in enumerate(runs, 1):
+        status = run_status(run)
+        try:
+            cmd = " ".join(build_command(spec, run))
+        except (FileNotFoundError, ValueError) as e:
+            cmd = f"<cannot build command: {e}>"
+        lines.append(f"[{i:>3}] {status:<6} {run.backend:<7} {run.name}")
+        lines.append(f"      dir: {run.run_dir}")
+        lines.append(f"      cmd: {cmd}")
+    return "\n".join(lines)
