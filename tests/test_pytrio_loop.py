@@ -1,0 +1,315 @@
+"""PyTRIO GRPO loop: pure parts (datums, advantages, rewards, config, resume bookkeeping) and, against the local
+pytrio server on the tiny model, full GRPO runs per loss and mode, checkpoint + resume, and key hygiene."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from trl_grpo_ext.losses import group_advantages, policy_loss, token_level_mean
+from trl_grpo_ext.pytrio.checkpoint import (
+    LoopState,
+    check_resumable,
+    load_loop_state,
+    pinned_settings,
+    read_metrics,
+    save_loop_state,
+    truncate_metrics,
+)
+from trl_grpo_ext.pytrio.config import PyTrioGRPOConfig
+from trl_grpo_ext.pytrio.connection import redact
+from trl_grpo_ext.pytrio.datums import build_datum, shifted_sequences
+from trl_grpo_ext.pytrio.loop import (
+    PromptStream,
+    PyTrioLoopError,
+    TokenRows,
+    advantages_for,
+    builtin_loss_config,
+    compute_rewards,
+    make_custom_loss,
+    reward_metrics,
+    rollouts_from_response,
+)
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def cfg(**kw):
+    base = dict(num_generations=4, per_device_train_batch_size=8, max_steps=2, reward_funcs=["boxed"])
+    base.update(kw)
+    return PyTrioGRPOConfig(**base)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# datums
+# --------------------------------------------------------------------------------------------------------------
+
+
+def test_shifted_sequences_shift_and_padding():
+    seq = shifted_sequences([10, 11, 12], [20, 21], [-0.5, -1.5], 2.0)
+    assert seq["input"] == [10, 11, 12, 20]  # prompt + completion[:-1]
+    assert seq["target_tokens"] == [0, 0, 20, 21]  # next token at every position, prompt part zero-padded
+    assert seq["logprobs"] == [0.0, 0.0, -0.5, -1.5]
+    assert seq["advantages"] == [0.0, 0.0, 2.0, 2.0]
+    assert seq["mask"] == [0.0, 0.0, 1.0, 1.0]
+    # the position holding the last prompt token predicts the first completion token
+    assert seq["input"][2] == 12 and seq["target_tokens"][2] == 20
+
+
+def test_single_token_prompt_and_completion():
+    seq = shifted_sequences([5], [7], [-0.1], -1.0)
+    assert seq["input"] == [5] and seq["target_tokens"] == [7] and seq["advantages"] == [-1.0]
+
+
+@pytest.mark.parametrize(
+    "prompt,tokens,logprobs,adv,match",
+    [
+        ([], [1], [-0.1], 1.0, "empty prompt"),
+        ([1], [], [], 1.0, "empty completion"),
+        ([1], [2, 3], [-0.1], 1.0, "1 logprobs for 2 tokens"),
+        ([1], [2], [float("nan")], 1.0, "finite"),
+        ([1], [2], [0.5], 1.0, "<= 0"),
+        ([1], [-2], [-0.1], 1.0, "non-negative"),
+        ([1], [2], [-0.1], float("inf"), "advantage"),
+    ],
+)
+def test_shifted_sequences_rejects_bad_rollouts(prompt, tokens, logprobs, adv, match):
+    with pytest.raises(ValueError, match=match):
+        shifted_sequences(prompt, tokens, logprobs, adv)
+
+
+def test_build_datum_passes_the_real_client_batch_planner():
+    from pytrio.client.training_batch import plan_training_batch
+    from pytrio.model.limits import TrainingLimits
+
+    datums = [build_datum([1, 2, 3], [4, 5, 6], [-0.1, -0.2, -0.3], a) for a in (1.0, -1.0)]
+    assert datums[0].loss_fn_inputs["target_tokens"].dtype == "int64"
+    assert datums[0].loss_fn_inputs["advantages"].dtype == "float32"
+    for loss in ("importance_sampling", "ppo", "cispo"):
+        plan = plan_training_batch(
+            datums, loss_fn=loss, auto_shift=False, limits=TrainingLimits(None, None, None), tokenizer_vocab_size=10
+        )
+        assert plan.totals.total_samples == 2
+        assert plan.totals.total_advantage_tokens == 6  # completion tokens only
+
+
+# --------------------------------------------------------------------------------------------------------------
+# sampling replies
+# --------------------------------------------------------------------------------------------------------------
+
+
+def seq(tokens, logprobs, stop="stop"):
+    return SimpleNamespace(tokens=tokens, logprobs=logprobs, stop_reason=stop)
+
+
+def test_rollouts_from_response_checks_the_reply():
+    ok = SimpleNamespace(sequences=[seq([1, 2], [-0.1, -0.2]), seq([], [], "stop")])
+    rollouts = rollouts_from_response(ok, [9], 2)
+    assert rollouts[0].completion_tokens == (1, 2) and rollouts[1].completion_tokens == ()
+    with pytest.raises(PyTrioLoopError, match="asked for 3 completions, the service returned 2"):
+        rollouts_from_response(ok, [9], 3)
+    with pytest.raises(PyTrioLoopError, match="no sequences"):
+        rollouts_from_response(SimpleNamespace(), [9], 2)
+    bad = SimpleNamespace(sequences=[seq([1, 2], [-0.1]), seq([1], [-0.1])])
+    with pytest.raises(PyTrioLoopError, match="completion 0 is malformed"):
+        rollouts_from_response(bad, [9], 2)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# rewards and advantages
+# --------------------------------------------------------------------------------------------------------------
+
+
+def test_compute_rewards_follows_trl_aggregation():
+    def a(completions, **kw):
+        return [1.0, None, 0.0, None]
+
+    def b(completions, **kw):
+        return [0.5, 0.5, None, None]
+
+    per_func, totals = compute_rewards([a, b], ["a", "b"], [1.0, 2.0], ["p"] * 4, ["c"] * 4, [[1]] * 4, {})
+    assert per_func[1][0] != per_func[1][0]  # None -> NaN
+    assert totals[:3] == [2.0, 1.0, 0.0]
+    assert math.isnan(totals[3])  # unscorable by every function
+
+    def wrong(completions, **kw):
+        return [1.0]
+
+    with pytest.raises(PyTrioLoopError, match="'wrong' returned 1 values for 4"):
+        compute_rewards([wrong], ["wrong"], [1.0], ["p"] * 4, ["c"] * 4, [[1]] * 4, {})
+
+
+@pytest.mark.parametrize("scale", ["group", "batch", "none"])
+def test_advantages_are_the_shared_group_advantages(scale):
+    totals = [1.0, 0.0, 0.0, 1.0, 2.0, 2.0, 2.0 + 1e-9, 2.0]
+    c = cfg(scale_rewards=scale, degenerate_tol=1e-6)
+    adv, degenerate = advantages_for(c, totals, [[t] for t in totals])
+    expected, expected_deg = group_advantages(torch.tensor(totals), 4, scale, 1e-6, True)
+    assert adv == pytest.approx(expected.tolist())
+    assert degenerate == expected_deg.tolist() == [False, True]
+    assert adv[4:] == [0.0] * 4
+    if scale == "none":
+        assert adv[:4] == pytest.approx([0.5, -0.5, -0.5, 0.5])  # mean-only, as the seed
+
+
+def test_degenerate_reward_marks_groups_where_one_function_is_flat():
+    c = cfg(reward_funcs=["boxed", "format"], degenerate_reward="boxed")
+    per_func = [[1.0, 0.0], [1.0, 1.0], [1.0, 0.0], [1.0, 1.0], [0.0, 0.0], [1.0, 0.0], [0.0, 0.0], [1.0, 0.0]]
+    totals = [sum(r) for r in per_func]
+    adv, degenerate = advantages_for(c, totals, per_func)
+    assert degenerate == [True, False]
+    assert adv[:4] == [0.0] * 4 and any(a != 0 for a in adv[4:])
+
+
+def test_reward_metrics_names_and_values():
+    c = cfg()
+    totals = [1.0, 0.0, 1.0, 0.0, 1.0, 1.0, 1.0, 1.0]
+    m = reward_metrics(c, totals, [[t] for t in totals], ["boxed_reward"], [False, True])
+    assert m["reward"] == pytest.approx(0.75)
+    assert m["reward_std"] == pytest.approx(torch.tensor(totals).std().item())
+    assert m["rewards/boxed_reward/mean"] == pytest.approx(0.75)
+    assert m["frac_reward_zero_std"] == 0.5 and m["frac_degenerate"] == 0.5
+
+
+# --------------------------------------------------------------------------------------------------------------
+# losses: the custom path calls trl_grpo_ext.losses; built-in sums become TRL's token mean
+# --------------------------------------------------------------------------------------------------------------
+
+
+def token_rows(advs=(1.0, -0.5)):
+    rows = TokenRows()
+    rows.add(shifted_sequences([1, 2], [3, 4, 5], [-0.3, -0.2, -0.9], advs[0]))
+    rows.add(shifted_sequences([1, 2, 3], [6], [-1.1], advs[1]))
+    return rows
+
+
+@pytest.mark.parametrize("loss_type", ["importance_sampling", "ppo", "cispo"])
+def test_custom_loss_is_policy_loss_token_mean(loss_type):
+    c = cfg(loss_type=loss_type)
+    rows = token_rows()
+    new = [torch.tensor([0.0, -0.1, -0.4, -0.6], requires_grad=True), torch.tensor([0.0, 0.0, -0.7], requires_grad=True)]
+    record = {}
+    loss, metrics = make_custom_loss(c, rows, record)(None, new)
+    loss.backward()
+    # reference: same math written directly on the completion tokens
+    lp = torch.tensor([[-0.1, -0.4, -0.6], [-0.7, 0.0, 0.0]])
+    old = torch.tensor([[-0.3, -0.2, -0.9], [-1.1, 0.0, 0.0]])
+    adv = torch.tensor([[1.0] * 3, [-0.5, 0.0, 0.0]])
+    mask = torch.tensor([[1.0, 1.0, 1.0], [1.0, 0.0, 0.0]])
+    per_tok, ref_metrics = policy_loss(loss_type, lp, old, adv, mask, *c.clip_bounds)
+    assert float(loss.detach()) == pytest.approx(float(token_level_mean(per_tok, mask)), abs=1e-6)
+    assert metrics["ratio_mean"] == pytest.approx(float(ref_metrics["ratio_mean"]))
+    assert record["loss"] == pytest.approx(float(loss.detach()))
+    assert new[0].grad[0] == 0 and new[1].grad[:2].abs().sum() == 0  # prompt positions get no gradient
+    if loss_type != "importance_sampling":
+        assert {"clip_low_frac", "clip_high_frac", "clipped_ratio_mean"} <= set(metrics)
+
+
+def test_builtin_sum_with_scaled_advantages_equals_token_mean():
+    """The server sums built-in losses over tokens; advantages / N make that the token mean the TRL path uses."""
+    rows = token_rows()
+    n = rows.completion_tokens
+    lp = torch.tensor([[0.0, -0.1, -0.4, -0.6], [0.0, 0.0, -0.7, 0.0]])
+    old = torch.tensor([rows.old_logprobs[0], rows.old_logprobs[1] + [0.0]])
+    adv = torch.tensor([rows.advantages[0], rows.advantages[1] + [0.0]])
+    mask = torch.tensor([rows.masks[0], rows.masks[1] + [0.0]])
+    for loss_type in ("importance_sampling", "ppo"):
+        per_tok, _ = policy_loss(loss_type, lp, old, adv, mask)
+        per_tok_scaled, _ = policy_loss(loss_type, lp, old, adv / n, mask)
+        assert float((per_tok_scaled * mask).sum()) == pytest.approx(float(token_level_mean(per_tok, mask)))
+
+
+def test_builtin_loss_config_uses_ratio_bounds():
+    assert builtin_loss_config(cfg(loss_type="ppo", epsilon=0.1, epsilon_high=0.3)) == {
+        "clip_low_threshold": pytest.approx(0.9),
+        "clip_high_threshold": pytest.approx(1.3),
+    }
+    assert builtin_loss_config(cfg(loss_type="importance_sampling")) is None
+    assert cfg(loss_type="cispo", cispo_clip_low=0.5).clip_bounds == (0.5, None)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# config
+# --------------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "kw,match",
+    [
+        ({"per_device_train_batch_size": 6}, "multiple of num_generations"),
+        ({"beta": 0.1}, "beta"),
+        ({"loss_type": "nope"}, "loss_type"),
+        ({"mode": "fast"}, "mode"),
+        ({"lora_rank": 2}, "lora_rank"),
+        ({"scale_rewards": "std"}, "scale_rewards"),
+        ({"reward_weights": [1.0, 2.0]}, "reward_weights"),
+        ({"degenerate_reward": "format"}, "degenerate_reward"),
+    ],
+)
+def test_config_rejects_bad_values(kw, match):
+    with pytest.raises(ValueError, match=match):
+        cfg(**kw)
+
+
+def test_config_mapping_and_schedule():
+    c = cfg(per_device_train_batch_size=16, num_generations=4, max_steps=10, learning_rate=1.0)
+    assert c.prompts_per_step == 4
+    assert c.learning_rate_at(0) == c.learning_rate_at(9) == 1.0
+    lin = cfg(max_steps=10, learning_rate=1.0, lr_scheduler_type="linear", warmup_ratio=0.2)
+    assert [round(lin.learning_rate_at(s), 3) for s in (0, 1, 2, 9)] == [0.0, 0.5, 1.0, 0.125]
+
+
+def test_recipe_yamls_parse_strictly(tmp_path):
+    from trl import TrlParser
+
+    for yaml_path in sorted((ROOT / "recipes" / "pytrio").glob("*.yaml")):
+        (c,) = TrlParser((PyTrioGRPOConfig,)).parse_args_and_config(args=["--config", str(yaml_path)])
+        assert isinstance(c, PyTrioGRPOConfig)
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("max_steps: 2\nnot_a_key: 1\n")
+    with pytest.raises(ValueError, match="not_a_key"):
+        TrlParser((PyTrioGRPOConfig,)).parse_args_and_config(args=["--config", str(bad)])
+
+
+# --------------------------------------------------------------------------------------------------------------
+# resume bookkeeping and key hygiene
+# --------------------------------------------------------------------------------------------------------------
+
+
+def test_prompt_stream_resumes_where_it_stopped():
+    rows = [{"i": i} for i in range(5)]
+    full = PromptStream(rows, seed=3)
+    expected = [r["i"] for r in full.take(12)]
+    first = PromptStream(rows, seed=3)
+    head = [r["i"] for r in first.take(7)]
+    rest = [r["i"] for r in PromptStream(rows, seed=3, position=first.position).take(5)]
+    assert head + rest == expected
+    assert sorted(expected[:5]) == list(range(5))  # each epoch is a permutation
+
+
+def test_loop_state_roundtrip_truncation_and_pinning(tmp_path):
+    c = cfg(output_dir=str(tmp_path))
+    state = LoopState(step=4, data_position=8, state_path="trio://ckpt/4", pinned=pinned_settings(c))
+    save_loop_state(tmp_path, state)
+    loaded = load_loop_state(tmp_path)
+    assert loaded.step == 4 and loaded.state_path == "trio://ckpt/4"
+    check_resumable(loaded, c)
+    with pytest.raises(ValueError, match="lora_rank: 32 -> 8"):
+        check_resumable(loaded, cfg(output_dir=str(tmp_path), lora_rank=8))
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps({"step": s}) + "\n" for s in range(1, 7)) + '{"st')
+    assert truncate_metrics(tmp_path, 4) == 2
+    assert [r["step"] for r in read_metrics(tmp_path)] == [1, 2, 3, 4]
+    (tmp_path / "pytrio_state.json").write_text("{broken")
+    with pytest.raises(ValueError, match="not valid JSON"):
+        load_loop_state(tmp_path)
+
+
+def test_redact_hides_the_key():
+    key = "sk-test-0123456789abcdef"
+    assert key not in redact(f"401 for key {key}", secrets=(key,))
+    assert "abcdef0123456789" not in redact("Authorization: Bearer abcdef0123456789", secrets=())

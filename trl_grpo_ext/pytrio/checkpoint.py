@@ -1,0 +1,125 @@
+"""Resume bookkeeping of the PyTRIO loop: what to reload after a stop, kept next to `metrics.jsonl`.
+
+The service holds the weights and optimizer state (`TrainingClient.save_state`); this side keeps, in
+``<output_dir>/pytrio_state.json``, the checkpoint URI plus what only the loop knows: the number of optimizer
+steps done and the position in the prompt stream. Sampling seeds derive from ``(seed, step)``, so a resumed run
+draws what an uninterrupted one would. The file is replaced atomically: a run killed while saving leaves the
+previous record.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+STATE_FILE = "pytrio_state.json"
+METRICS_FILE = "metrics.jsonl"
+STATE_VERSION = 1
+# Settings that must not change across a resume: they define the model being trained and the data order.
+PINNED_KEYS = ("base_model", "lora_rank", "seed", "num_generations", "per_device_train_batch_size", "dataset_name")
+
+
+@dataclass
+class LoopState:
+    step: int = 0
+    data_position: int = 0
+    state_path: str | None = None
+    sampler_path: str | None = None
+    pinned: dict = field(default_factory=dict)
+    checkpoints: list[dict] = field(default_factory=list)
+    version: int = STATE_VERSION
+
+    @classmethod
+    def from_dict(cls, data: dict) -> LoopState:
+        if not isinstance(data, dict) or data.get("version") != STATE_VERSION:
+            raise ValueError(f"unsupported loop state (version {data.get('version') if isinstance(data, dict) else None})")
+        known = {k: data[k] for k in cls.__dataclass_fields__ if k in data}
+        state = cls(**known)
+        if not isinstance(state.step, int) or state.step < 0:
+            raise ValueError(f"invalid step {state.step!r} in loop state")
+        if not isinstance(state.data_position, int) or state.data_position < 0:
+            raise ValueError(f"invalid data_position {state.data_position!r} in loop state")
+        return state
+
+
+def pinned_settings(config) -> dict:
+    return {key: getattr(config, key) for key in PINNED_KEYS}
+
+
+def atomic_write_text(path: Path, text: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as handle:
+            handle.write(text)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def save_loop_state(output_dir: str | Path, state: LoopState) -> Path:
+    path = Path(output_dir) / STATE_FILE
+    atomic_write_text(path, json.dumps(asdict(state), indent=2, sort_keys=True) + "\n")
+    return path
+
+
+def load_loop_state(output_dir: str | Path) -> LoopState | None:
+    """The recorded state, or None when the directory holds none (a fresh run)."""
+    path = Path(output_dir) / STATE_FILE
+    if not path.is_file():
+        return None
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as error:
+        raise ValueError(f"{path} is not valid JSON ({error}); remove it to start over") from None
+    try:
+        return LoopState.from_dict(data)
+    except (TypeError, ValueError) as error:
+        raise ValueError(f"{path}: {error}") from None
+
+
+def check_resumable(state: LoopState, config) -> None:
+    """Refuse to resume into a different model or data order, with the differing keys named."""
+    if not state.state_path:
+        raise ValueError("the recorded loop state has no checkpoint URI to resume from")
+    current = pinned_settings(config)
+    changed = {k: (state.pinned.get(k), current[k]) for k in current if k in state.pinned and state.pinned[k] != current[k]}
+    if changed:
+        detail = ", ".join(f"{k}: {old!r} -> {new!r}" for k, (old, new) in changed.items())
+        raise ValueError(f"cannot resume: settings changed since the checkpoint ({detail}); use a new output_dir")
+
+
+def read_metrics(output_dir: str | Path) -> list[dict]:
+    path = Path(output_dir) / METRICS_FILE
+    if not path.is_file():
+        return []
+    rows = []
+    for line in path.read_text(encoding="utf-8").splitlines():
+        line = line.strip()
+        if not line:
+            continue
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue  # a line cut short by a kill mid-write
+    return rows
+
+
+def truncate_metrics(output_dir: str | Path, last_step: int) -> int:
+    """Keep the metrics rows up to ``last_step`` (the steps the checkpoint holds); returns the rows dropped.
+
+    Steps after the checkpoint are trained again on resume, so their old rows would duplicate the new ones.
+    """
+    path = Path(output_dir) / METRICS_FILE
+    if not path.is_file():
+        return 0
+    rows = read_metrics(output_dir)
+    kept = [row for row in rows if isinstance(row.get("step"), int) and row["step"] <= last_step]
+    atomic_write_text(path, "".join(json.dumps(row) + "\n" for row in kept))
+    return len(rows) - len(kept)

@@ -1,0 +1,634 @@
+"""GRPO on the PyTRIO client: rollouts, rewards and advantages here; forward/backward, optimizer and sampling remote.
+
+One optimizer step:
+
+1. ``save_weights_and_get_sampling_client()``: the sampler holds the current weights (the "old" policy);
+2. ``sample(prompt, num_samples=num_generations)`` per prompt (``mode: async`` submits all prompts at once);
+3. rewards (`trl_grpo_ext.rewards`), group advantages (`trl_grpo_ext.losses.group_advantages`);
+4. one `Datum` per completion (`trl_grpo_ext.pytrio.datums`);
+5. ``forward_backward(datums, loss_type)`` for the service's built-in ``importance_sampling`` / ``ppo``, or
+   ``forward_backward_custom`` with `trl_grpo_ext.losses.policy_loss` for ``cispo`` and the other losses;
+6. ``optim_step(AdamParams(...))``; metrics to ``metrics.jsonl`` (and SwanLab).
+
+Every ``save_every`` steps ``save_state`` checkpoints weights + optimizer remotely and
+`trl_grpo_ext.pytrio.checkpoint` records step and data position locally; ``resume: true`` continues from there.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import random
+import time
+from concurrent.futures import TimeoutError as FutureTimeout
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from trl_grpo_ext.pytrio.checkpoint import (
+    LoopState,
+    check_resumable,
+    load_loop_state,
+    pinned_settings,
+    save_loop_state,
+    truncate_metrics,
+)
+from trl_grpo_ext.pytrio.config import PyTrioGRPOConfig
+from trl_grpo_ext.pytrio.connection import install_log_redaction, redact
+from trl_grpo_ext.pytrio.datums import Rollout, build_datum, shifted_sequences, validate_rollout
+from trl_grpo_ext.pytrio.metrics import MetricsSink, nanmean, nanstd
+
+logger = logging.getLogger(__name__)
+
+
+class PyTrioLoopError(RuntimeError):
+    """A service call failed or answered something the loop cannot train on; the message names which."""
+
+
+@dataclass
+class StepTimes:
+    """Wall-clock seconds of one step's phases (the bench prints these)."""
+
+    save_weights: float = 0.0
+    sampling: float = 0.0
+    rewards: float = 0.0
+    forward_backward: float = 0.0
+    optim_step: float = 0.0
+    extra: dict = field(default_factory=dict)
+
+    def as_metrics(self) -> dict:
+        out = {f"time/{k}": v for k, v in vars(self).items() if k != "extra"}
+        out.update(self.extra)
+        return out
+
+
+def _wait(future, what: str, timeout: float):
+    """Result of a pytrio APIFuture, with every failure as a `PyTrioLoopError` free of credentials."""
+    try:
+        return future.result(timeout=timeout)
+    except FutureTimeout:
+        raise PyTrioLoopError(f"{what}: no answer from the service within {timeout:.0f} s") from None
+    except PyTrioLoopError:
+        raise
+    except Exception as error:  # noqa: BLE001 - every service failure is reported the same way
+        raise PyTrioLoopError(f"{what} failed: {type(error).__name__}: {redact(error)}") from None
+
+
+def _call(fn, what: str, *args, **kwargs):
+    """Submit a pytrio call; a failure to submit becomes a `PyTrioLoopError` free of credentials."""
+    try:
+        return fn(*args, **kwargs)
+    except PyTrioLoopError:
+        raise
+    except Exception as error:  # noqa: BLE001
+        raise PyTrioLoopError(f"{what} failed: {type(error).__name__}: {redact(error)}") from None
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Pieces without a service (unit-tested on their own)
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def rollouts_from_response(response, prompt_tokens, num_generations: int, what: str = "sample") -> list[Rollout]:
+    """Check one sampling reply and turn it into `Rollout`s; a malformed reply raises `PyTrioLoopError`.
+
+    A completion with no tokens (the model stopped at once, if the server strips the stop token) is kept with
+    empty tokens: it gets a reward and takes part in the group baseline but yields no datum.
+    """
+    sequences = getattr(response, "sequences", None)
+    if sequences is None or not isinstance(sequences, (list, tuple)):
+        raise PyTrioLoopError(f"{what}: reply has no sequences ({type(response).__name__})")
+    if len(sequences) != num_generations:
+        raise PyTrioLoopError(f"{what}: asked for {num_generations} completions, the service returned {len(sequences)}")
+    rollouts = []
+    for index, seq in enumerate(sequences):
+        tokens = list(getattr(seq, "tokens", None) or [])
+        logprobs = list(getattr(seq, "logprobs", None) or [])
+        if tokens:
+            problem = validate_rollout(prompt_tokens, tokens, logprobs)
+            if problem:
+                raise PyTrioLoopError(f"{what}: completion {index} is malformed: {problem}")
+        rollouts.append(
+            Rollout(
+                prompt_tokens=tuple(prompt_tokens),
+                completion_tokens=tuple(int(t) for t in tokens),
+                completion_logprobs=tuple(float(x) for x in logprobs),
+                text="",
+                stop_reason=str(getattr(seq, "stop_reason", "") or ""),
+            )
+        )
+    return rollouts
+
+
+def compute_rewards(reward_funcs, reward_names, weights, prompts, completions, completion_ids, columns):
+    """TRL 1.16's reward aggregation: per-function values (None -> NaN), weighted NaN-sum; rows that every
+    function left unscored are NaN. Returns ``(rewards_per_func (N, K) list of lists, total (N,))``."""
+    n = len(completions)
+    per_func = []
+    for func, name in zip(reward_funcs, reward_names, strict=True):
+        try:
+            values = func(prompts=prompts, completions=completions, completion_ids=completion_ids, **columns)
+        except Exception as error:  # noqa: BLE001 - name the function, keep the message
+            raise PyTrioLoopError(f"reward function {name!r} failed: {type(error).__name__}: {error}") from None
+        values = list(values) if values is not None else []
+        if len(values) != n:
+            raise PyTrioLoopError(f"reward function {name!r} returned {len(values)} values for {n} completions")
+        column = []
+        for v in values:
+            try:
+                column.append(float("nan") if v is None else float(v))
+            except (TypeError, ValueError):
+                raise PyTrioLoopError(f"reward function {name!r} returned a non-number: {v!r}") from None
+        per_func.append(column)
+    rows = [[per_func[k][i] for k in range(len(per_func))] for i in range(n)]
+    totals = []
+    for row in rows:
+        if all(math.isnan(v) for v in row):
+            totals.append(float("nan"))
+        else:
+            totals.append(sum(w * v for w, v in zip(weights, row, strict=True) if not math.isnan(v)))
+    return rows, totals
+
+
+def advantages_for(config: PyTrioGRPOConfig, totals, rewards_per_func):
+    """`trl_grpo_ext.losses.group_advantages` with the config's options; returns (advantages list, degenerate list)."""
+    import torch
+
+    from trl_grpo_ext.losses import group_advantages
+
+    degenerate_rewards = None
+    if config.degenerate_reward is not None:
+        k = list(config.reward_funcs).index(config.degenerate_reward)
+        degenerate_rewards = torch.tensor([row[k] for row in rewards_per_func], dtype=torch.float32)
+    advantages, degenerate = group_advantages(
+        torch.tensor(totals, dtype=torch.float32),
+        config.num_generations,
+        scale_rewards=config.scale_rewards,
+        degenerate_tol=config.degenerate_tol,
+        zero_degenerate=config.zero_degenerate_advantages,
+        degenerate_rewards=degenerate_rewards,
+    )
+    return advantages.tolist(), degenerate.tolist()
+
+
+def reward_metrics(config, totals, rewards_per_func, reward_names, degenerate) -> dict:
+    g = config.num_generations
+    metrics = {"reward": nanmean(totals), "reward_std": nanstd(totals)}
+    for k, name in enumerate(reward_names):
+        column = [row[k] for row in rewards_per_func]
+        metrics[f"rewards/{name}/mean"] = nanmean(column)
+        metrics[f"rewards/{name}/std"] = nanstd(column)
+    if config.scale_rewards == "batch":
+        zero = [math.isclose(0.0, nanstd(totals) if not math.isnan(nanstd(totals)) else 0.0, abs_tol=1e-8)]
+    else:
+        zero = []
+        for start in range(0, len(totals), g):
+            std = nanstd(totals[start : start + g])
+            zero.append(math.isnan(std) or abs(std) <= 1e-8)
+    metrics["frac_reward_zero_std"] = sum(zero) / len(zero)
+    metrics["frac_degenerate"] = sum(bool(d) for d in degenerate) / max(len(degenerate), 1)
+    return metrics
+
+
+@dataclass
+class TokenRows:
+    """Per-datum, per-position inputs of the local loss: sampler logprobs, advantages, completion mask."""
+
+    old_logprobs: list[list[float]] = field(default_factory=list)
+    advantages: list[list[float]] = field(default_factory=list)
+    masks: list[list[float]] = field(default_factory=list)
+
+    def add(self, seq: dict) -> None:
+        self.old_logprobs.append(seq["logprobs"])
+        self.advantages.append(seq["advantages"])
+        self.masks.append(seq["mask"])
+
+    @property
+    def completion_tokens(self) -> int:
+        return int(sum(sum(m) for m in self.masks))
+
+
+def make_custom_loss(config: PyTrioGRPOConfig, rows: TokenRows, record: dict):
+    """The local loss for ``forward_backward_custom``: `trl_grpo_ext.losses.policy_loss`, aggregated over the
+    completion tokens of the whole batch as ``loss_aggregation`` says. Metrics also land in ``record``."""
+    import torch
+
+    from trl_grpo_ext.losses import policy_loss, token_level_mean
+
+    clip_low, clip_high = config.clip_bounds
+
+    def loss_fn(data, logprobs_list):
+        if len(logprobs_list) != len(rows.masks):
+            raise PyTrioLoopError(f"custom loss got {len(logprobs_list)} logprob rows for {len(rows.masks)} datums")
+        width = max(int(lp.numel()) for lp in logprobs_list)
+        padded = {"new": [], "old": [], "adv": [], "mask": []}
+        for lp, old, adv, mask in zip(logprobs_list, rows.old_logprobs, rows.advantages, rows.masks, strict=True):
+            lp = lp.reshape(-1)
+            if lp.numel() != len(mask):
+                raise PyTrioLoopError(f"service returned {lp.numel()} logprobs for a datum of {len(mask)} positions")
+            pad = (0, width - lp.numel())
+            padded["new"].append(torch.nn.functional.pad(lp, pad))
+            for key, values in (("old", old), ("adv", adv), ("mask", mask)):
+                padded[key].append(torch.nn.functional.pad(torch.tensor(values, dtype=torch.float32), pad))
+        new, old, adv, mask = (torch.stack(padded[k]) for k in ("new", "old", "adv", "mask"))
+        # Prompt positions hold logprob 0 in the datum; make their ratio exactly 1 (they are masked anyway).
+        old = torch.where(mask > 0, old, new.detach())
+        per_token, loss_metrics = policy_loss(config.loss_type, new, old, adv, mask, clip_low, clip_high)
+        if config.loss_aggregation == "sum":
+            loss = (per_token * mask).sum()
+        else:
+            loss = token_level_mean(per_token, mask)
+        metrics = {k: float(v) for k, v in loss_metrics.items()}
+        metrics["loss"] = float(loss.detach())
+        record.update(metrics)
+        return loss, metrics
+
+    return loss_fn
+
+
+def builtin_loss_config(config: PyTrioGRPOConfig) -> dict | None:
+    """``loss_fn_config`` for the service's built-in losses (Tinker's key names for the ppo ratio bounds)."""
+    if config.loss_type == "ppo":
+        low, high = config.clip_bounds
+        return {"clip_low_threshold": low, "clip_high_threshold": high}
+    return None
+
+
+def local_loss_metrics(config: PyTrioGRPOConfig, rows: TokenRows, new_logprobs) -> dict:
+    """Loss and ratio metrics recomputed with `trl_grpo_ext.losses` from the logprobs the trainer returned, so a
+    built-in loss reports the same numbers a custom one does."""
+    import torch
+
+    record: dict = {}
+    fn = make_custom_loss(config, rows, record)
+    with torch.no_grad():
+        fn(None, [torch.tensor(lp, dtype=torch.float32) for lp in new_logprobs])
+    return record
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The loop
+# ----------------------------------------------------------------------------------------------------------------
+
+
+class PromptStream:
+    """Rows in a seeded order, reshuffled each epoch; ``position`` counts the prompts handed out so far."""
+
+    def __init__(self, rows: list[dict], seed: int, position: int = 0):
+        if not rows:
+            raise ValueError("the training dataset is empty")
+        self.rows = rows
+        self.seed = seed
+        self.position = position
+        self._epoch = None
+        self._order: list[int] = []
+
+    def _order_for(self, epoch: int) -> list[int]:
+        if epoch != self._epoch:
+            order = list(range(len(self.rows)))
+            random.Random(f"{self.seed}-{epoch}").shuffle(order)
+            self._epoch, self._order = epoch, order
+        return self._order
+
+    def take(self, n: int) -> list[dict]:
+        out = []
+        for _ in range(n):
+            epoch, index = divmod(self.position, len(self.rows))
+            out.append(self.rows[self._order_for(epoch)[index]])
+            self.position += 1
+        return out
+
+
+class GRPOLoop:
+    """Runs `PyTrioGRPOConfig` against a `pytrio.ServiceClient` (created from pytrio's configuration if not given).
+
+    ``rows``: training rows, each with a ``prompt`` (chat messages or text) plus the columns the reward
+    functions read (``answer``); None loads them from the config's dataset.
+    """
+
+    def __init__(self, config: PyTrioGRPOConfig, service_client=None, rows: list[dict] | None = None,
+                 tokenizer=None, stop_after: int | None = None):
+        self.config = config
+        self._service = service_client
+        self._rows = rows
+        self._tokenizer = tokenizer
+        # Tests stop a run early (as a kill would) after this many steps of this invocation.
+        self._stop_after = stop_after
+        self._prompt_cache: dict[int, list[int]] = {}
+        self.last_step_times: StepTimes | None = None
+
+    # --- setup -------------------------------------------------------------------------------------------------
+
+    def _service_client(self):
+        if self._service is None:
+            from trl_grpo_ext.pytrio.connection import create_service_client
+
+            self._service = create_service_client()
+        return self._service
+
+    def _load_rows(self) -> list[dict]:
+        if self._rows is not None:
+            return self._rows
+        from trl_grpo_ext.pytrio.rows import load_train_rows
+
+        return load_train_rows(self.config)
+
+    def _load_tokenizer(self, training_client):
+        if self._tokenizer is not None:
+            return self._tokenizer
+        from transformers import AutoTokenizer
+
+        name = self.config.tokenizer_name_or_path
+        base = self.config.base_model
+        if name is None and (base.strip().lower() == "embedded" or Path(base).is_dir()):
+            from trl_grpo_ext.models import resolve_model
+
+            name = resolve_model(base)
+        if name is not None:
+            return AutoTokenizer.from_pretrained(name)
+        return _call(training_client.get_tokenizer, "get_tokenizer")
+
+    def _reward_setup(self):
+        from trl_grpo_ext.rewards import get_reward_funcs
+
+        funcs = get_reward_funcs(self.config.reward_funcs)
+        names = [getattr(f, "__name__", str(n)) for f, n in zip(funcs, self.config.reward_funcs, strict=True)]
+        weights = self.config.reward_weights or [1.0] * len(funcs)
+        return funcs, names, [float(w) for w in weights]
+
+    def _prompt_tokens(self, row: dict) -> list[int]:
+        key = id(row)
+        if key not in self._prompt_cache:
+            prompt = row["prompt"]
+            tok = self.tokenizer
+            if isinstance(prompt, list):
+                text = tok.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True)
+            else:
+                text = str(prompt)
+            ids = tok(text, add_special_tokens=False)["input_ids"]
+            if not ids:
+                raise PyTrioLoopError("a prompt tokenized to nothing")
+            self._prompt_cache[key] = list(ids)
+        return self._prompt_cache[key]
+
+    # --- one step ------------------------------------------------------------------------------------------------
+
+    def _sampling_params(self, step: int, index: int):
+        import pytrio as trio
+
+        c = self.config
+        return trio.SamplingParams(
+            max_tokens=c.max_completion_length,
+            temperature=c.temperature,
+            top_p=c.top_p,
+            top_k=c.top_k if c.top_k > 0 else -1,
+            # A function of (seed, step, prompt): a resumed run samples what an uninterrupted one would.
+            seed=(c.seed * 1_000_003 + step * 1_009 + index) % (2**31 - 1),
+        )
+
+    def _sample(self, sampler, prompt_tokens: list[list[int]], step: int) -> list[list[Rollout]]:
+        import pytrio as trio
+
+        c = self.config
+        t = c.request_timeout_s
+
+        def submit(i, tokens):
+            return _call(
+                sampler.sample,
+                "sample",
+                trio.ModelInput.from_ints(tokens),
+                num_samples=c.num_generations,
+                sampling_params=self._sampling_params(step, i),
+                return_text=False,
+            )
+
+        if c.mode == "async":
+            futures = [submit(i, tokens) for i, tokens in enumerate(prompt_tokens)]
+            replies = [_wait(f, f"sample (prompt {i})", t) for i, f in enumerate(futures)]
+        else:
+            replies = [_wait(submit(i, tokens), f"sample (prompt {i})", t) for i, tokens in enumerate(prompt_tokens)]
+        return [
+            rollouts_from_response(reply, tokens, c.num_generations, f"sample (prompt {i})")
+            for i, (reply, tokens) in enumerate(zip(replies, prompt_tokens, strict=True))
+        ]
+
+    def train_step(self, training_client, stream: PromptStream, step: int) -> dict:
+        """One GRPO step (0-based ``step``); returns its metrics."""
+        import pytrio as trio
+
+        c = self.config
+        times = StepTimes()
+        t_step = time.perf_counter()
+
+        t0 = time.perf_counter()
+        sampler = _call(training_client.save_weights_and_get_sampling_client, "save_weights_and_get_sampling_client")
+        times.save_weights = time.perf_counter() - t0
+
+        rows = stream.take(c.prompts_per_step)
+        prompt_tokens = [self._prompt_tokens(row) for row in rows]
+        t0 = time.perf_counter()
+        groups = self._sample(sampler, prompt_tokens, step)
+        times.sampling = time.perf_counter() - t0
+
+        t0 = time.perf_counter()
+        rollouts = [r for group in groups for r in group]
+        texts = self.tokenizer.batch_decode([list(r.completion_tokens) for r in rollouts], skip_special_tokens=True)
+        conversational = isinstance(rows[0]["prompt"], list)
+        completions = [[{"role": "assistant", "content": t}] if conversational else t for t in texts]
+        g = c.num_generations
+        prompts = [row["prompt"] for row in rows for _ in range(g)]
+        columns = {
+            key: [row.get(key) for row in rows for _ in range(g)] for key in rows[0] if key not in ("prompt",)
+        }
+        rewards_per_func, totals = compute_rewards(
+            self.reward_funcs, self.reward_names, self.reward_weights, prompts, completions,
+            [list(r.completion_tokens) for r in rollouts], columns,
+        )
+        advantages, degenerate = advantages_for(c, totals, rewards_per_func)
+        times.rewards = time.perf_counter() - t0
+
+        lengths = [len(r.completion_tokens) for r in rollouts]
+        trained = [(r, a) for r, a in zip(rollouts, advantages, strict=True) if r.completion_tokens]
+        if not trained:
+            raise PyTrioLoopError(f"step {step + 1}: every completion was empty; nothing to train on")
+        token_rows = TokenRows()
+        for rollout, adv in trained:
+            token_rows.add(shifted_sequences(rollout.prompt_tokens, rollout.completion_tokens,
+                                             rollout.completion_logprobs, adv))
+        # The service sums a built-in loss over tokens; dividing the advantages by the batch's completion tokens
+        # turns that sum into TRL's token-level mean ("dapo" normalisation) for both linear-in-A losses.
+        scale = 1.0
+        if c.uses_builtin_loss and c.loss_aggregation == "token_mean":
+            scale = 1.0 / max(token_rows.completion_tokens, 1)
+        datums = [
+            build_datum(r.prompt_tokens, r.completion_tokens, r.completion_logprobs, a * scale) for r, a in trained
+        ]
+        train_tokens = sum(n for n, a in zip(lengths, advantages, strict=True) if a != 0.0)
+
+        lr = c.learning_rate_at(step)
+        adam = trio.AdamParams(
+            learning_rate=lr, beta1=c.adam_beta1, beta2=c.adam_beta2, eps=c.adam_epsilon,
+            weight_decay=c.weight_decay, grad_clip_norm=c.max_grad_norm,
+        )
+        loss_record: dict = {}
+        t0 = time.perf_counter()
+        if c.uses_builtin_loss:
+            fb_future = _call(
+                training_client.forward_backward, "forward_backward", datums, c.loss_type,
+                loss_fn_config=builtin_loss_config(c),
+            )
+        else:
+            fb_future = _call(
+                training_client.forward_backward_custom, "forward_backward_custom", datums,
+                make_custom_loss(c, token_rows, loss_record),
+            )
+        if c.mode == "async":
+            # queued right behind forward_backward: the trainer applies it as soon as the gradients are in
+            optim_future = _call(training_client.optim_step, "optim_step", adam)
+            fb_out = _wait(fb_future, "forward_backward", c.request_timeout_s)
+            times.forward_backward = time.perf_counter() - t0
+            t1 = time.perf_counter()
+            optim_out = _wait(optim_future, "optim_step", c.request_timeout_s)
+            times.optim_step = time.perf_counter() - t1
+        else:
+            fb_out = _wait(fb_future, "forward_backward", c.request_timeout_s)
+            times.forward_backward = time.perf_counter() - t0
+            t1 = time.perf_counter()
+            optim_out = _wait(_call(training_client.optim_step, "optim_step", adam), "optim_step", c.request_timeout_s)
+            times.optim_step = time.perf_counter() - t1
+
+        if c.uses_builtin_loss:
+            new_logprobs = []
+            outputs = getattr(fb_out, "loss_fn_outputs", None) or []
+            if len(outputs) == len(datums) and all("logprobs" in o for o in outputs):
+                new_logprobs = [list(o["logprobs"].data) for o in outputs]
+                if all(len(lp) == len(m) for lp, m in zip(new_logprobs, token_rows.masks, strict=True)):
+                    loss_record = local_loss_metrics(c, token_rows, new_logprobs)
+            if "loss" not in loss_record:
+                server_loss = (getattr(fb_out, "metrics", None) or {}).get("loss_mean")
+                if server_loss is not None:
+                    loss_record["loss"] = float(server_loss)
+
+        metrics = reward_metrics(c, totals, rewards_per_func, self.reward_names, degenerate)
+        metrics.update(loss_record)
+        metrics.update(
+            {
+                "train_tokens": train_tokens,
+                "completions/mean_length": sum(lengths) / len(lengths),
+                "completions/min_length": min(lengths),
+                "completions/max_length": max(lengths),
+                "completions/clipped_ratio": sum(r.stop_reason == "length" for r in rollouts) / len(rollouts),
+                "learning_rate": lr,
+                "num_datums": len(datums),
+            }
+        )
+        optim_metrics = getattr(optim_out, "metrics", None) or {}
+        if "grad_norm" in optim_metrics:
+            metrics["grad_norm"] = float(optim_metrics["grad_norm"])
+        metrics["step_time"] = time.perf_counter() - t_step
+        metrics.update(times.as_metrics())
+        self.last_step_times = times
+        return metrics
+
+    # --- checkpoints ---------------------------------------------------------------------------------------------
+
+    def _checkpoint(self, training_client, state: LoopState, stream: PromptStream, step_done: int) -> None:
+        name = f"step-{step_done:06d}"
+        result = _wait(_call(training_client.save_state, "save_state", name, overwrite=True), "save_state",
+                       self.config.request_timeout_s)
+        path = getattr(result, "path", None)
+        if not isinstance(path, str) or not path:
+            raise PyTrioLoopError(f"save_state returned no checkpoint path ({result!r})")
+        state.step = step_done
+        state.data_position = stream.position
+        state.state_path = path
+        state.checkpoints.append({"step": step_done, "path": path, "time": time.time()})
+        save_loop_state(self.config.output_dir, state)
+
+    # --- entry point ---------------------------------------------------------------------------------------------
+
+    def run(self) -> dict:
+        """Train to ``max_steps`` (or resume to it); returns a summary with the final sampler weights' path."""
+        install_log_redaction()
+        c = self.config
+        out = Path(c.output_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        _write_config(c, out)
+
+        previous = load_loop_state(out) if c.resume else None
+        if c.resume and previous is None:
+            logger.warning("resume: no loop state in %s; starting from step 0", out)
+        service = self._service_client()
+        if previous is not None:
+            check_resumable(previous, c)
+            state = previous
+            truncate_metrics(out, state.step)
+            training_client = _call(
+                service.create_training_client_from_state_with_optimizer, "restore from checkpoint", state.state_path
+            )
+            logger.info("resumed at step %d from %s", state.step, state.state_path)
+        else:
+            state = LoopState(pinned=pinned_settings(c))
+            training_client = _call(
+                service.create_lora_training_client, "create_lora_training_client",
+                c.base_model, rank=c.lora_rank, seed=c.seed,
+            )
+        sink = MetricsSink(out, c.report_to, c.to_dict(), c.run_name, c.swanlab_project, c.swanlab_mode,
+                           fresh=previous is None)
+        try:
+            self.tokenizer = self._load_tokenizer(training_client)
+            self.reward_funcs, self.reward_names, self.reward_weights = self._reward_setup()
+            stream = PromptStream(self._load_rows(), c.seed, state.data_position)
+
+            done_here = 0
+            for step in range(state.step, c.max_steps):
+                metrics = self.train_step(training_client, stream, step)
+                step_done = step + 1
+                # Logged before the checkpoint: a kill in between re-runs this step and the resume drops the row.
+                sink.log(step_done, metrics)
+                logger.info("step %d/%d reward=%.3f loss=%s step_time=%.2fs", step_done, c.max_steps,
+                            metrics["reward"], metrics.get("loss"), metrics["step_time"])
+                if c.save_every and step_done % c.save_every == 0 and step_done < c.max_steps:
+                    self._checkpoint(training_client, state, stream, step_done)
+                done_here += 1
+                if self._stop_after is not None and done_here >= self._stop_after:
+                    return {"stopped_at": step_done, "state_path": state.state_path}
+
+            if state.step < c.max_steps:
+                self._checkpoint(training_client, state, stream, c.max_steps)
+            final = _wait(
+                _call(training_client.save_weights_for_sampler, "save_weights_for_sampler", "final"),
+                "save_weights_for_sampler", c.request_timeout_s,
+            )
+            state.sampler_path = getattr(final, "path", None)
+            save_loop_state(out, state)
+            return {"steps": state.step, "state_path": state.state_path, "sampler_path": state.sampler_path,
+                    "output_dir": str(out)}
+        finally:
+            sink.close()
+
+
+def _write_config(config: PyTrioGRPOConfig, out: Path) -> None:
+    import yaml
+
+    from trl_grpo_ext.pytrio.checkpoint import atomic_write_text
+
+    atomic_write_text(out / "config.yaml", yaml.safe_dump({**config.to_dict(), "backend": "pytrio"}, sort_keys=True))
+
+
+def run_grpo(config: PyTrioGRPOConfig, service_client=None, **kwargs) -> dict:
+    """Convenience wrapper: ``GRPOLoop(config, service_client, **kwargs).run()``."""
+    return GRPOLoop(config, service_client, **kwargs).run()
+
+
+def run_from_config(config: PyTrioGRPOConfig, **kwargs) -> dict:
+    """Connect as ``pytrio_base_url`` says (``local``: start the local server first) and train."""
+    from trl_grpo_ext.pytrio.connection import LOCAL_SERVER_NAME, configure_client, local_server
+
+    install_log_redaction()
+    if config.pytrio_base_url == LOCAL_SERVER_NAME:
+        with local_server(config.base_model) as (base_url, api_key):
+            configure_client(base_url=base_url, api_key=api_key)
+            return run_grpo(config, **kwargs)
+    if config.pytrio_base_url:
+        configure_client(base_url=config.pytrio_base_url)
+    return run_grpo(config, **kwargs)
