@@ -122,7 +122,7 @@ def test_report_files_and_table(runs, tmp_path):
     cispo = next(line for line in lines if line.startswith("| loss_type=cispo"))
     assert "| pytrio | 4 | 0.600 | 0.600 | 0.400 |" in cispo and "–" in cispo
     assert "## Config differences" in md and "| run | learning_rate | loss_type | backend |" in md
-    for name in ("reward", "frac_degenerate", "entropy", "kl", "completion_length"):
+    for name in ("reward", "frac_degenerate", "entropy", "kl", "completion_length", "overview"):
         png = out / f"{name}.png"
         assert png.is_file() and png.stat().st_size > 1000
         assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -134,7 +134,7 @@ def test_report_files_and_table(runs, tmp_path):
 def test_metric_no_run_logged_is_skipped(tmp_path):
     d = write_run(tmp_path, "r1", [{"step": 1, "reward": 0.1}, {"step": 2, "reward": 0.3}])
     report = build_report([d], tmp_path / "out", smooth_window=3)
-    assert set(report.plots) == {"reward"}
+    assert set(report.plots) == {"reward", "overview"}
     assert any("'entropy'" in n for n in report.notes)
     assert any("no saved config" in n for n in report.notes)
     assert not (tmp_path / "out" / "entropy.png").exists()

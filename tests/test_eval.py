@@ -163,3 +163,13 @@ def test_eval_cli_on_tiny_model(tiny_model_path, tmp_path, capsys):
     assert "pass@1" in capsys.readouterr().out
     assert json.loads((tmp_path / "res_summary.json").read_text())["summary"]["n"] == 2
     assert main(["eval", "--model", str(tmp_path / "nope"), "--data", str(data), "--out", str(out)]) == 2
+
+
+def test_scoring_agrees_with_boxed_reward():
+    from trl_grpo_ext.rewards import boxed_reward
+
+    results, _ = evaluate(problems_from_rows(ROWS), FakeGenerator(), k=4, progress=False)
+    for row, r in zip(ROWS, results, strict=True):
+        completions = [r.greedy_completion, *r.samples]
+        rewards = boxed_reward(completions, answer=[row["answer"]] * len(completions))
+        assert rewards == [float(c) for c in [r.greedy_correct, *r.sample_correct]]

@@ -369,6 +369,42 @@ def plot_metric(runs: list[RunData], metric: str, title: str, path: Path, smooth
     return True
 
 
+def plot_overview(runs: list[RunData], metrics: list[str], path: Path, smooth_window: int = 1) -> bool:
+    """All plotted metrics in one figure (a grid of small panels, one legend), for a quick look."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    if not metrics:
+        return False
+    ncols = min(3, len(metrics))
+    nrows = math.ceil(len(metrics) / ncols)
+    fig, axes = plt.subplots(nrows, ncols, figsize=(4.2 * ncols, 3.0 * nrows + 0.6), dpi=100, squeeze=False)
+    for ax, metric in zip(axes.flat, metrics, strict=False):
+        for i, run in enumerate(runs):
+            steps, values = run.series(metric)
+            if values:
+                ax.plot(steps, smooth(values, smooth_window), color=f"C{i % 10}", linewidth=1.6, label=run.label)
+        ax.set_title(metric, fontsize=9)
+        ax.set_xlabel("step", fontsize=8)
+        ax.tick_params(labelsize=7)
+        ax.grid(alpha=0.3)
+    for ax in list(axes.flat)[len(metrics) :]:
+        ax.axis("off")
+    handles, labels = [], []
+    for ax in axes.flat:
+        for h, lab in zip(*ax.get_legend_handles_labels(), strict=False):
+            if lab not in labels:
+                handles.append(h)
+                labels.append(lab)
+    fig.legend(handles, labels, loc="lower center", ncol=min(3, len(labels)), fontsize=8, frameon=False)
+    fig.tight_layout(rect=(0, 0.06 + 0.03 * math.ceil(len(labels) / 3), 1, 1))
+    fig.savefig(path)
+    plt.close(fig)
+    return True
+
+
 def plot_filename(metric: str) -> str:
     return {"completions/mean_length": "completion_length"}.get(metric, metric.replace("/", "_")) + ".png"
 
@@ -402,6 +438,9 @@ def build_report(run_paths: list[str | os.PathLike], out_dir: str | os.PathLike,
             plots[metric] = path
         else:
             notes.append(f"no run logged '{metric}'; no plot")
+
+    if plot_overview(runs, list(plots), out / "overview.png", smooth_window):
+        plots["overview"] = out / "overview.png"
 
     md = ["# Run comparison", ""]
     md += [f"{len(runs)} runs: " + ", ".join(f"`{r.path}`" for r in runs), ""]

@@ -22,6 +22,7 @@ Each run gets `<output_root>/<name>/` holding `sweep_config.yaml` (the exact rec
 from __future__ import annotations
 
 import copy
+import dataclasses
 import datetime as _dt
 import hashlib
 import itertools
@@ -414,6 +415,9 @@ def run_env(spec: SweepSpec, run: RunSpec) -> dict[str, str]:
     env["TRL_GRPO_EXT_SWEEP"] = spec.name
     env["TRL_GRPO_EXT_RUN_NAME"] = run.name
     env.setdefault("PYTHONUNBUFFERED", "1")
+    # Recipes and `eval` import trl_grpo_ext: make it the same copy as this one, installed or not.
+    package_root = str(Path(__file__).resolve().parents[1])
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (package_root, env.get("PYTHONPATH")) if p)
     return env
 
 
@@ -600,9 +604,26 @@ def _evaluate_run(spec: SweepSpec, run: RunSpec, table: _ProcessTable) -> dict:
     return {"status": "finished", **json.loads(summary_path.read_text()).get("summary", {})}
 
 
-def _write_summary(spec: SweepSpec, runs: list[RunSpec], results: dict[str, RunResult], started: str) -> Path:
+def _previous_summary(spec: SweepSpec) -> dict[str, dict]:
     path = spec.output_root / SUMMARY_FILE
-    ordered = [asdict(results[r.name]) for r in runs if r.name in results]
+    try:
+        return {r["name"]: r for r in json.loads(path.read_text())["runs"]}
+    except (OSError, ValueError, KeyError, TypeError):
+        return {}
+
+
+def _write_summary(
+    spec: SweepSpec, runs: list[RunSpec], results: dict[str, RunResult], started: str, previous: dict[str, dict]
+) -> Path:
+    path = spec.output_root / SUMMARY_FILE
+    # Runs left out of this invocation (--only) keep what an earlier one recorded, in the sweep's order.
+    try:
+        order = [r.name for r in expand(spec)]
+    except (ValueError, FileNotFoundError):
+        order = [r.name for r in runs]
+    current = {name: asdict(res) for name, res in results.items()}
+    merged = {**previous, **current}
+    ordered = [merged[n] for n in order if n in merged] + [v for n, v in merged.items() if n not in order]
     payload = {
         "sweep": spec.name,
         "source": str(spec.source) if spec.source else None,
@@ -635,8 +656,13 @@ def run_sweep(
 
     runs = expand(spec) if runs is None else runs
     parallel = parallel or spec.parallel
+    if parallel > 1 and "OMP_NUM_THREADS" not in spec.env and "OMP_NUM_THREADS" not in os.environ:
+        # N trainers each grabbing every core would thrash; split the cores between them.
+        threads = max(1, (os.cpu_count() or 1) // parallel)
+        spec = dataclasses.replace(spec, env={**spec.env, "OMP_NUM_THREADS": str(threads)})
     spec.output_root.mkdir(parents=True, exist_ok=True)
     started = _now()
+    previous = _previous_summary(spec)
     results: dict[str, RunResult] = {}
     table = _ProcessTable()
     lock = threading.Lock()
@@ -645,7 +671,7 @@ def run_sweep(
     def record(result: RunResult):
         with lock:
             results[result.name] = result
-            _write_summary(spec, runs, results, started)
+            _write_summary(spec, runs, results, started, previous)
             line = f"{result.status:<12} {result.name}"
             if result.returncode not in (None, 0):
                 line += f" (exit {result.returncode}, log: {Path(result.run_dir) / TRAIN_LOG})"
@@ -685,7 +711,7 @@ def run_sweep(
         raise
     finally:
         bar.close()
-        path = _write_summary(spec, runs, results, started)
+        path = _write_summary(spec, runs, results, started, previous)
     return [results[r.name] for r in runs], path
 
 
