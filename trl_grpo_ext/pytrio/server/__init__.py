@@ -1,0 +1,33 @@
+"""Local server speaking the ``pytrio==0.2.9`` client protocol on a transformers + PEFT LoRA model.
+
+    from trl_grpo_ext.pytrio.server import running_server
+
+    with running_server("path/to/model") as server:
+        server.configure_client()          # or: os.environ.update(server.client_env()) before `import pytrio`
+        service = pytrio.ServiceClient()
+        trainer = service.create_lora_training_client(base_model=server.model_alias, rank=8)
+
+See docs/pytrio_server.md for what is implemented.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+
+from trl_grpo_ext.pytrio.server.app import LocalPyTrioServer, ServerConfig
+
+__all__ = ["LocalPyTrioServer", "ServerConfig", "running_server"]
+
+
+@contextmanager
+def running_server(model: str, **options):
+    """Start a `LocalPyTrioServer` for `model` on 127.0.0.1 (free port) in a background thread; stop on exit.
+
+    ``options`` are `ServerConfig` fields (``api_key``, ``port``, ``storage_dir``, ``max_batch_size``...).
+    """
+    server = LocalPyTrioServer(ServerConfig(model=model, **options))
+    server.start()
+    try:
+        yield server
+    finally:
+        server.stop()

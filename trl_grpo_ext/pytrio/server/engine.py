@@ -1,0 +1,482 @@
+"""The model side of the local PyTRIO server: one transformers model, one PEFT LoRA adapter per training run.
+
+All training runs share the base weights; each run owns a named LoRA adapter and an AdamW optimizer over it.
+Sampler snapshots are frozen copies of adapter weights (`LoraSnapshot`); sampling copies a snapshot into a
+per-LoRA-shape "sampler slot" adapter, so snapshots never move while their run keeps training.
+A single re-entrant lock serialises every use of the model: PEFT's active adapter is global state.
+"""
+
+from __future__ import annotations
+
+import copy
+import inspect
+import itertools
+import json
+import logging
+import random
+import threading
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+from trl_grpo_ext.pytrio.server.losses import LossSpec, per_token_loss
+
+logger = logging.getLogger(__name__)
+
+ATTN_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj")
+MLP_MODULES = ("gate_proj", "up_proj", "down_proj")
+UNEMBED_MODULES = ("lm_head",)
+# Tinker scales LoRA by a fixed alpha of 32 for every rank; we do the same so learning rates carry over.
+LORA_ALPHA = 32
+_SNAPSHOT_IDS = itertools.count(1)
+ADAPTER_FILE = "adapter_model.safetensors"
+OPTIMIZER_FILE = "optimizer.pt"
+META_FILE = "trio_checkpoint.json"
+
+
+class EngineError(Exception):
+    """A request the engine cannot serve; `code` is what the client sees as the event error code."""
+
+    def __init__(self, code: str, message: str):
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+
+@dataclass(frozen=True)
+class LoraSettings:
+    rank: int
+    seed: int | None = None
+    train_mlp: bool = True
+    train_attn: bool = True
+    train_unembed: bool = True
+
+    @property
+    def shape_key(self) -> str:
+        """Adapters with the same key have identical parameter shapes and can share a sampler slot."""
+        return f"r{self.rank}_m{int(self.train_mlp)}_a{int(self.train_attn)}_u{int(self.train_unembed)}"
+
+
+@dataclass
+class LoraSnapshot:
+    """Frozen adapter weights (PEFT state-dict keys, no adapter name) plus optional optimizer state."""
+
+    lora: LoraSettings
+    weights: dict[str, torch.Tensor]
+    optimizer: dict | None = None
+    step: int = 0
+    uid: int = field(default_factory=lambda: next(_SNAPSHOT_IDS))
+
+    def save(self, folder: Path, base_model: str, peft_config) -> int:
+        """Write a PEFT-loadable adapter folder (+ optimizer state); returns the bytes written."""
+        from safetensors.torch import save_file
+
+        folder.mkdir(parents=True, exist_ok=True)
+        save_file({k: v.contiguous() for k, v in self.weights.items()}, str(folder / ADAPTER_FILE))
+        cfg = copy.deepcopy(peft_config)
+        cfg.base_model_name_or_path = base_model
+        cfg.save_pretrained(str(folder))
+        if self.optimizer is not None:
+            torch.save(self.optimizer, folder / OPTIMIZER_FILE)
+        (folder / META_FILE).write_text(json.dumps({"lora": asdict(self.lora), "step": self.step}))
+        return sum(p.stat().st_size for p in folder.iterdir() if p.is_file())
+
+    @classmethod
+    def load(cls, folder: Path, with_optimizer: bool) -> LoraSnapshot:
+        from safetensors.torch import load_file
+
+        meta = json.loads((folder / META_FILE).read_text())
+        optimizer = None
+        if with_optimizer:
+            if not (folder / OPTIMIZER_FILE).is_file():
+                raise EngineError("checkpoint_has_no_optimizer", f"checkpoint {folder.name} holds no optimizer state")
+            optimizer = torch.load(folder / OPTIMIZER_FILE, weights_only=False)
+        return cls(LoraSettings(**meta["lora"]), load_file(str(folder / ADAPTER_FILE)), optimizer, meta.get("step", 0))
+
+
+@dataclass
+class TrainingRun:
+    run_id: str
+    adapter: str
+    lora: LoraSettings
+    params: list[tuple[str, torch.nn.Parameter]]
+    optimizer: torch.optim.Optimizer
+    step: int = 0
+    pending_tokens: int = field(default=0)
+
+
+@dataclass
+class ForwardDatum:
+    tokens: list[int]
+    targets: list[int]
+    weights: list[float] | None = None
+    old_logprobs: list[float] | None = None
+    advantages: list[float] | None = None
+
+
+@dataclass
+class SampleResult:
+    tokens: list[int]
+    logprobs: list[float]
+    stop_reason: str
+    text: str | None = None
+
+
+def _cache_of(output):
+    cache = getattr(output, "past_key_values", None)
+    return cache if cache is not None else getattr(output, "cache", None)
+
+
+class ModelEngine:
+    """Loads `model_path` once and serves training runs and samplers on it."""
+
+    def __init__(self, model_path: str, *, device: str | None = None, dtype: str = "float32"):
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        self.model_path = str(model_path)
+        self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        torch_dtype = getattr(torch, dtype, None)
+        if not isinstance(torch_dtype, torch.dtype):
+            raise ValueError(f"unknown dtype {dtype!r}")
+        self.tokenizer = AutoTokenizer.from_pretrained(self.model_path)
+        model = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=torch_dtype)
+        model.to(self.device)
+        model.eval()  # no dropout: forward and forward_backward must see the same function
+        for p in model.parameters():
+            p.requires_grad_(False)
+        self.base = model
+        # read before PEFT wraps the layers: LoRA-wrapped linears are no longer nn.Linear
+        self._linear_names = {n.rsplit(".", 1)[-1] for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
+        self.peft = None
+        self.lock = threading.RLock()
+        self.runs: dict[str, TrainingRun] = {}
+        self._slots: dict[str, str] = {}  # LoRA shape key -> sampler adapter name
+        self._slot_content: dict[str, int] = {}  # sampler adapter -> uid of the snapshot loaded in it
+        self._stop_ids = self._default_stop_ids()
+        self.vocab_size = int(model.get_output_embeddings().weight.shape[0])
+        self.max_seq_len = int(getattr(model.config, "max_position_embeddings", 0) or 0) or None
+        # transformers 5.x renamed the forward argument `past_key_values` to `cache`
+        self._cache_kw = "cache" if "cache" in inspect.signature(type(model).forward).parameters else "past_key_values"
+
+    # ---------------------------------------------------------------- adapters
+    def _module_names(self, lora: LoraSettings) -> list[str]:
+        wanted = (ATTN_MODULES if lora.train_attn else ()) + (MLP_MODULES if lora.train_mlp else ())
+        wanted += UNEMBED_MODULES if lora.train_unembed else ()
+        found = [m for m in wanted if m in self._linear_names]
+        if not found:
+            raise EngineError("invalid_lora_config", f"no LoRA target modules {list(wanted)} in {self.model_path}")
+        return found
+
+    def peft_config(self, lora: LoraSettings):
+        from peft import LoraConfig
+
+        return LoraConfig(
+            r=lora.rank, lora_alpha=LORA_ALPHA, lora_dropout=0.0, target_modules=self._module_names(lora), bias="none"
+        )
+
+    def _add_adapter(self, name: str, lora: LoraSettings) -> None:
+        from peft import get_peft_model
+
+        config = self.peft_config(lora)
+        # A seeded run gets the same LoRA A init however many runs were created before it.
+        devices = [self.device.index] if self.device.type == "cuda" and self.device.index is not None else []
+        with torch.random.fork_rng(devices=devices):
+            torch.manual_seed(lora.seed if lora.seed is not None else random.randrange(2**31))
+            if self.peft is None:
+                self.peft = get_peft_model(self.base, config, adapter_name=name)
+            else:
+                self.peft.add_adapter(name, config)
+
+    def _adapter_params(self, name: str) -> list[tuple[str, torch.nn.Parameter]]:
+        tag = f".{name}."
+        params = [(n.replace(tag, "."), p) for n, p in self.peft.named_parameters() if tag in n]
+        return sorted(params, key=lambda item: item[0])
+
+    def _activate(self, name: str, trainable: bool) -> None:
+        self.peft.set_adapter(name, inference_mode=not trainable)
+        if trainable:
+            for _, p in self.runs_by_adapter(name).params:
+                p.requires_grad_(True)
+
+    def runs_by_adapter(self, adapter: str) -> TrainingRun:
+        for run in self.runs.values():
+            if run.adapter == adapter:
+                return run
+        raise KeyError(adapter)
+
+    def _export(self, adapter: str) -> dict[str, torch.Tensor]:
+        from peft.utils import get_peft_model_state_dict
+
+        # save_embedding_layers=False: with lm_head targeted PEFT would otherwise copy the full output matrix
+        state = get_peft_model_state_dict(self.peft, adapter_name=adapter, save_embedding_layers=False)
+        return {k: v.detach().to("cpu", copy=True) for k, v in state.items()}
+
+    def _import(self, adapter: str, weights: dict[str, torch.Tensor]) -> None:
+        from peft.utils import set_peft_model_state_dict
+
+        result = set_peft_model_state_dict(self.peft, weights, adapter_name=adapter)
+        missing = [k for k in getattr(result, "missing_keys", []) if f".{adapter}." in k and "lora_" in k]
+        if missing:
+            raise EngineError("checkpoint_mismatch", f"checkpoint lacks {len(missing)} LoRA tensors, e.g. {missing[0]}")
+
+    # ---------------------------------------------------------------- training runs
+    def create_run(self, run_id: str, lora: LoraSettings, source: LoraSnapshot | None = None, load_optimizer=False):
+        with self.lock:
+            if run_id in self.runs:
+                raise EngineError("run_already_initialized", f"training run {run_id} is already initialized")
+            if source is not None and source.lora.shape_key != lora.shape_key:
+                raise EngineError("checkpoint_mismatch", f"checkpoint LoRA {source.lora} does not match {lora}")
+            adapter = "run_" + run_id.replace("-", "_")
+            self._add_adapter(adapter, lora)
+            if source is not None:
+                self._import(adapter, source.weights)
+            params = self._adapter_params(adapter)
+            for _, p in params:
+                p.requires_grad_(False)
+            optimizer = torch.optim.AdamW([p for _, p in params], lr=1e-4, betas=(0.9, 0.95), eps=1e-12, weight_decay=0.0)
+            run = TrainingRun(run_id, adapter, lora, params, optimizer)
+            if source is not None:
+                run.step = source.step
+                if load_optimizer:
+                    if source.optimizer is None:
+                        raise EngineError("checkpoint_has_no_optimizer", "checkpoint holds no optimizer state")
+                    names = source.optimizer.get("param_names")
+                    if names != [n for n, _ in params]:
+                        raise EngineError("checkpoint_mismatch", "optimizer state does not match the adapter parameters")
+                    optimizer.load_state_dict(source.optimizer["state_dict"])
+            self.runs[run_id] = run
+            return run
+
+    def _run(self, run_id: str) -> TrainingRun:
+        run = self.runs.get(run_id)
+        if run is None:
+            raise EngineError("run_not_initialized", f"training run {run_id} has no initialized trainer")
+        return run
+
+    def snapshot(self, run_id: str, with_optimizer: bool) -> LoraSnapshot:
+        with self.lock:
+            run = self._run(run_id)
+            optimizer = None
+            if with_optimizer:
+                optimizer = {
+                    "state_dict": copy.deepcopy(run.optimizer.state_dict()),
+                    "param_names": [n for n, _ in run.params],
+                }
+            return LoraSnapshot(run.lora, self._export(run.adapter), optimizer, run.step)
+
+    def _target_logprobs(self, datum: ForwardDatum, auto_shift: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per-position log p(target) aligned with ``datum.targets`` and the mask of positions that count."""
+        ids = torch.tensor([datum.tokens], device=self.device)
+        targets = torch.tensor(datum.targets, device=self.device)
+        logits = self.peft(input_ids=ids).logits[0].float()
+        if auto_shift:
+            # position i predicts target i + 1; the first label has no predicting position
+            logits = torch.cat([logits.new_zeros(1, logits.shape[-1]), logits[:-1]], dim=0)
+        valid = targets != -100
+        if auto_shift:
+            valid[0] = False
+        if bool(((targets < 0) & valid).any()) or bool((targets >= logits.shape[-1]).any()):
+            raise EngineError("token_out_of_range", f"target token ids must lie in [0, {logits.shape[-1]}) or be -100")
+        gathered = torch.log_softmax(logits, dim=-1).gather(-1, targets.clamp(min=0).unsqueeze(-1)).squeeze(-1)
+        return torch.where(valid, gathered, torch.zeros_like(gathered)), valid
+
+    def forward(self, run_id: str, data: list[ForwardDatum], spec: LossSpec, *, backward: bool, auto_shift: bool):
+        """Per-datum outputs (``logprobs``, ``elementwise_loss`` as float arrays) and summed metrics.
+
+        The loss of the call is the sum over data and counted tokens; gradients accumulate into the run's
+        adapter until `optim_step`.
+        """
+        with self.lock:
+            run = self._run(run_id)
+            self._activate(run.adapter, trainable=backward)
+            outputs, loss_sum, token_count = [], 0.0, 0
+            for datum in data:
+                if max(datum.tokens, default=0) >= self.vocab_size or min(datum.tokens, default=0) < 0:
+                    raise EngineError("token_out_of_range", f"input token ids must lie in [0, {self.vocab_size})")
+                with torch.set_grad_enabled(backward):
+                    logprobs, valid = self._target_logprobs(datum, auto_shift)
+                    mask = valid.clone()
+                    kwargs = {}
+                    if spec.name == "cross_entropy":
+                        weights = torch.tensor(datum.weights, dtype=logprobs.dtype, device=self.device)
+                        mask &= weights != 0
+                        kwargs["weights"] = weights
+                    else:
+                        kwargs["old_logprobs"] = torch.tensor(datum.old_logprobs, dtype=logprobs.dtype, device=self.device)
+                        advantages = torch.tensor(datum.advantages, dtype=logprobs.dtype, device=self.device)
+                        kwargs["advantages"] = advantages
+                        if spec.name == "dro":  # its quadratic penalty would otherwise train prompt tokens
+                            mask &= advantages != 0
+                    loss_tok, _ = per_token_loss(spec, logprobs, **kwargs)
+                    loss_tok = torch.where(mask, loss_tok, torch.zeros_like(loss_tok))
+                    loss = loss_tok.sum()
+                    if not torch.isfinite(loss):
+                        raise EngineError("non_finite_loss", f"loss is {loss.item()}; check logprobs and advantages")
+                    if backward:
+                        loss.backward()
+                outputs.append(
+                    {"logprobs": logprobs.detach().cpu().numpy(), "elementwise_loss": loss_tok.detach().cpu().numpy()}
+                )
+                loss_sum += float(loss.detach())
+                token_count += int(mask.sum())
+            if backward:
+                run.pending_tokens += token_count
+            return outputs, {"loss_sum": loss_sum, "token_count": token_count}
+
+    def optim_step(self, run_id: str, adam: dict) -> dict[str, float]:
+        with self.lock:
+            run = self._run(run_id)
+            params = [p for _, p in run.params]
+            grads = [p.grad for p in params if p.grad is not None]
+            grad_norm = float(torch.linalg.vector_norm(torch.stack([g.norm() for g in grads]))) if grads else 0.0
+            clip = float(adam.get("grad_clip_norm", 0.0))
+            if clip > 0 and grads:
+                torch.nn.utils.clip_grad_norm_(params, clip)
+            for group in run.optimizer.param_groups:
+                group["lr"] = float(adam["learning_rate"])
+                group["betas"] = (float(adam["beta1"]), float(adam["beta2"]))
+                group["eps"] = float(adam["eps"])
+                group["weight_decay"] = float(adam["weight_decay"])
+            if grads:
+                run.optimizer.step()
+            run.optimizer.zero_grad(set_to_none=True)
+            run.step += 1
+            tokens, run.pending_tokens = run.pending_tokens, 0
+            return {
+                "grad_norm": grad_norm,
+                "learning_rate": float(adam["learning_rate"]),
+                "step": float(run.step),
+                "train_tokens": float(tokens),
+            }
+
+    def drop_run(self, run_id: str) -> None:
+        with self.lock:
+            run = self.runs.pop(run_id, None)
+            if run is not None and self.peft is not None:
+                self.peft.delete_adapter(run.adapter)
+
+    # ---------------------------------------------------------------- sampling
+    def _default_stop_ids(self) -> set[int]:
+        ids = set()
+        for value in (getattr(self.base.generation_config, "eos_token_id", None), self.tokenizer.eos_token_id):
+            if isinstance(value, int):
+                ids.add(value)
+            elif isinstance(value, (list, tuple)):
+                ids.update(int(v) for v in value)
+        return ids
+
+    def _use_snapshot(self, snapshot: LoraSnapshot | None):
+        """Make `snapshot` the active adapter (or disable adapters for the base model); returns a context."""
+        import contextlib
+
+        if snapshot is None:
+            if self.peft is None:
+                return self.base, contextlib.nullcontext()
+            return self.peft, self.peft.disable_adapter()
+        key = snapshot.lora.shape_key
+        slot = self._slots.get(key)
+        if slot is None:
+            slot = f"sampler_{key}"
+            self._add_adapter(slot, snapshot.lora)
+            self._slots[key] = slot
+        if self._slot_content.get(slot) != snapshot.uid:
+            self._import(slot, snapshot.weights)
+            self._slot_content[slot] = snapshot.uid
+        self.peft.set_adapter(slot, inference_mode=True)
+        return self.peft, contextlib.nullcontext()
+
+    @staticmethod
+    def _sampling_distribution(logits: torch.Tensor, temperature: float, top_k: int, top_p: float) -> torch.Tensor:
+        """Log-probabilities of the distribution actually sampled from (temperature, top-k, top-p applied)."""
+        if temperature <= 0:  # greedy: a point mass on the argmax
+            out = torch.full_like(logits, float("-inf"))
+            return out.scatter(-1, logits.argmax(-1, keepdim=True), 0.0)
+        logits = logits / temperature
+        if top_k is not None and top_k > 0 and top_k < logits.shape[-1]:
+            kth = torch.topk(logits, top_k, dim=-1).values[..., -1:]
+            logits = logits.masked_fill(logits < kth, float("-inf"))
+        if top_p is not None and 0 < top_p < 1:
+            sorted_logits, order = torch.sort(logits, descending=True, dim=-1)
+            cumulative = torch.softmax(sorted_logits, dim=-1).cumsum(-1)
+            drop = cumulative - torch.softmax(sorted_logits, dim=-1) >= top_p  # keep the token that crosses top_p
+            sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+            logits = torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits)
+        return torch.log_softmax(logits, dim=-1)
+
+    def sample(
+        self,
+        snapshot: LoraSnapshot | None,
+        prompt: list[int],
+        *,
+        num_samples: int,
+        max_tokens: int,
+        temperature: float = 1.0,
+        top_k: int = -1,
+        top_p: float = 1.0,
+        seed: int | None = None,
+        stop: list[str] | None = None,
+        stop_token_ids: list[int] | None = None,
+        return_text: bool = True,
+    ) -> list[SampleResult]:
+        """Sample `num_samples` continuations of `prompt` with a KV cache; stop on EOS, stop tokens or strings."""
+        if not prompt or max(prompt) >= self.vocab_size or min(prompt) < 0:
+            raise EngineError("token_out_of_range", f"prompt token ids must lie in [0, {self.vocab_size})")
+        if self.max_seq_len and len(prompt) + max_tokens > self.max_seq_len:
+            raise EngineError(
+                "sequence_too_long", f"prompt {len(prompt)} + max_tokens {max_tokens} exceeds {self.max_seq_len}"
+            )
+        stop_ids = self._stop_ids | set(stop_token_ids or [])
+        stop = [s for s in (stop or []) if s]
+        generator = torch.Generator(device=self.device).manual_seed(seed if seed is not None else random.randrange(2**63))
+        with self.lock:
+            model, ctx = self._use_snapshot(snapshot)
+            with ctx, torch.no_grad():
+                ids = torch.tensor([prompt] * num_samples, device=self.device)
+                out = model(input_ids=ids, use_cache=True, logits_to_keep=1)
+                past, logits = _cache_of(out), out.logits[:, -1].float()
+                tokens = [[] for _ in range(num_samples)]
+                logps = [[] for _ in range(num_samples)]
+                reasons = ["length"] * num_samples
+                done = [False] * num_samples
+                for _ in range(max_tokens):
+                    dist = self._sampling_distribution(logits, temperature, top_k, top_p)
+                    nxt = torch.multinomial(dist.exp(), 1, generator=generator).squeeze(-1)
+                    chosen = dist.gather(-1, nxt.unsqueeze(-1)).squeeze(-1)
+                    for i in range(num_samples):
+                        if done[i]:
+                            continue
+                        tok = int(nxt[i])
+                        tokens[i].append(tok)
+                        logps[i].append(float(chosen[i]))
+                        if tok in stop_ids or (stop and self._ends_with_stop(tokens[i], stop)):
+                            done[i], reasons[i] = True, "stop"
+                    if all(done):
+                        break
+                    out = model(input_ids=nxt.unsqueeze(-1), use_cache=True, logits_to_keep=1, **{self._cache_kw: past})
+                    past, logits = _cache_of(out), out.logits[:, -1].float()
+        return [
+            SampleResult(t, lp, r, self.tokenizer.decode(t) if return_text else None)
+            for t, lp, r in zip(tokens, logps, reasons, strict=True)
+        ]
+
+    def _ends_with_stop(self, tokens: list[int], stop: list[str]) -> bool:
+        # Checked after every token, so a stop string can only have appeared in the newest one: a short
+        # decoded tail is enough to see it.
+        tail = self.tokenizer.decode(tokens[-(max(len(s) for s in stop) + 8) :])
+        return any(s in tail for s in stop)
+
+    def prompt_logprobs(self, snapshot: LoraSnapshot | None, prompt: list[int], topk: int = 0):
+        """``[None, log p(x_1 | x_0), ...]`` and, with ``topk``, the top-k (token, logprob) per position."""
+        with self.lock:
+            model, ctx = self._use_snapshot(snapshot)
+            with ctx, torch.no_grad():
+                logits = model(input_ids=torch.tensor([prompt], device=self.device)).logits[0].float()
+            logp = torch.log_softmax(logits, dim=-1)
+        targets = torch.tensor(prompt[1:], device=logp.device)
+        values = logp[:-1].gather(-1, targets.unsqueeze(-1)).squeeze(-1).tolist() if len(prompt) > 1 else []
+        top = None
+        if topk > 0:
+            top_v, top_i = torch.topk(logp[:-1], min(topk, logp.shape[-1]), dim=-1)
+            top = [None] + [list(zip(i.tolist(), v.tolist(), strict=True)) for i, v in zip(top_i, top_v, strict=True)]
+        return [None, *values], top
