@@ -39,17 +39,18 @@ __all__ = [
     "warm_up_verifier",
 ]
 
-# Completions with more braces than this are only searched in their last SCAN_TAIL_CHARS characters
-# for boxes: brace matching runs one Python step per brace, and a final answer sits at the end.
-MAX_BRACE_TOKENS = 20_000
-SCAN_TAIL_CHARS = 32_768
+# Box search looks at the last MAX_SCAN_CHARS characters of a completion (a final answer sits at its
+# end); if that region holds more than MAX_BRACE_TOKENS braces, only its last MAX_BRACE_TOKENS characters.
+# Brace matching runs one Python step per brace, so this bounds it on adversarial input.
+MAX_SCAN_CHARS = 100_000
+MAX_BRACE_TOKENS = 4_000
 # A box whose content is longer than this is not an answer (it is an unclosed box that a much later
 # `}` happened to close); boxes inside it then count on their own.
 MAX_BOX_CHARS = 2_000
 # Answers longer than this are compared as text only; no real final answer is this long.
 MAX_ANSWER_CHARS = 1_000
 # Budget for one `answers_match` call that needs the math-verify fallback, in seconds.
-FALLBACK_TIMEOUT_S = float(os.environ.get("TRL_GRPO_EXT_VERIFY_TIMEOUT", "0.04"))
+FALLBACK_TIMEOUT_S = float(os.environ.get("TRL_GRPO_EXT_VERIFY_TIMEOUT", "0.03"))
 
 
 # --------------------------------------------------------------------------------------------------
@@ -114,9 +115,10 @@ _BOX_TOKEN = re.compile(r"\\[{}]|\\(?:boxed|fbox)\s*\{|[{}]")
 
 
 def _scan_region(text: str) -> str:
-    if len(text) > SCAN_TAIL_CHARS and text.count("{") + text.count("}") > MAX_BRACE_TOKENS:
-        return text[-SCAN_TAIL_CHARS:]
-    return text
+    region = text[-MAX_SCAN_CHARS:]
+    if len(region) > MAX_BRACE_TOKENS and region.count("{") + region.count("}") > MAX_BRACE_TOKENS:
+        return region[-MAX_BRACE_TOKENS:]
+    return region
 
 
 def _box_spans(text: str) -> list[tuple[int, int, int]]:
@@ -319,11 +321,16 @@ def normalize_answer(s) -> str:
 
     `normalize_answer("\\$1,080.00") == "1080"`; `normalize_answer("x = 18 \\text{ cm}") == "18"`."""
     s = completion_text(s)
+    if len(s) > MAX_ANSWER_CHARS:
+        return s.strip()
+    return _normalize_cached(s)
+
+
+@lru_cache(maxsize=65_536)
+def _normalize_cached(s: str) -> str:
     if not s:
         return ""
     s = s.translate(_UNICODE).strip()
-    if len(s) > MAX_ANSWER_CHARS:
-        return s
     for _ in range(4):
         m = _BOX_WRAPPER.match(s)
         if m is None:
@@ -470,6 +477,7 @@ def answers_match(pred, truth, timeout: float | None = None) -> bool:
     Decided without sympy for the vast majority of answers (normalised text, then exact values).
     What that cannot decide goes to math-verify in a worker process, bounded by `timeout` seconds
     (default FALLBACK_TIMEOUT_S); an undecided comparison is False. Safe in any thread."""
+    deadline = time.monotonic() + (FALLBACK_TIMEOUT_S if timeout is None else timeout)
     try:
         p, t = completion_text(pred).strip(), completion_text(truth).strip()
         if not p or not t:
@@ -479,14 +487,18 @@ def answers_match(pred, truth, timeout: float | None = None) -> bool:
         verdict = _fast_match(normalize_answer(p), normalize_answer(t))
         if verdict is not None:
             return verdict
-        return _fallback_match(normalize_answer(p), normalize_answer(t), timeout)
+        return bool(_VERIFIER.check(normalize_answer(p), normalize_answer(t), deadline))
     except Exception:
         logger.debug("answers_match failed", exc_info=True)
         return False
 
 
 _NON_MATH = re.compile(r"[A-Za-z ]+")
-_TOWER = re.compile(r"\^\s*\{[^{}]*\^|\^\s*\d+\s*\^|\^\s*\{?\s*[+-]?\d{4,}|\d{3,}\s*!|\\underbrace|\\overbrace")
+_TOWER = re.compile(
+    r"\^\s*\{[^{}]*\^|\^\s*\d+\s*\^|\^\s*\{?\s*[+-]?\d{4,}|\d[eE][+-]?\d{5,}|\d{3,}\s*!|\\underbrace|\\overbrace"
+)
+_LATEX_COMMAND = re.compile(r"\\[A-Za-z]+")
+_VARIABLE = re.compile(r"[A-DF-HJ-Za-df-hj-z]")  # any Latin letter but the constants e and i
 
 
 @lru_cache(maxsize=65_536)
@@ -505,15 +517,11 @@ def _fast_match(p: str, t: str) -> bool | None:
         return p.strip().lower() == t.strip().lower()  # words (`yes`, `B`): compare as words
     if vt is not None and not any(c.isdigit() for c in p) and "\\" not in p:
         return False  # a number against words: nothing for math-verify to find
+    if vt is not None and _VARIABLE.search(_LATEX_COMMAND.sub(" ", p)):
+        return False  # an expression in free variables (or prose) is not a number
     if len(p) > 200 or len(t) > 200 or _TOWER.search(p) or _TOWER.search(t):
         return False  # exponent towers, huge factorials: sympy could run for minutes
     return None
-
-
-def _fallback_match(p: str, t: str, timeout: float | None) -> bool:
-    budget = FALLBACK_TIMEOUT_S if timeout is None else timeout
-    verdict = _VERIFIER.check(p, t, time.monotonic() + budget)
-    return bool(verdict)
 
 
 # --------------------------------------------------------------------------------------------------

@@ -57,7 +57,7 @@ def format_checks(completion, require_think: bool = False) -> dict[str, bool]:
     checks["box"] = bool(spans)
     if spans:
         answers = [region[s:e] for _, s, e in spans]
-        checks["single_answer"] = all(same_answer(a, answers[-1]) for a in answers[:-1])
+        checks["single_answer"] = all(same_answer(a, answers[-1]) for a in set(answers[:-1]))
         checks["clean_end"] = _is_clean_tail(region[spans[-1][2] + 1 :])
     else:
         checks["single_answer"] = checks["clean_end"] = False

@@ -30,7 +30,7 @@ def no_box(text: str, **_) -> bool:
 def conflicting_boxes(text: str, **_) -> bool:
     """Boxes that state different answers (`\\boxed{17} ... \\boxed{18}`)."""
     boxes = extract_all_boxed(text)
-    return any(not same_answer(b, boxes[-1]) for b in boxes[:-1])
+    return any(not same_answer(b, boxes[-1]) for b in set(boxes[:-1]))
 
 
 REPETITION_TAIL_CHARS = 8_000

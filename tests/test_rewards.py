@@ -1,0 +1,313 @@
+"""Reward functions: TRL's contract, boxed/format/hybrid rules, registry, threads and the time bound."""
+
+import asyncio
+import time
+import warnings
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from trl_grpo_ext import REWARD_REGISTRY, answers, boxed_reward, format_reward, get_reward_funcs, make_hybrid_reward
+from trl_grpo_ext.answers import answers_match, warm_up_verifier
+from trl_grpo_ext.rewards import has_repetition_loop, hybrid_reward, make_format_reward, register_reward
+
+GSM8K = "Natalia sold 48/2 = <<48/2=24>>24 clips in May.\nAltogether 1,080 clips.\n#### 1,080"
+TRL_KWARGS = dict(prompts=None, trainer_state=object(), log_extra=lambda *a: None, environments=None)
+
+
+def conv(text):
+    return [{"role": "assistant", "content": text}]
+
+
+# (completion, ground truth, expected boxed_reward)
+BOXED_CASES = [
+    ("So she sold \\boxed{1,080} clips.", GSM8K, 1.0),
+    ("$\\boxed{1080}$", GSM8K, 1.0),
+    ("\\boxed{\\$1,080.00}", GSM8K, 1.0),
+    ("\\boxed{1080 \\text{ clips}}", GSM8K, 1.0),
+    ("\\fbox{1080}", GSM8K, 1.0),
+    ("\\boxed{\\boxed{1080}}", GSM8K, 1.0),
+    ("first \\boxed{7} then final \\boxed{1080}", GSM8K, 1.0),
+    ("first \\boxed{1080} then final \\boxed{7}", GSM8K, 0.0),
+    ("\\boxed{1081}", GSM8K, 0.0),
+    ("The answer is 1080.", GSM8K, 0.0),
+    ("\\boxed{1080", GSM8K, 0.0),
+    ("\\boxed{1079 or 1080}", GSM8K, 0.0),
+    ("\\boxed{1079, 1080}", GSM8K, 0.0),
+    ("\\boxed{\\frac{1}{2}}", "0.5", 1.0),
+    ("\\boxed{0.5}", "\\frac{1}{2}", 1.0),
+    ("\\boxed{x = 18}", 18, 1.0),
+    ("\\boxed{18.00}", 18.0, 1.0),
+    ("\\boxed{\u221218}", "#### -18", 1.0),
+    ("\\boxed{1.8 \\times 10^{1}}", "18", 1.0),
+    ("\\boxed{\\sqrt{324}}", "18", 1.0),
+    ("\\boxed{50\\%}", "#### 50", 1.0),
+    ("\\boxed{018.}", "18", 1.0),
+    (conv("\\boxed{18}"), "18", 1.0),
+    (conv("\\boxed{17}"), "18", 0.0),
+    ("The area is \\boxed{\\frac{\\pi}{2}}", "The solution... so $\\boxed{\\pi/2}$.", 1.0),
+    # bad completions are scored, never raised on
+    (None, "18", 0.0),
+    ("", "18", 0.0),
+    (18, "18", 0.0),
+    (conv(None), "18", 0.0),
+    ([{"role": "assistant", "content": ["\\boxed{18}"]}], "18", 1.0),
+    ([{"role": "assistant", "content": object()}], "18", 0.0),
+    ("x" * 1_000_000, "18", 0.0),
+    ("x" * 1_000_000 + " \\boxed{18}", "18", 1.0),
+]
+
+
+@pytest.mark.parametrize("completion, truth, expected", BOXED_CASES)
+def test_boxed_reward(completion, truth, expected):
+    warm_up_verifier()
+    assert boxed_reward([completion], answer=[truth], completion_ids=[[1, 2]], log_metric=None, **TRL_KWARGS) == [
+        expected
+    ]
+
+
+def test_boxed_reward_batch_solution_alias_and_broadcast():
+    completions = ["\\boxed{18}", conv("\\boxed{17}"), None]
+    assert boxed_reward(completions, solution=["18", "18", "18"]) == [1.0, 0.0, 0.0]
+    assert boxed_reward(completions, answer="#### 18") == [1.0, 0.0, 0.0]
+    assert boxed_reward([], answer=[]) == []
+
+
+def test_boxed_reward_needs_a_ground_truth_column():
+    with pytest.raises(ValueError, match="answer.*solution"):
+        boxed_reward(["\\boxed{1}"], question=["q"])
+    with pytest.raises(ValueError, match="2 values for 1 completions"):
+        boxed_reward(["\\boxed{1}"], answer=["1", "2"])
+
+
+def test_unparseable_ground_truth_scores_none_with_one_warning():
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        scores = boxed_reward(["\\boxed{1}", "\\boxed{2}", "\\boxed{3}"], answer=["", None, "#### 3"])
+    assert scores == [None, None, 1.0]
+    ours = [w for w in caught if "ground truths could not be parsed" in str(w.message)]
+    assert len(ours) == 1 and "2 of 3" in str(ours[0].message)
+
+
+# (completion, format_reward, require_think variant, partial-credit variant)
+FORMAT_CASES = [
+    ("Step... so the answer is \\boxed{18}.", 1.0, 0.0, 1.0),
+    ("\\boxed{18}", 1.0, 0.0, 1.0),
+    ("$\\boxed{18}$.", 1.0, 0.0, 1.0),
+    ("\\[\\boxed{18}\\]", 1.0, 0.0, 1.0),
+    ("**\\boxed{18}**", 1.0, 0.0, 1.0),
+    ("\\boxed{18} ... so again \\boxed{18}", 1.0, 0.0, 1.0),
+    ("\\boxed{18} ... so again \\boxed{\\$18.00}", 1.0, 0.0, 1.0),
+    ("\\boxed{17} ... no wait \\boxed{18}", 0.0, 0.0, 2 / 3),
+    ("\\boxed{18} and some words after", 0.0, 0.0, 2 / 3),
+    ("\\boxed{18} 19", 0.0, 0.0, 2 / 3),
+    ("no box here: 18", 0.0, 0.0, 0.0),
+    ("\\boxed{18", 0.0, 0.0, 0.0),
+    ("<think>reasoning</think> so \\boxed{18}", 1.0, 1.0, 1.0),
+    ("<think>reasoning</think> so \\boxed{18}.", 1.0, 1.0, 1.0),
+    ("reasoning started in the prompt</think>\\boxed{18}", 1.0, 1.0, 1.0),
+    ("<think></think>\\boxed{18}", 1.0, 0.0, 1.0),
+    ("<think>a</think><think>b</think>\\boxed{18}", 1.0, 0.0, 1.0),
+    ("<think>no closing tag \\boxed{18}", 1.0, 0.0, 1.0),
+    ("preamble <think>a</think>\\boxed{18}", 1.0, 0.0, 1.0),
+    ("<think>maybe \\boxed{17}</think> final \\boxed{18}", 0.0, 1.0, 2 / 3),
+    (None, 0.0, 0.0, 0.0),
+    (conv("\\boxed{18}"), 1.0, 0.0, 1.0),
+    ("x" * 1_000_000, 0.0, 0.0, 0.0),
+]
+
+
+@pytest.mark.parametrize("completion, plain, think, partial", FORMAT_CASES)
+def test_format_reward(completion, plain, think, partial):
+    assert format_reward([completion], **TRL_KWARGS) == [plain]
+    assert REWARD_REGISTRY["format_think"]([completion]) == [think]
+    assert REWARD_REGISTRY["format_partial"]([completion]) == [pytest.approx(partial)]
+
+
+def test_format_reward_partial_credit_with_think():
+    reward = make_format_reward(require_think=True, partial_credit=True)
+    assert reward.__name__ == "format_reward_think_partial"
+    assert reward(["no think but \\boxed{18}", "<think>x</think> \\boxed{18}", "<think>x</think> 18"]) == [
+        0.75,
+        1.0,
+        0.25,
+    ]
+
+
+@pytest.mark.parametrize(
+    "text, loop",
+    [
+        ("Let me check. " * 20, True),
+        ("!" * 100, True),
+        ("1111111111" * 10, True),
+        ("the cat sat on the mat and then it sat on the mat again " * 6 + "\\boxed{3}", True),
+        ("Natalia sold 48 clips in April and 24 in May, 72 in all. \\boxed{72}", False),
+        ("Step 1: 3 + 4 = 7. Step 2: 7 * 2 = 14. Step 3: 14 - 1 = 13. \\boxed{13}", False),
+        ("", False),
+        ("---\n" + "\\boxed{3}", False),
+    ],
+)
+def test_repetition_loop(text, loop):
+    assert has_repetition_loop(text) is loop
+
+
+def test_hybrid_vetoes_come_before_the_weighted_sum():
+    completions = [
+        "Work. \\boxed{1080}.",  # correct and well formatted
+        "Work. \\boxed{1081}.",  # wrong, well formatted: format credit only
+        "Work. 1080.",  # no box: vetoed
+        "\\boxed{1080} hmm \\boxed{1081}",  # conflicting boxes: vetoed even though...
+        "Let me check. " * 30 + "\\boxed{1080}",  # repetition loop: vetoed
+        "Work. \\boxed{1080} trailing words",  # correct, bad format: no format credit
+    ]
+    scores = hybrid_reward(completions, answer=[GSM8K] * 6)
+    assert scores == [pytest.approx(1.3), pytest.approx(0.3), 0.0, 0.0, 0.0, 1.0]
+
+
+def test_hybrid_truncation_veto():
+    reward = make_hybrid_reward({"boxed": 1.0}, vetoes=["truncated"], veto_value=-1.0, name="h")
+    ok = "\\boxed{18}"
+    ids = [[5, 6, 7, 8], [5, 6, 7, 2], [5, 6]]  # 2 is EOS
+    # No limit and no EOS known: truncation cannot be told.
+    assert reward([ok] * 3, answer="18", completion_ids=ids) == [1.0, 1.0, 1.0]
+    # Limit given at call time: full-length completions without EOS are truncated.
+    assert reward([ok] * 3, answer="18", completion_ids=ids, max_completion_length=4) == [-1.0, -1.0, 1.0]
+    assert reward.with_context(max_completion_length=4, eos_token_ids=[2])(
+        [ok] * 3, answer="18", completion_ids=ids
+    ) == [-1.0, 1.0, 1.0]
+    # EOS only: TRL's own `mask_truncated_completions` test.
+    assert reward.with_context(eos_token_ids=[2])([ok] * 3, answer="18", completion_ids=ids) == [-1.0, 1.0, -1.0]
+    # Through the registry with the trainer's settings.
+    (hybrid,) = get_reward_funcs(["hybrid"], max_completion_length=4, eos_token_ids=[2])
+    assert hybrid([ok + "."] * 3, answer="18", completion_ids=ids) == [0.0, pytest.approx(1.3), pytest.approx(1.3)]
+
+
+def test_hybrid_reports_components_and_vetoes_through_log_metric():
+    logged = {}
+    scores = hybrid_reward(
+        ["\\boxed{18}.", "\\boxed{17}.", "18"], answer=["18"] * 3, log_metric=lambda k, v: logged.update({k: v})
+    )
+    assert scores == [pytest.approx(1.3), pytest.approx(0.3), 0.0]
+    assert logged == {
+        "rewards/hybrid_reward/boxed": pytest.approx(1 / 3),
+        "rewards/hybrid_reward/format": pytest.approx(2 / 3),
+        "rewards/hybrid_reward/veto_no_box": pytest.approx(1 / 3),
+        "rewards/hybrid_reward/veto_conflicting_boxes": 0.0,
+        "rewards/hybrid_reward/veto_repetition": 0.0,
+        "rewards/hybrid_reward/veto_truncated": 0.0,
+        "rewards/hybrid_reward/vetoed": pytest.approx(1 / 3),
+    }
+
+
+def test_hybrid_with_callables_and_none():
+    def length_bonus(completions, **kwargs):
+        return [0.5 for _ in completions]
+
+    def never_says_seven(text, **_):
+        return "7" in text
+
+    reward = make_hybrid_reward({"boxed": 2.0, length_bonus: 1.0}, vetoes=[never_says_seven], name="custom")
+    assert reward.__name__ == "custom"
+    assert reward(["\\boxed{18}", "\\boxed{7}", "\\boxed{18}"], answer=["18", "7", ""]) == [2.5, 0.0, None]
+    with pytest.raises(ValueError, match="unknown veto 'nope'"):
+        make_hybrid_reward({"boxed": 1.0}, vetoes=["nope"])
+    with pytest.raises(ValueError, match="unknown reward 'boxd'"):
+        make_hybrid_reward({"boxd": 1.0})
+
+
+def test_registry_names_and_typos():
+    assert {"boxed", "format", "hybrid"} <= set(REWARD_REGISTRY)
+    assert get_reward_funcs(["boxed", "format"]) == [boxed_reward, format_reward]
+    assert get_reward_funcs("boxed, hybrid") == [boxed_reward, hybrid_reward]
+    assert all(isinstance(f.__name__, str) for f in REWARD_REGISTRY.values())
+    with pytest.raises(ValueError) as err:
+        get_reward_funcs(["boxd"])
+    message = str(err.value)
+    assert "unknown reward 'boxd'" in message and "did you mean 'boxed'" in message
+    assert "valid: boxed, format" in message and "hybrid" in message
+    with pytest.raises(ValueError, match="no reward functions"):
+        get_reward_funcs([])
+
+
+def test_register_reward_decorator():
+    @register_reward("test_constant")
+    def constant(completions, **kwargs):
+        return [0.25] * len(completions)
+
+    try:
+        assert get_reward_funcs(["test_constant"])[0](["a", "b"]) == [0.25, 0.25]
+        with pytest.raises(ValueError, match="already registered"):
+            register_reward("test_constant")(lambda completions, **kw: [])
+    finally:
+        del REWARD_REGISTRY["test_constant"]
+
+
+MIXED = [
+    ("\\boxed{18}.", "18"),
+    (conv("\\boxed{\\sqrt{8}}."), "2\\sqrt{2}"),
+    ("\\boxed{1,080}", GSM8K),
+    ("\\boxed{17 or 18}", "18"),
+    (None, "18"),
+]
+
+
+@pytest.mark.parametrize("name", ["boxed", "format", "hybrid"])
+def test_rewards_from_worker_threads_and_asyncio(name):
+    warm_up_verifier()
+    func = REWARD_REGISTRY[name]
+    completions, truths = [c for c, _ in MIXED], [t for _, t in MIXED]
+    # Settle the symbolic comparison once without a tight deadline, so every call below agrees.
+    assert answers_match("\\sqrt{8}", "2\\sqrt{2}", timeout=30)
+    expected = func(completions, answer=truths)
+    with ThreadPoolExecutor(4) as pool:
+        results = list(pool.map(lambda _: func(completions, answer=truths), range(8)))
+    assert results == [expected] * 8
+    assert asyncio.run(asyncio.to_thread(func, completions, answer=truths)) == expected
+
+
+ADVERSARIAL = {
+    "exponent tower": "\\boxed{9^{9^{9^{9}}}}",
+    "100k-digit number": "\\boxed{" + "9" * 100_000 + "}",
+    "huge scientific": "\\boxed{1e999999999}",
+    "1 MB of text": "word " * 200_000,
+    "1 MB of braces": "{" * 1_000_000,
+    "1 MB of open boxes": "\\boxed{" * 150_000,
+    "1 MB of closed boxes": "\\boxed{1}" * 110_000,
+    "5000 nested boxes": "\\boxed{" * 5_000 + "18" + "}" * 5_000,
+    "nested fractions": "\\boxed{" + "\\frac{1}{" * 3_000 + "2" + "}" * 3_001,
+    "repetition loop": "Let me check again. " * 50_000,
+    "unicode minus": "\u2212" * 1_000_000 + "\\boxed{\u221218}",
+    "huge fraction": "\\boxed{\\frac{" + "7" * 3_000 + "}{" + "3" * 3_000 + "}}",
+}
+
+
+def _check_within_50ms(text, truth):
+    for name, func in REWARD_REGISTRY.items():
+        func([text], answer=[truth])  # warm-up
+        worst = 0.0
+        for _ in range(3):
+            start = time.perf_counter()
+            scores = func([text], answer=[truth])
+            worst = max(worst, time.perf_counter() - start)
+        assert len(scores) == 1 and isinstance(scores[0], float)
+        assert worst < 0.05, f"{name} took {worst * 1000:.1f} ms"
+
+
+@pytest.mark.parametrize("case", list(ADVERSARIAL))
+def test_every_completion_scores_within_50ms(case):
+    warm_up_verifier()
+    _check_within_50ms(ADVERSARIAL[case], "#### 18")
+
+
+@pytest.fixture
+def fresh_verifier():
+    """A ready math-verify worker before and after: the sympy case leaves it busy for seconds."""
+    warm_up_verifier()
+    yield
+    answers._VERIFIER.close()
+    assert warm_up_verifier()
+
+
+def test_symbolic_answer_slow_in_sympy_scores_within_50ms(fresh_verifier):
+    # Passes the guards, so it reaches the math-verify worker, where sympy needs seconds.
+    _check_within_50ms("\\boxed{(x+1)^{99}-(x+2)^{98}}", "x^2+1")
