@@ -111,12 +111,12 @@ class GRPOTrainer(trl.GRPOTrainer):
             if output["advantages"].dim() == 2:
                 local_zero = local_zero.unsqueeze(1)
             output["advantages"] = output["advantages"].masked_fill(local_zero, 0.0)
-            logged = self._logs["advantages"]  # the completions table shows what is trained on
-            if len(logged) >= zero.numel():
-                recent = [0.0 if z else a for a, z in zip(list(logged)[-zero.numel() :], zero.tolist(), strict=True)]
-                for _ in range(zero.numel()):
-                    logged.pop()
-                logged.extend(recent)
+            logged = self._logs["advantages"]  # the completions table should show what is trained on
+            k = min(len(logged), zero.numel())
+            recent = [0.0 if z else a for a, z in zip(list(logged)[-k:], zero[-k:].tolist(), strict=True)]
+            for _ in range(k):
+                logged.pop()
+            logged.extend(recent)
         return output
 
     # ------------------------------------------------------------------ loss
