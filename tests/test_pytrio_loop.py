@@ -313,3 +313,199 @@ def test_redact_hides_the_key():
     key = "sk-test-0123456789abcdef"
     assert key not in redact(f"401 for key {key}", secrets=(key,))
     assert "abcdef0123456789" not in redact("Authorization: Bearer abcdef0123456789", secrets=())
+
+
+# --------------------------------------------------------------------------------------------------------------
+# against the local pytrio server (real pytrio client, tiny model)
+# --------------------------------------------------------------------------------------------------------------
+
+SECRET_KEY = "trio-local-SECRETKEY-7f3a9c1e5b"
+TEST_REWARD = "pytrio_test_digits"
+
+
+def _digits_reward(completions, **kwargs):
+    """Fraction of digit characters: varies across a random model's samples, so groups carry a signal."""
+    from trl_grpo_ext.answers import completion_text
+
+    out = []
+    for completion in completions:
+        text = completion_text(completion)
+        out.append(sum(ch.isdigit() for ch in text) / max(len(text), 1))
+    return out
+
+
+@pytest.fixture(scope="module")
+def local_pytrio(tiny_model_path, tmp_path_factory):
+    from trl_grpo_ext.pytrio.server.app import LocalPyTrioServer, ServerConfig
+    from trl_grpo_ext.rewards import REWARD_REGISTRY, register_reward
+
+    if TEST_REWARD not in REWARD_REGISTRY:
+        register_reward(TEST_REWARD)(_digits_reward)
+    home = tmp_path_factory.mktemp("pytrio-home")
+    with LocalPyTrioServer(ServerConfig(model=tiny_model_path, api_key=SECRET_KEY)) as server:
+        server.home = str(home)
+        yield server
+
+
+@pytest.fixture
+def pytrio_client(local_pytrio):
+    """pytrio pointed at the local server (pytrio's configuration is process-wide: set it for every test)."""
+    local_pytrio.configure_client(home=local_pytrio.home)
+    return local_pytrio
+
+
+ROWS = [
+    {"prompt": [{"role": "user", "content": f"What is {a} + {b}?"}], "answer": f"#### {a + b}"}
+    for a, b in [(3, 4), (12, 30), (7, 8), (40, 2), (5, 5), (9, 11)]
+]
+
+
+def loop_config(tmp_path, **kw):
+    base = dict(
+        base_model="tiny",  # replaced by the fixture's path
+        lora_rank=4,
+        num_generations=4,
+        per_device_train_batch_size=8,
+        max_completion_length=12,
+        max_steps=2,
+        save_every=1,
+        reward_funcs=[TEST_REWARD, "boxed"],
+        learning_rate=5e-3,
+        output_dir=str(tmp_path / "run"),
+        seed=7,
+    )
+    base.update(kw)
+    return PyTrioGRPOConfig(**base)
+
+
+def run_loop(config, **kw):
+    from trl_grpo_ext.pytrio.loop import GRPOLoop
+
+    return GRPOLoop(config, rows=ROWS, **kw).run()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["sync", "async"])
+@pytest.mark.parametrize("loss_type", ["importance_sampling", "ppo", "cispo"])
+def test_full_grpo_loop_on_local_server(pytrio_client, tiny_model_path, tmp_path, loss_type, mode):
+    c = loop_config(tmp_path, base_model=tiny_model_path, loss_type=loss_type, mode=mode)
+    summary = run_loop(c)
+    assert summary["steps"] == 2 and summary["sampler_path"] and summary["state_path"]
+    rows = read_metrics(c.output_dir)
+    assert [r["step"] for r in rows] == [1, 2]
+    for row in rows:
+        for key in ("reward", "reward_std", f"rewards/{_digits_reward.__name__}/mean", "rewards/boxed_reward/mean",
+                    "frac_degenerate", "frac_reward_zero_std", "train_tokens", "ratio_mean", "loss",
+                    "learning_rate", "step_time", "completions/mean_length", "grad_norm"):
+            assert key in row, key
+        # sampler and trainer hold the same weights within a step: a misaligned shift would move this far from 1
+        assert row["ratio_mean"] == pytest.approx(1.0, abs=2e-3)
+        if loss_type != "importance_sampling":
+            assert row["clip_low_frac"] is not None and row["clip_high_frac"] is not None
+    assert any(r["train_tokens"] > 0 for r in rows)
+    assert any(r["grad_norm"] > 0 for r in rows)  # the loss reached the adapter
+    state = load_loop_state(c.output_dir)
+    assert state.step == 2 and state.data_position == 2 * c.prompts_per_step
+
+
+@pytest.mark.slow
+def test_custom_loss_path_matches_builtin_loss(pytrio_client, tiny_model_path):
+    """importance_sampling as the server's built-in (sum with advantages / N) and as forward_backward_custom
+    (trl_grpo_ext.losses token mean) move the weights the same way."""
+    import pytrio as trio
+
+    from trl_grpo_ext.pytrio.loop import make_custom_loss
+
+    c = cfg(loss_type="importance_sampling", max_grad_norm=0.0)
+    rollouts = [([1, 2, 3], [4, 5, 6, 7], 1.0), ([1, 2], [8, 9], -1.0), ([3, 1, 2], [10, 11, 12], 0.5)]
+    service = trio.ServiceClient()
+    clients = [service.create_lora_training_client(tiny_model_path, rank=4, seed=11) for _ in range(2)]
+    probe = [build_datum(p, t, [-1.0] * len(t), 0.0) for p, t, _ in rollouts]
+    before = [list(o["logprobs"].data) for o in clients[0].forward(probe, "importance_sampling").result().loss_fn_outputs]
+    # probe the sampled logprobs as the old policy, so the ratio starts at 1
+    rows = TokenRows()
+    datums_builtin = []
+    n_tokens = sum(len(t) for _, t, _ in rollouts)
+    for (p, t, a), lp in zip(rollouts, before, strict=True):
+        old = lp[len(p) - 1 :]
+        rows.add(shifted_sequences(p, t, old, a))
+        datums_builtin.append(build_datum(p, t, old, a / n_tokens))
+    # eps >> |grad| keeps Adam's first step linear in the gradient, so a wrong loss scale would show
+    adam = trio.AdamParams(learning_rate=1.0, eps=1.0, beta1=0.9, beta2=0.999, grad_clip_norm=0.0)
+    clients[0].forward_backward(datums_builtin, "importance_sampling").result()
+    clients[1].forward_backward_custom(datums_builtin, make_custom_loss(c, rows, {})).result()
+    after = []
+    for client in clients:
+        client.optim_step(adam).result()
+        after.append([list(o["logprobs"].data) for o in client.forward(probe, "importance_sampling").result().loss_fn_outputs])
+    delta = [torch.tensor(sum(a, [])) - torch.tensor(sum(before, [])) for a in after]
+    assert delta[0].abs().max() > 1e-4  # the step did something
+    assert torch.allclose(delta[0], delta[1], rtol=0.05, atol=1e-6)
+
+
+@pytest.mark.slow
+def test_stop_after_checkpoint_then_resume(pytrio_client, tiny_model_path, tmp_path):
+    c = loop_config(tmp_path, base_model=tiny_model_path, max_steps=4, save_every=2, mode="async")
+    stopped = run_loop(c, stop_after=3)  # steps 1, 2 (checkpoint), 3, then the process "dies"
+    assert stopped["stopped_at"] == 3
+    assert [r["step"] for r in read_metrics(c.output_dir)] == [1, 2, 3]
+    assert load_loop_state(c.output_dir).step == 2
+    resumed_config = loop_config(tmp_path, base_model=tiny_model_path, max_steps=4, save_every=2, mode="async",
+                                 resume=True)
+    summary = run_loop(resumed_config)
+    assert summary["steps"] == 4
+    steps = [r["step"] for r in read_metrics(c.output_dir)]
+    assert steps == [1, 2, 3, 4]  # step 3 re-run once, its stale row dropped
+    state = load_loop_state(c.output_dir)
+    assert state.data_position == 4 * c.prompts_per_step
+    assert [ck["step"] for ck in state.checkpoints] == [2, 4]
+    # a resume with a different model shape is refused before anything runs
+    with pytest.raises(ValueError, match="lora_rank"):
+        run_loop(loop_config(tmp_path, base_model=tiny_model_path, max_steps=5, lora_rank=8, resume=True))
+
+
+@pytest.mark.slow
+def test_api_key_never_written_or_logged(pytrio_client, tiny_model_path, tmp_path, caplog, capfd):
+    import logging
+
+    caplog.set_level(logging.DEBUG)
+    c = loop_config(tmp_path, base_model=tiny_model_path, max_steps=1, report_to="swanlab", swanlab_mode="offline")
+    run_loop(c)
+    captured = capfd.readouterr()
+    assert SECRET_KEY not in captured.out + captured.err
+    assert SECRET_KEY not in caplog.text
+    files = [p for p in Path(c.output_dir).rglob("*") if p.is_file()]
+    assert any(p.name == "metrics.jsonl" for p in files) and any("swanlog" in str(p) for p in files)
+    for path in files:
+        assert SECRET_KEY.encode() not in path.read_bytes(), path
+
+    # a rejected key: the error names the problem, not the key
+    import pytrio as trio
+
+    from trl_grpo_ext.pytrio.connection import create_service_client
+
+    wrong = "trio-wrong-KEY-0011223344"
+    trio.configure(api_key=wrong)
+    with pytest.raises(RuntimeError) as info:
+        create_service_client()
+    assert wrong not in str(info.value) and "Could not open a PyTRIO session" in str(info.value)
+
+
+@pytest.mark.slow
+def test_service_failure_is_a_clear_error_and_keeps_the_checkpoint(pytrio_client, tiny_model_path, tmp_path):
+    import pytrio as trio
+
+    c = loop_config(tmp_path, base_model=tiny_model_path, max_steps=3, save_every=1, request_timeout_s=60)
+    run_loop(c, stop_after=1)
+    trio.configure(retry_max_attempts=1, sampling_retry_timeout_seconds=0.5, retry_initial_delay_seconds=0.0)
+    pytrio_client.faults.add("/sample", status=500, times=50)
+    try:
+        with pytest.raises(PyTrioLoopError, match="sample"):
+            run_loop(loop_config(tmp_path, base_model=tiny_model_path, max_steps=3, save_every=1, resume=True,
+                                 request_timeout_s=60))
+    finally:
+        pytrio_client.faults.faults.clear()
+        trio.configure(retry_max_attempts=3, sampling_retry_timeout_seconds=900, retry_initial_delay_seconds=1.0)
+    state = load_loop_state(c.output_dir)
+    assert state.step == 1 and state.state_path  # nothing lost: the next resume starts from the checkpoint
+    assert [r["step"] for r in read_metrics(c.output_dir)] == [1]

@@ -60,20 +60,15 @@ def install_log_redaction() -> None:
 
 
 @contextlib.contextmanager
-def local_server(base_model: str, **kwargs):
-    """Run the local pytrio server for ``base_model`` on 127.0.0.1; yields ``(base_url, api_key)``."""
+def local_server(base_model: str, **options):
+    """Run the local pytrio server (`trl_grpo_ext.pytrio.server`) for ``base_model`` on 127.0.0.1 in this process;
+    yields the server (``.base_url``, ``.api_key``, a fresh random key)."""
     try:
-        from trl_grpo_ext.pytrio.server import start_local_server
+        from trl_grpo_ext.pytrio.server.app import LocalPyTrioServer, ServerConfig
     except ImportError as error:
-        raise RuntimeError(
-            "pytrio_base_url: local needs the local server (trl_grpo_ext.pytrio.server), which is not available: "
-            f"{error}"
-        ) from None
-    handle = start_local_server(base_model=base_model, **kwargs)
-    try:
-        yield handle.base_url, handle.api_key
-    finally:
-        handle.stop()
+        raise RuntimeError(f"pytrio_base_url: local needs the local server, which cannot be imported: {error}") from None
+    with LocalPyTrioServer(ServerConfig(model=base_model, **options)) as server:
+        yield server
 
 
 def configure_client(base_url: str | None = None, api_key: str | None = None, home: str | None = None) -> None:

@@ -626,8 +626,8 @@ def run_from_config(config: PyTrioGRPOConfig, **kwargs) -> dict:
 
     install_log_redaction()
     if config.pytrio_base_url == LOCAL_SERVER_NAME:
-        with local_server(config.base_model) as (base_url, api_key):
-            configure_client(base_url=base_url, api_key=api_key)
+        with local_server(config.base_model) as server:
+            configure_client(base_url=server.base_url, api_key=server.api_key)
             return run_grpo(config, **kwargs)
     if config.pytrio_base_url:
         configure_client(base_url=config.pytrio_base_url)
