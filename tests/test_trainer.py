@@ -50,7 +50,8 @@ def make_trainer(path, tmp_path, cls=GRPOTrainer, config_cls=GRPOConfig, rewards
     args = config_cls(output_dir=str(tmp_path / "out"), **{**COMMON, **kwargs})
     trainer = cls(path, list(rewards), args=args, train_dataset=dataset())
     trainer.model.train()
-    trainer.current_gradient_accumulation_steps = 1  # set by the training loop; _compute_loss reads it
+    # set by the training loop; _compute_loss reads it
+    trainer.current_gradient_accumulation_steps = args.gradient_accumulation_steps
     return trainer
 
 
@@ -148,6 +149,8 @@ SURROUNDINGS = {
     "sequence_level": {"importance_sampling_level": "sequence"},
     "off_policy_mask": {"off_policy_mask_threshold": 0.05},
     "vllm_is_correction": {},
+    # normaliser rescaled to one accumulation window: num_items_in_batch * 2 / 4
+    "accumulation": {"gradient_accumulation_steps": 2, "steps_per_generation": 4, "entropy_coef": 0.01},
 }
 
 
