@@ -175,6 +175,7 @@ class LocalPyTrioServer:
         return self
 
     def stop(self) -> None:
+        self._close_inprocess_clients()
         if self._httpd is not None:
             self._httpd.shutdown()
             self._httpd.server_close()
@@ -184,6 +185,27 @@ class LocalPyTrioServer:
         self._queues.clear()
         if self._own_storage:
             shutil.rmtree(self.storage, ignore_errors=True)
+
+    def _close_inprocess_clients(self) -> None:
+        """Shut down this process's pytrio runtimes bound to this server while it still answers.
+
+        A `ServiceClient` closes its session when garbage-collected or at interpreter exit; against a stopped
+        server that close would retry connection errors for ``control_retry_timeout_seconds`` (15 min).
+        """
+        if self._httpd is None:
+            return
+        try:
+            from pytrio.runtime import service as runtime_module
+        except ImportError:
+            return
+        with runtime_module._active_service_runtimes_lock:
+            runtimes = list(runtime_module._active_service_runtimes)
+        for runtime in runtimes:
+            if getattr(runtime.configuration, "base_url", None) == self.base_url:
+                try:
+                    runtime.shutdown()
+                except Exception:  # noqa: BLE001 - best effort; the server stops regardless
+                    logger.debug("could not shut down a pytrio runtime", exc_info=True)
 
     def __enter__(self) -> LocalPyTrioServer:
         return self.start()
@@ -348,7 +370,9 @@ class LocalPyTrioServer:
         request = _validate(TrainingRunCreateRequest, body, "invalid_request")
         if not 1 <= request.lora_rank <= 256:
             raise ApiError(400, "invalid_lora_rank", f"lora_rank must be in [1, 256], got {request.lora_rank}")
-        lora = LoraSettings(request.lora_rank, request.seed, request.train_mlp, request.train_attn, request.train_unembed)
+        lora = LoraSettings(
+            request.lora_rank, request.seed, request.train_mlp, request.train_attn, request.train_unembed
+        )
         if request.source_checkpoint_uri:
             source = self.registry.checkpoint(request.source_checkpoint_uri)
             lora = source.lora if not request.base_model else lora
@@ -511,7 +535,9 @@ class LocalPyTrioServer:
             snapshot = self._snapshot(self.registry.checkpoint(request.source_checkpoint_uri), with_optimizer=False)
         with self.registry.lock:
             session = self.registry.session(sid)
-            run = SamplingRunRecord(new_id("sr"), sid, len(session.sampling_runs), request.source_checkpoint_uri, snapshot)
+            run = SamplingRunRecord(
+                new_id("sr"), sid, len(session.sampling_runs), request.source_checkpoint_uri, snapshot
+            )
             self.registry.sampling_runs[run.cuid] = run
             session.sampling_runs.append(run.cuid)
         return {
@@ -559,7 +585,9 @@ class LocalPyTrioServer:
         event_type = data.get("type")
         if event_type not in KNOWN_EVENTS:
             raise ApiError(
-                400, "unknown_event_type", f"unknown event type {event_type!r}; this server handles {list(KNOWN_EVENTS)}"
+                400,
+                "unknown_event_type",
+                f"unknown event type {event_type!r}; this server handles {list(KNOWN_EVENTS)}",
             )
         envelope = _validate(EventEnvelope, data, "invalid_envelope")
         run_id = envelope.metadata.run_id
@@ -709,10 +737,14 @@ class LocalPyTrioServer:
                 if len(values) != n:
                     raise EventFailure("invalid_payload", f"data[{i}].{name} has {len(values)} values for {n} tokens")
             data.append(
-                ForwardDatum(tokens, d.target_ids, fields.get("weights"), fields.get("logprobs"), fields.get("advantages"))
+                ForwardDatum(
+                    tokens, d.target_ids, fields.get("weights"), fields.get("logprobs"), fields.get("advantages")
+                )
             )
         backward = record.type == "trainer.forward_backward"
-        outputs, metrics = self.engine.forward(record.run, data, spec, backward=backward, auto_shift=payload.auto_shift)
+        outputs, metrics = self.engine.forward(
+            record.run, data, spec, backward=backward, auto_shift=payload.auto_shift
+        )
         count = metrics["token_count"]
         record.usage = {
             "input_tokens": sum(len(d.tokens) for d in data),
@@ -887,7 +919,9 @@ def _make_handler(server: LocalPyTrioServer) -> type[BaseHTTPRequestHandler]:
                 self._send(error.status, {"code": error.code, "message": error.message}, wants_msgpack)
             except Exception as error:  # noqa: BLE001 - 4xx, not 5xx: the client would retry a 500 for minutes
                 logger.exception("request %s %s failed", method, path)
-                self._send(422, {"code": "internal_error", "message": f"{type(error).__name__}: {error}"}, wants_msgpack)
+                self._send(
+                    422, {"code": "internal_error", "message": f"{type(error).__name__}: {error}"}, wants_msgpack
+                )
 
         def _control(self, method: str, path: str, query: dict, raw: bytes) -> None:
             key = self._bearer() or self.headers.get("X-API-Key")

@@ -15,6 +15,7 @@ import json
 import logging
 import random
 import threading
+import warnings
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -218,7 +219,9 @@ class ModelEngine:
         result = set_peft_model_state_dict(self.peft, weights, adapter_name=adapter)
         missing = [k for k in getattr(result, "missing_keys", []) if f".{adapter}." in k and "lora_" in k]
         if missing:
-            raise EngineError("checkpoint_mismatch", f"checkpoint lacks {len(missing)} LoRA tensors, e.g. {missing[0]}")
+            raise EngineError(
+                "checkpoint_mismatch", f"checkpoint lacks {len(missing)} LoRA tensors, e.g. {missing[0]}"
+            )
 
     # ---------------------------------------------------------------- training runs
     def create_run(self, run_id: str, lora: LoraSettings, source: LoraSnapshot | None = None, load_optimizer=False):
@@ -234,7 +237,9 @@ class ModelEngine:
             params = self._adapter_params(adapter)
             for _, p in params:
                 p.requires_grad_(False)
-            optimizer = torch.optim.AdamW([p for _, p in params], lr=1e-4, betas=(0.9, 0.95), eps=1e-12, weight_decay=0.0)
+            optimizer = torch.optim.AdamW(
+                [p for _, p in params], lr=1e-4, betas=(0.9, 0.95), eps=1e-12, weight_decay=0.0
+            )
             run = TrainingRun(run_id, adapter, lora, params, optimizer)
             if source is not None:
                 run.step = source.step
@@ -243,8 +248,12 @@ class ModelEngine:
                         raise EngineError("checkpoint_has_no_optimizer", "checkpoint holds no optimizer state")
                     names = source.optimizer.get("param_names")
                     if names != [n for n, _ in params]:
-                        raise EngineError("checkpoint_mismatch", "optimizer state does not match the adapter parameters")
-                    optimizer.load_state_dict(source.optimizer["state_dict"])
+                        raise EngineError(
+                            "checkpoint_mismatch", "optimizer state does not match the adapter parameters"
+                        )
+                    # a copy: torch keeps same-device tensors as they are, and Adam updates its moments in
+                    # place, which would otherwise rewrite the checkpoint for the next run restored from it
+                    optimizer.load_state_dict(copy.deepcopy(source.optimizer["state_dict"]))
             self.runs[run_id] = run
             return run
 
@@ -303,7 +312,9 @@ class ModelEngine:
                         mask &= weights != 0
                         kwargs["weights"] = weights
                     else:
-                        kwargs["old_logprobs"] = torch.tensor(datum.old_logprobs, dtype=logprobs.dtype, device=self.device)
+                        kwargs["old_logprobs"] = torch.tensor(
+                            datum.old_logprobs, dtype=logprobs.dtype, device=self.device
+                        )
                         advantages = torch.tensor(datum.advantages, dtype=logprobs.dtype, device=self.device)
                         kwargs["advantages"] = advantages
                         if spec.name == "dro":  # its quadratic penalty would otherwise train prompt tokens
@@ -354,7 +365,9 @@ class ModelEngine:
         with self.lock:
             run = self.runs.pop(run_id, None)
             if run is not None and self.peft is not None:
-                self.peft.delete_adapter(run.adapter)
+                with warnings.catch_warnings():  # PEFT warns when the deleted adapter was the active one
+                    warnings.simplefilter("ignore", UserWarning)
+                    self.peft.delete_adapter(run.adapter)
 
     # ---------------------------------------------------------------- sampling
     def _default_stop_ids(self) -> set[int]:
@@ -428,7 +441,9 @@ class ModelEngine:
             )
         stop_ids = self._stop_ids | set(stop_token_ids or [])
         stop = [s for s in (stop or []) if s]
-        generator = torch.Generator(device=self.device).manual_seed(seed if seed is not None else random.randrange(2**63))
+        generator = torch.Generator(device=self.device).manual_seed(
+            seed if seed is not None else random.randrange(2**63)
+        )
         with self.lock:
             model, ctx = self._use_snapshot(snapshot)
             with ctx, torch.no_grad():
@@ -453,7 +468,9 @@ class ModelEngine:
                             done[i], reasons[i] = True, "stop"
                     if all(done):
                         break
-                    out = model(input_ids=nxt.unsqueeze(-1), use_cache=True, logits_to_keep=1, **{self._cache_kw: past})
+                    out = model(
+                        input_ids=nxt.unsqueeze(-1), use_cache=True, logits_to_keep=1, **{self._cache_kw: past}
+                    )
                     past, logits = _cache_of(out), out.logits[:, -1].float()
         return [
             SampleResult(t, lp, r, self.tokenizer.decode(t) if return_text else None)

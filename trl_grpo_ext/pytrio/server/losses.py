@@ -40,12 +40,15 @@ def parse_loss(name: str, config: dict | None) -> LossSpec:
     normalized = str(name).strip().lower()
     if normalized not in CONFIG_KEYS:
         raise LossConfigError(f"unsupported loss {name!r}; built-in losses: {', '.join(BUILTIN_LOSSES)}")
-    config = dict(config or {})
+    # None means "use the default", as a loop that fills every key from optional settings sends it
+    config = {k: v for k, v in (config or {}).items() if v is not None}
     allowed = CONFIG_KEYS[normalized]
     unknown = sorted(set(config) - set(allowed))
     if unknown:
         accepted = ", ".join(allowed) if allowed else "none"
-        raise LossConfigError(f"loss_fn_config keys {unknown} are not accepted by {normalized!r} (accepted: {accepted})")
+        raise LossConfigError(
+            f"loss_fn_config keys {unknown} are not accepted by {normalized!r} (accepted: {accepted})"
+        )
     values: dict[str, float] = {}
     for key, value in config.items():
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(float(value)):

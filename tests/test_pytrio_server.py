@@ -1,0 +1,353 @@
+"""The real `pytrio==0.2.9` client against the local PyTRIO server on the tiny model.
+
+One server per module (model loading dominates); every test opens its own `ServiceClient` and training runs.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+trio = pytest.importorskip("pytrio")
+
+from pytrio.errors.actor import ActorEventSubmitError  # noqa: E402
+from pytrio.errors.control import ControlAPIError  # noqa: E402
+from pytrio.errors.event import EventFailedError  # noqa: E402
+from pytrio.protocol.actor.events.event import (  # noqa: E402
+    EventEnvelope,
+    EventMetadata,
+    EventType,
+    generate_event_id,
+)
+
+from trl_grpo_ext import losses  # noqa: E402
+from trl_grpo_ext.pytrio.server import LocalPyTrioServer, ServerConfig, running_server  # noqa: E402
+
+TEXT = "What is 3 + 4? The answer is \\boxed{7}. Solve the problem step by step."
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model_path, tmp_path_factory):
+    with running_server(tiny_model_path, storage_dir=str(tmp_path_factory.mktemp("ckpt"))) as srv:
+        srv.configure_client(home=str(tmp_path_factory.mktemp("trio-home")), retry_initial_delay_seconds=0.05)
+        yield srv
+
+
+@pytest.fixture
+def service(server):
+    client = trio.ServiceClient()
+    yield client
+    client._runtime.shutdown()
+
+
+def _datum(tokens, loss="cross_entropy", old=None, adv=None, weights=None):
+    inputs, targets = tokens[:-1], tokens[1:]
+    loss_inputs = {"target_tokens": targets}
+    if loss == "cross_entropy":
+        if weights is not None:
+            loss_inputs["weights"] = weights
+    else:
+        loss_inputs["logprobs"] = old
+        loss_inputs["advantages"] = adv
+    return trio.Datum(model_input=trio.ModelInput.from_ints(inputs), loss_fn_inputs=loss_inputs)
+
+
+def _tokens(training_client, text=TEXT):
+    return training_client.get_tokenizer().encode(text)
+
+
+def _grads(server, run_id):
+    return {n: p.grad.detach().clone() for n, p in server.engine.runs[run_id].params if p.grad is not None}
+
+
+def _run_loop(client):
+    return client._runtime.event_loop.run_sync
+
+
+def test_training_round_trip_every_builtin_loss(server, service):
+    tc = service.create_lora_training_client(base_model=server.model_alias, rank=8, seed=0)
+    assert tc.model_id == server.model_id
+    tokens = _tokens(tc)
+    n = len(tokens) - 1
+    weights = [0.0] * 5 + [1.0] * (n - 5)
+    ce = tc.forward_backward([_datum(tokens, weights=weights)], "cross_entropy").result()
+    logprobs = ce.loss_fn_outputs[0]["logprobs"].to_numpy()
+    assert logprobs.shape == (n,) and np.all(logprobs <= 0)
+    # Tinker's reduction: the plain sum of -w * logp over the weighted tokens
+    assert ce.metrics["loss_sum"] == pytest.approx(-(logprobs[5:]).sum(), rel=1e-5)
+    assert ce.metrics["token_count"] == n - 5
+
+    rng = np.random.default_rng(0)
+    old = (logprobs + rng.normal(0, 0.3, n)).tolist()
+    adv = [0.0] * 5 + [1.5] * (n - 5)
+    for loss in ("importance_sampling", "ppo", "cispo", "dro"):
+        out = tc.forward_backward([_datum(tokens, loss, old, adv)], loss).result()
+        new = torch.tensor(out.loss_fn_outputs[0]["logprobs"].to_numpy())
+        assert torch.allclose(new, torch.tensor(logprobs), atol=1e-5)  # no step yet: same policy
+        per_token, _ = losses.policy_loss(loss, new, torch.tensor(old), torch.tensor(adv))
+        mask = torch.tensor(adv) != 0 if loss == "dro" else torch.ones(n, dtype=torch.bool)
+        expected = float((per_token * mask).sum())
+        assert out.metrics["loss_sum"] == pytest.approx(expected, rel=1e-5, abs=1e-5), loss
+
+    step = tc.optim_step(trio.AdamParams(learning_rate=1e-2, grad_clip_norm=1.0)).result()
+    assert step.metrics["grad_norm"] > 0 and step.metrics["step"] == 1
+    after = tc.forward([_datum(tokens, weights=weights)], "cross_entropy").result()
+    assert not np.allclose(after.loss_fn_outputs[0]["logprobs"].to_numpy(), logprobs)
+
+
+def test_sampler_snapshot_stays_frozen_while_training_continues(server, service):
+    tc = service.create_lora_training_client(base_model=server.model_alias, rank=8, seed=1)
+    tokens = _tokens(tc)
+    datum = _datum(tokens)
+    tc.forward_backward([datum], "cross_entropy").result()
+    tc.optim_step(trio.AdamParams(learning_rate=5e-2)).result()
+    sampler = tc.save_weights_and_get_sampling_client()
+    prompt = trio.ModelInput.from_ints(tokens[:8])
+    params = trio.SamplingParams(max_tokens=6, seed=123, temperature=1.0)
+    first = sampler.sample(prompt, num_samples=3, sampling_params=params).result()
+    assert len(first.sequences) == 3
+    for seq in first.sequences:
+        assert 1 <= len(seq.tokens) <= 6 and len(seq.logprobs) == len(seq.tokens)
+        assert seq.stop_reason in ("length", "stop")
+        assert seq.text == tc.get_tokenizer().decode(seq.tokens)
+        assert all(lp <= 0 for lp in seq.logprobs)
+    # sampler logprobs (temperature 1) are the snapshot policy's logprobs of the sampled tokens
+    seq = first.sequences[0]
+    full = tokens[:8] + seq.tokens
+    check = tc.forward([_datum(full)], "cross_entropy").result().loss_fn_outputs[0]["logprobs"].to_numpy()
+    np.testing.assert_allclose(check[7 : 7 + len(seq.tokens)], seq.logprobs, atol=1e-4)
+
+    for _ in range(2):  # keep training: the snapshot must not move
+        tc.forward_backward([datum], "cross_entropy").result()
+        tc.optim_step(trio.AdamParams(learning_rate=5e-2)).result()
+    again = sampler.sample(prompt, num_samples=3, sampling_params=params).result()
+    assert [s.tokens for s in again.sequences] == [s.tokens for s in first.sequences]
+    fresh = tc.save_weights_and_get_sampling_client()
+    moved = fresh.compute_logprobs(trio.ModelInput.from_ints(full)).result()
+    frozen = sampler.compute_logprobs(trio.ModelInput.from_ints(full)).result()
+    assert frozen[0] is None and len(frozen) == len(full)
+    assert not np.allclose(moved[1:], frozen[1:])
+
+
+def test_sampling_stop_conditions_and_base_model(server, service):
+    sampler = service.create_sampling_client(base_model=server.model_alias)
+    tok = sampler.get_tokenizer()
+    prompt = trio.ModelInput.from_ints(tok.encode("What is 3 + 4?"))
+    greedy = trio.SamplingParams(max_tokens=5, temperature=0.0)
+    base = sampler.sample(prompt, sampling_params=greedy).result().sequences[0]
+    assert len(base.tokens) == 5 and base.stop_reason == "length"
+    assert all(lp == 0.0 for lp in base.logprobs)  # greedy: a point mass
+    stop_tok = base.tokens[2]
+    by_token = sampler.sample(
+        prompt, sampling_params=trio.SamplingParams(max_tokens=5, temperature=0.0, stop=[stop_tok])
+    )
+    seq = by_token.result().sequences[0]
+    assert seq.tokens == base.tokens[: base.tokens.index(stop_tok) + 1] and seq.stop_reason == "stop"
+    text = tok.decode(base.tokens)
+    stop_str = text.strip()[-2:] or text
+    by_string = sampler.sample(
+        prompt, sampling_params=trio.SamplingParams(max_tokens=5, temperature=0.0, stop=stop_str)
+    )
+    seq = by_string.result().sequences[0]
+    assert seq.stop_reason == "stop" and stop_str in seq.text and len(seq.tokens) <= 5
+    seeded = trio.SamplingParams(max_tokens=6, seed=7)
+    a = sampler.sample(prompt, num_samples=2, sampling_params=seeded).result()
+    b = sampler.sample(prompt, num_samples=2, sampling_params=seeded).result()
+    assert [s.tokens for s in a.sequences] == [s.tokens for s in b.sequences]
+    assert a.input_tokens == len(prompt) and a.output_tokens == sum(len(s.tokens) for s in a.sequences)
+
+
+def test_save_state_and_load_state_restore_adapter_and_optimizer(server, service):
+    tc = service.create_lora_training_client(base_model=server.model_alias, rank=8, seed=2)
+    tokens = _tokens(tc)
+    datum = _datum(tokens)
+    adam = trio.AdamParams(learning_rate=2e-2)
+    tc.forward_backward([datum], "cross_entropy").result()
+    tc.optim_step(adam).result()
+    saved = tc.save_state("after-one").result()
+    assert saved.path.startswith("trio://") and saved.size > 0
+    with pytest.raises(EventFailedError, match="exists"):
+        tc.save_state("after-one").result()
+    assert tc.save_state("after-one", overwrite=True).result().path == saved.path
+
+    restored = service.create_lora_training_client(base_model=server.model_alias, rank=8)
+    restored.load_state_with_optimizer(saved.path).result()
+    from_state = service.create_training_client_from_state_with_optimizer(saved.path)
+    reference = tc.forward([datum], "cross_entropy").result().metrics["loss_sum"]
+    for client in (restored, from_state):
+        assert client.forward([datum], "cross_entropy").result().metrics["loss_sum"] == pytest.approx(reference)
+    # identical optimizer state: one more identical step lands on identical weights
+    for client in (tc, restored, from_state):
+        client.forward_backward([datum], "cross_entropy").result()
+        client.optim_step(adam).result()
+    losses_after = [
+        c.forward([datum], "cross_entropy").result().metrics["loss_sum"] for c in (tc, restored, from_state)
+    ]
+    assert losses_after[1] == pytest.approx(losses_after[0], rel=1e-6)
+    assert losses_after[2] == pytest.approx(losses_after[0], rel=1e-6)
+    # weights only: the Adam moments start from zero, so the same step differs
+    weights_only = service.create_training_client_from_state(saved.path)
+    weights_only.forward_backward([datum], "cross_entropy").result()
+    weights_only.optim_step(adam).result()
+    assert weights_only.forward([datum], "cross_entropy").result().metrics["loss_sum"] != pytest.approx(
+        losses_after[0], rel=1e-6
+    )
+    sampler_path = tc.save_weights_for_sampler("for-sampler").result().path
+    assert (
+        tc.create_sampling_client(sampler_path)
+        .sample(trio.ModelInput.from_ints(tokens[:5]), sampling_params=trio.SamplingParams(max_tokens=2))
+        .result()
+        .sequences
+    )
+    with pytest.raises(ControlAPIError) as error:
+        service.create_lora_training_client(base_model=server.model_alias, rank=8).load_state("trio://nope/weights/x")
+    assert error.value.status_code == 404
+
+
+def test_auto_shift_drops_the_first_label(server, service):
+    tc = service.create_lora_training_client(base_model=server.model_alias, rank=8, seed=3)
+    tokens = _tokens(tc)
+    shifted = tc.forward([_datum(tokens)], "cross_entropy").result().loss_fn_outputs[0]["logprobs"].to_numpy()
+    full = trio.Datum(model_input=trio.ModelInput.from_ints(tokens), loss_fn_inputs={"target_tokens": tokens})
+    auto = tc.forward([full], "cross_entropy", auto_shift=True).result()
+    values = auto.loss_fn_outputs[0]["logprobs"].to_numpy()
+    assert values[0] == 0.0 and auto.metrics["token_count"] == len(tokens) - 1
+    np.testing.assert_allclose(values[1:], shifted, atol=1e-5)
+
+
+def test_transient_500_is_retried(server, service):
+    tc = service.create_lora_training_client(base_model=server.model_alias, rank=8, seed=4)
+    datum = _datum(_tokens(tc))
+    tc.forward([datum], "cross_entropy").result()  # initialise first, so the fault hits a training event
+    submit_fault = server.faults.add("/actor/v1/events", status=500, times=1, method="POST")
+    poll_fault = server.faults.add("/actor/v1/events/", status=503, times=1, method="GET")
+    control_fault = server.faults.add("/sampling-runs", status=502, times=1, method="POST")
+    out = tc.forward_backward([datum], "cross_entropy").result()
+    assert out.metrics["token_count"] > 0
+    sampler = tc.save_weights_and_get_sampling_client()
+    assert submit_fault.hits == 1 and poll_fault.hits == 1 and control_fault.hits == 1
+    assert sampler.sample(trio.ModelInput.from_ints([1, 2]), sampling_params=trio.SamplingParams(max_tokens=1))
+
+
+def test_failed_event_surfaces_as_client_error_and_run_continues(server, service):
+    tc = service.create_lora_training_client(base_model=server.model_alias, rank=8, seed=5)
+    tokens = _tokens(tc)
+    n = len(tokens) - 1
+    datum = _datum(tokens, "ppo", [-1.0] * n, [1.0] * n)
+    with pytest.raises(EventFailedError) as error:
+        tc.forward_backward([datum], "ppo", loss_fn_config={"clip_low_threshold": "tight"}).result()
+    assert error.value.code == "invalid_loss_config" and "finite number" in str(error.value)
+    with pytest.raises(EventFailedError, match="not accepted"):
+        tc.forward_backward([datum], "importance_sampling", loss_fn_config={"beta": 0.1}).result()
+    config = {"clip_low_threshold": 0.9, "clip_high_threshold": 1.1}
+    assert tc.forward_backward([datum], "ppo", loss_fn_config=config).result().metrics["token_count"] == n
+
+
+def test_actor_token_renewed_after_401(server, service):
+    tc = service.create_lora_training_client(base_model=server.model_alias, rank=8, seed=6)
+    datum = _datum(_tokens(tc))
+    tc.forward([datum], "cross_entropy").result()
+    issued = len(server.registry.tokens)
+    assert server.revoke_actor_tokens() >= 1
+    assert tc.forward_backward([datum], "cross_entropy").result().metrics["token_count"] > 0
+    assert len(server.registry.tokens) >= 1  # the client asked Control for a new token and retried
+    assert issued >= 1
+
+
+def test_unknown_event_type_and_malformed_payload_are_client_errors(server, service):
+    import msgpack
+
+    tc = service.create_lora_training_client(base_model=server.model_alias, rank=8, seed=7)
+    tc.forward([_datum(_tokens(tc))], "cross_entropy").result()
+    coordinator = tc._actor_binding.coordinator
+    actor = coordinator.actor_client
+    run = _run_loop(service)
+    metadata = {"index": 99, "step": 0, "timestamp": 0, "sdk": "pytrio", "sdk_version": "0.2.9",
+                "run_id": tc.training_run_cuid}  # fmt: skip
+    raw = msgpack.packb(
+        {
+            "version": 1,
+            "event_id": generate_event_id(),
+            "type": "trainer.teleport",
+            "metadata": metadata,
+            "payload": {},
+        },  # fmt: skip
+        use_bin_type=True,
+    )
+    with pytest.raises(ActorEventSubmitError) as error:
+        run(
+            actor._request_with_actor_jwt(
+                "POST",
+                "v1/events",
+                content=raw,
+                headers={"Content-Type": "application/msgpack"},
+                error_cls=ActorEventSubmitError,
+            )  # fmt: skip
+        )
+    assert error.value.status_code == 400 and error.value.code == "unknown_event_type"
+    with pytest.raises(ActorEventSubmitError) as error:
+        run(
+            actor._request_with_actor_jwt("POST", "v1/events", content=b"\xc1garbage", error_cls=ActorEventSubmitError)
+        )
+    assert error.value.code == "invalid_envelope"
+
+    envelope = EventEnvelope(
+        event_id=generate_event_id(),
+        type=EventType.TRAINER_FORWARD,
+        metadata=EventMetadata(**{**metadata, "index": 100}),
+        payload={"data": "not a list", "loss": {"type": "cross_entropy"}},
+    )
+    accepted = run(actor.submit_event(envelope))
+    assert accepted.status.value == "accepted"
+
+    async def poll_like_the_client():  # the coordinator's own path from a submit answer to the user's future
+        return coordinator._future_for_response(accepted)
+
+    with pytest.raises(EventFailedError) as error:
+        run(poll_like_the_client()).result(timeout=30)
+    assert error.value.code == "invalid_payload" and "data" in str(error.value)
+
+
+def test_wrong_api_key_is_an_auth_error(server):
+    with pytest.raises(ControlAPIError) as error:
+        trio.ServiceClient(api_key="not-the-key")
+    assert error.value.status_code == 401 and error.value.code == "unauthorized"
+    assert server.api_key not in str(error.value)
+
+
+def test_split_batches_accumulate_like_one_event(server, tiny_model_path, tmp_path):
+    split = LocalPyTrioServer(ServerConfig(model=tiny_model_path, max_batch_size=1, api_key=server.api_key),
+                              engine=server.engine)  # fmt: skip
+    try:
+        with split:
+            split.configure_client()
+            split_service = trio.ServiceClient()
+            one = split_service.create_lora_training_client(base_model=split.model_alias, rank=4, seed=11)
+            tokens = _tokens(one)
+            data = [_datum(tokens), _datum(tokens[:9]), _datum(tokens[3:])]
+            out = one.forward_backward(data, "cross_entropy").result()
+            assert len(out.loss_fn_outputs) == 3
+            split_grads = _grads(split, one.training_run_cuid)
+    finally:
+        server.configure_client()
+    whole = trio.ServiceClient().create_lora_training_client(base_model=server.model_alias, rank=4, seed=11)
+    ref = whole.forward_backward(data, "cross_entropy").result()
+    assert out.metrics["loss_sum"] == pytest.approx(ref.metrics["loss_sum"], rel=1e-6)
+    whole_grads = _grads(server, whole.training_run_cuid)
+    assert split_grads.keys() == whole_grads.keys() and split_grads
+    for name, grad in whole_grads.items():
+        torch.testing.assert_close(split_grads[name], grad, atol=1e-6, rtol=1e-5)
+
+
+def test_cli_arguments():
+    import argparse
+
+    from trl_grpo_ext.cli import pytrio_serve
+
+    parser = argparse.ArgumentParser()
+    pytrio_serve.add_arguments(parser)
+    args = parser.parse_args(["--model", "embedded"])
+    assert args.host == "127.0.0.1" and args.api_key is None and math.isfinite(args.port)
