@@ -3,6 +3,7 @@ plus one real tiny TRL run when the TRL recipe is present."""
 
 import json
 import os
+import sys
 import textwrap
 from pathlib import Path
 
@@ -13,6 +14,7 @@ from trl_grpo_ext.sweep import (
     DONE_MARKER,
     SUMMARY_FILE,
     TRAIN_LOG,
+    build_command,
     describe_runs,
     eval_command,
     expand,
@@ -20,6 +22,7 @@ from trl_grpo_ext.sweep import (
     latest_checkpoint,
     load_sweep,
     parse_sweep,
+    run_status,
     run_sweep,
     sanitize_name,
 )
@@ -206,6 +209,26 @@ def test_restart_without_checkpoint_sets_old_metrics_aside(fake_sweep):
     assert result.status == "finished" and result.resumed_from is None
     assert (run.run_dir / "metrics.attempt-1.jsonl").read_text() == '{"step": 1, "reward": 5}\n'
     assert len((run.run_dir / "metrics.jsonl").read_text().splitlines()) == 2
+
+
+def test_pytrio_backend_resumes_through_its_flag(fake_sweep):
+    spec = fake_sweep(grid={"loss_type": ["ppo"]}, backend="pytrio", scripts={"pytrio": "fake_recipe.py"})
+    run = expand(spec)[0]
+    assert run.backend == "pytrio" and build_command(spec, run)[-2:] != ["--resume", "true"]
+    run.run_dir.mkdir(parents=True)
+    (run.run_dir / "pytrio_state.json").write_text("{}")
+    assert run_status(run) == "resume"
+    assert build_command(spec, run)[-2:] == ["--resume", "true"]
+
+
+def test_accelerate_launcher_command(fake_sweep, tmp_path):
+    (tmp_path / "acc.yaml").write_text("compute_environment: LOCAL_MACHINE\n")
+    spec = fake_sweep(grid={"loss_type": ["ppo"]}, launcher="accelerate", accelerate_config="acc.yaml", num_processes=2)
+    cmd = build_command(spec, expand(spec)[0])
+    assert cmd[:3] == [sys.executable, "-m", "accelerate.commands.launch"]
+    assert cmd[cmd.index("--config_file") + 1] == str(tmp_path / "acc.yaml")
+    assert cmd[cmd.index("--num_processes") + 1] == "2"
+    assert cmd[cmd.index("--num_processes") + 2] == str(tmp_path / "fake_recipe.py")
 
 
 def test_parallel_runs_all(fake_sweep):
