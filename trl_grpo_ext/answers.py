@@ -50,7 +50,7 @@ MAX_BOX_CHARS = 2_000
 # Answers longer than this are compared as text only; no real final answer is this long.
 MAX_ANSWER_CHARS = 1_000
 # Budget for one `answers_match` call that needs the math-verify fallback, in seconds.
-FALLBACK_TIMEOUT_S = float(os.environ.get("TRL_GRPO_EXT_VERIFY_TIMEOUT", "0.03"))
+FALLBACK_TIMEOUT_S = float(os.environ.get("TRL_GRPO_EXT_VERIFY_TIMEOUT", "0.025"))
 
 
 # --------------------------------------------------------------------------------------------------
@@ -425,7 +425,91 @@ def _numeric_value(s: str) -> Fraction | None:
         if root * root != radicand:
             return None
         return Fraction(-root if m.group(1) == "-" else root)
-    return None
+    return _arithmetic_value(s)
+
+
+_FRAC_SIMPLE = re.compile(r"\\frac\s*\{([^{}]*)\}\s*\{([^{}]*)\}")
+_ARITH_OPS = re.compile(r"\\times|\\cdot|\\div|\\ast")
+_ARITH_CHARS = re.compile(r"[\d\s.+\-*/()]+")
+_ARITH_TOKEN = re.compile(r"\s*(\d{1,30}(?:\.\d{1,30})?|[-+*/()])")
+_MAX_ARITH_CHARS = 120
+
+
+def _arithmetic_value(s: str) -> Fraction | None:
+    """Value of plain arithmetic on numbers (`2 \\times 9`, `\\frac{36}{2} + 0`, `(3+3)*3`): + - * / and
+    parentheses only, short and with bounded numbers, so it stays microseconds. No powers."""
+    if len(s) > _MAX_ARITH_CHARS:
+        return None
+    for _ in range(4):
+        s, n = _FRAC_SIMPLE.subn(r"((\1)/(\2))", s)
+        if not n:
+            break
+    s = _ARITH_OPS.sub(lambda m: "/" if m.group() == "\\div" else "*", s)
+    s = s.replace("{", "(").replace("}", ")")
+    if not _ARITH_CHARS.fullmatch(s):
+        return None
+    tokens, pos = [], 0
+    while pos < len(s):
+        m = _ARITH_TOKEN.match(s, pos)
+        if m is None:
+            if s[pos:].strip():
+                return None
+            break
+        tokens.append(m.group(1))
+        pos = m.end()
+    parser = _Arithmetic(tokens)
+    value = parser.expr()
+    return value if parser.pos == len(tokens) else None
+
+
+class _Arithmetic:
+    """Recursive descent over + - * / ( ) and numbers, exact with Fraction."""
+
+    def __init__(self, tokens: list[str]):
+        self.tokens, self.pos, self.depth = tokens, 0, 0
+
+    def _peek(self):
+        return self.tokens[self.pos] if self.pos < len(self.tokens) else None
+
+    def expr(self) -> Fraction:
+        value = self.term()
+        while self._peek() in ("+", "-"):
+            op = self.tokens[self.pos]
+            self.pos += 1
+            rhs = self.term()
+            value = value + rhs if op == "+" else value - rhs
+        return value
+
+    def term(self) -> Fraction:
+        value = self.factor()
+        while self._peek() in ("*", "/"):
+            op = self.tokens[self.pos]
+            self.pos += 1
+            rhs = self.factor()
+            value = value * rhs if op == "*" else value / rhs
+        return value
+
+    def factor(self) -> Fraction:
+        tok = self._peek()
+        if tok is None:
+            raise ValueError("unexpected end")
+        self.pos += 1
+        if tok in ("+", "-"):
+            value = self.factor()
+            return -value if tok == "-" else value
+        if tok == "(":
+            self.depth += 1
+            if self.depth > 20:
+                raise ValueError("too deep")
+            value = self.expr()
+            if self._peek() != ")":
+                raise ValueError("unbalanced")
+            self.pos += 1
+            self.depth -= 1
+            return value
+        if tok[0].isdigit():
+            return Fraction(tok)
+        raise ValueError(f"unexpected {tok!r}")
 
 
 def _decimal_places(s: str) -> int:
@@ -528,7 +612,8 @@ def _fast_match(p: str, t: str) -> bool | None:
 # math-verify worker process
 
 _WORKER_SOURCE = r"""
-import json, logging, sys
+import json, logging, os, sys
+os.nice(10)  # sympy must not starve the trainer (or the caller waiting on this worker) of CPU
 logging.disable(logging.CRITICAL)
 from math_verify import parse, verify
 
