@@ -262,6 +262,9 @@ def test_eval_command_picks_saved_model(fake_sweep):
     cmd = eval_command(run, spec.evaluate)
     assert cmd[cmd.index("--model") + 1] == str(run.run_dir)
     assert cmd[cmd.index("--limit") + 1] == "4" and cmd[cmd.index("--out") + 1].endswith("eval.jsonl")
+    assert "--tasks" not in cmd
+    run.config["synthetic_tasks"] = "chain_sum_easy"
+    assert eval_command(run, spec.evaluate)[-4:-2] == ["--tasks", "chain_sum_easy"]
     (run.run_dir / "adapter_config.json").write_text("{}")
     run.config["model_name_or_path"] = "base-model"
     cmd = eval_command(run, spec.evaluate)

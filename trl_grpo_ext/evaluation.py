@@ -225,16 +225,27 @@ def read_jsonl(path: str | os.PathLike) -> list[dict]:
     return rows
 
 
-def load_rows(data: str, limit: int | None = None, seed: int = 0) -> list[dict]:
-    """`embedded` (offline reasoning-gym eval split), `gsm8k-test` (hub) or a local JSONL path."""
+def _gsm8k_test_rows() -> list[dict]:
+    try:
+        from datasets import load_dataset
+
+        return [dict(r) for r in load_dataset("openai/gsm8k", "main", split="test")]
+    except Exception as e:  # offline, no cache: say what to do instead of a hub stack trace
+        raise FileNotFoundError(
+            f"could not load GSM8K test from the hub ({type(e).__name__}: {str(e)[:200]}); "
+            "pass a local JSONL of question/answer rows as --data instead"
+        ) from None
+
+
+def load_rows(data: str, limit: int | None = None, seed: int = 0, tasks: str | None = None) -> list[dict]:
+    """`embedded` (offline reasoning-gym eval split, `tasks` as in training), `gsm8k-test` (hub) or a JSONL path."""
     if data == EMBEDDED_DATA:
         from trl_grpo_ext.data.synthetic import generate_problems
 
-        return list(generate_problems(limit or 200, split="eval", seed=seed))
+        kwargs = {"tasks": tasks} if tasks else {}
+        return list(generate_problems(limit or 200, split="eval", seed=seed, **kwargs))
     if data == GSM8K_TEST:
-        from trl_grpo_ext.data import load_gsm8k
-
-        rows = list(load_gsm8k(split="test"))
+        rows = _gsm8k_test_rows()
     elif Path(data).is_file():
         rows = read_jsonl(data)
     else:
@@ -350,6 +361,7 @@ class EvalRun:
     top_p: float = 1.0
     seed: int = 0
     one_shot: bool = True
+    tasks: str | None = None
     out: str = "eval_results.jsonl"
     progress: bool = True
 
@@ -366,7 +378,7 @@ def run_eval(cfg: EvalRun, make_generator=None) -> dict:
         def make_generator(model, adapter):
             return HFGenerator(model, adapter, cfg.max_new_tokens, cfg.temperature, cfg.top_p, cfg.seed)
 
-    rows = load_rows(cfg.data, cfg.limit, cfg.seed)
+    rows = load_rows(cfg.data, cfg.limit, cfg.seed, cfg.tasks)
     if not rows:
         raise ValueError(f"eval data '{cfg.data}' holds no problems")
     problems = problems_from_rows(rows, one_shot=cfg.one_shot)

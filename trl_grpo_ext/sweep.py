@@ -513,6 +513,8 @@ def eval_command(run: RunSpec, options: dict) -> list[str]:
                 cmd.append(f"--{key}")
             continue
         cmd += [f"--{key}", str(value)]
+    if options.get("data", "embedded") == "embedded" and "tasks" not in options and run.config.get("synthetic_tasks"):
+        cmd += ["--tasks", str(run.config["synthetic_tasks"])]  # evaluate on the task mix it trained on
     cmd += ["--out", str(run_dir / EVAL_RESULTS)]
     return cmd
 

@@ -10,6 +10,8 @@ def add_arguments(parser) -> None:
     parser.add_argument("--adapter", default=None, help="LoRA adapter folder to apply on top of --model")
     parser.add_argument("--data", default="embedded",
                         help="'embedded' (offline reasoning-gym eval split), 'gsm8k-test', or a JSONL of question/answer rows")
+    parser.add_argument("--tasks", default=None,
+                        help="with --data embedded: reasoning-gym task mix, as the recipe's synthetic_tasks (e.g. chain_sum_easy,chain_sum)")
     parser.add_argument("--limit", type=int, default=None, help="evaluate the first N problems only")
     parser.add_argument("--k", type=int, default=1, help="samples per problem for maj@k / pass@k (1: greedy only)")
     parser.add_argument("--batch_size", "--batch-size", type=int, default=8, help="problems per generate() call")
@@ -42,6 +44,7 @@ def run(args) -> int:
         top_p=args.top_p,
         seed=args.seed,
         one_shot=args.one_shot,
+        tasks=args.tasks,
         out=args.out,
         progress=args.progress,
     )
