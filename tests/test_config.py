@@ -28,7 +28,7 @@ def test_defaults_and_help():
 
 
 def test_loss_type_names():
-    assert set(EXTRA_LOSS_TYPES) == {"importance_sampling", "cispo"}
+    assert set(EXTRA_LOSS_TYPES) == {"importance_sampling", "cispo", "ppo"}
     assert trl_loss_type("trl_cispo") == "cispo"
     assert trl_loss_type("cispo") is None and trl_loss_type("importance_sampling") is None
     assert trl_loss_type("dapo") == "dapo"
@@ -52,6 +52,7 @@ def test_loss_type_names():
         ({"loss_type": "cispo", "epsilon_high": 0.28}, r"epsilon_high=0.28 has no effect with loss_type='cispo'"),
         ({"loss_type": "importance_sampling", "epsilon_high": 0.28}, r"no clipping"),
         ({"loss_type": "importance_sampling", "delta": 2.0}, r"delta=2.0 .* does not apply"),
+        ({"loss_type": "ppo", "delta": 2.0}, r"delta=2.0 .* does not apply"),
     ],
 )
 def test_invalid_values_fail_at_config_time(kwargs, message):

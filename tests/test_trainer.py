@@ -129,7 +129,8 @@ def test_trl_loss_types_are_delegated_unchanged(tiny_model_path, tmp_path, beta)
 
 
 # Each new loss equals a TRL loss for some settings: our cispo with an open lower bound is TRL's cispo with
-# epsilon_high = the upper bound; importance_sampling is TRL's dapo with bounds that never bind (r in [0, 1e9]).
+# epsilon_high = the upper bound; importance_sampling is TRL's dapo with bounds that never bind (r in [0, 1e9]);
+# ppo (Tinker's name) is TRL's dapo.
 # Comparing the two through every surrounding option checks that our loss path keeps TRL's machinery.
 EQUIVALENT = {
     "cispo": (
@@ -140,6 +141,7 @@ EQUIVALENT = {
         dict(loss_type="importance_sampling"),
         dict(loss_type="dapo", epsilon=1.0, epsilon_high=1e9),
     ),
+    "ppo": (dict(loss_type="ppo", epsilon_high=0.28), dict(loss_type="dapo", epsilon_high=0.28)),
 }
 SURROUNDINGS = {
     "plain": {},
@@ -177,7 +179,7 @@ def test_new_losses_keep_trl_surroundings(tiny_model_path, tmp_path, loss_type, 
         torch.testing.assert_close(grads_ours[name], grads_trl[name], rtol=1e-4, atol=1e-7)
     metrics = ours._metrics["train"]
     assert math.isfinite(metrics["ratio_mean"][-1]) and metrics["ratio_mean"][-1] != 1.0
-    if loss_type == "cispo" and surrounding != "sequence_level":
+    if loss_type != "importance_sampling" and surrounding != "sequence_level":
         assert metrics["clip_high_frac"][-1] > 0  # the cap was active
     for name in ("kl", "entropy_coef", "policy_loss"):
         assert (name in metrics) == (name in reference._metrics["train"]), name

@@ -16,7 +16,9 @@ from trl_grpo_ext.losses import DEFAULT_CLIP
 # Loss types TRL 1.16's `GRPOTrainer._compute_loss` implements; the subclass hands these to TRL unchanged.
 TRL_LOSS_TYPES = ("grpo", "dr_grpo", "dapo", "bnpo", "cispo", "sapo", "luspo", "vespo")
 # Loss types the subclass computes itself (per-token math in `trl_grpo_ext.losses`, TRL's `dapo` normaliser).
-EXTRA_LOSS_TYPES = ("importance_sampling", "cispo")
+# `ppo` is Tinker's/PyTRIO's name: per token the same as TRL's dapo, with ratio bounds 1 - epsilon, 1 + epsilon_high;
+# it lets one recipe sweep the same loss names on both execution paths.
+EXTRA_LOSS_TYPES = ("importance_sampling", "cispo", "ppo")
 # `cispo` means the two-sided CISPO here; TRL's own (one-sided, capped at `epsilon_high`) stays reachable by this name.
 TRL_CISPO_ALIAS = "trl_cispo"
 VALID_LOSS_TYPES = tuple(t for t in TRL_LOSS_TYPES if t != "cispo") + EXTRA_LOSS_TYPES + (TRL_CISPO_ALIAS,)
@@ -45,7 +47,9 @@ class GRPOConfig(trl.GRPOConfig):
         metadata={
             "help": "Loss formulation. TRL's types ('grpo', 'dr_grpo', 'dapo', 'bnpo', 'sapo', 'luspo', 'vespo') run "
             "unchanged in TRL's code. Added: 'importance_sampling' (-r * A, no clipping) and 'cispo' (two-sided "
-            "CISPO: -sg(clip(r, cispo_clip_low, cispo_clip_high)) * A * logp), both normalised like 'dapo'. "
+            "CISPO: -sg(clip(r, cispo_clip_low, cispo_clip_high)) * A * logp) and 'ppo' (Tinker's name: "
+            "-min(r * A, clip(r, 1 - epsilon, 1 + epsilon_high) * A), i.e. dapo's per-token loss), all normalised like "
+            "'dapo'. "
             "'trl_cispo' selects TRL's own one-sided cispo (ratio capped at `epsilon_high`, which must then be set)."
         },
     )
@@ -117,15 +121,15 @@ class GRPOConfig(trl.GRPOConfig):
                 "epsilon=0.2 and then scales every on-policy gradient by 0.2. Set epsilon_high explicitly (MiniMax-M1 "
                 "and Tinker cap at 4.0, ScaleRL recommends 5.0), or use loss_type='cispo' (cispo_clip_low/high)."
             )
-        if self.loss_type in EXTRA_LOSS_TYPES:
+        if self.loss_type in ("importance_sampling", "cispo"):
             clip_fields = "cispo_clip_low / cispo_clip_high" if self.loss_type == "cispo" else "nothing (no clipping)"
             if self.epsilon_high is not None:
                 raise ValueError(
                     f"epsilon_high={self.epsilon_high} has no effect with loss_type={self.loss_type!r}; its ratio "
                     f"bounds are {clip_fields}. Unset epsilon_high (or use loss_type='trl_cispo' for TRL's cispo)."
                 )
-            if self.delta is not None:
-                raise ValueError(
-                    f"delta={self.delta} (INTELLECT-2 two-sided clipping of TRL's PPO-style losses) does not apply to "
-                    f"loss_type={self.loss_type!r}; unset delta or use loss_type='dapo'/'grpo'."
-                )
+        if self.loss_type in EXTRA_LOSS_TYPES and self.delta is not None:
+            raise ValueError(
+                f"delta={self.delta} (INTELLECT-2 two-sided clipping of TRL's PPO-style losses) does not apply to "
+                f"loss_type={self.loss_type!r}; unset delta or use loss_type='dapo'/'grpo'."
+            )

@@ -2,7 +2,8 @@
 
 - TRL's own loss types go to ``super()._compute_loss`` unchanged; the subclass only reads the log-probabilities
   TRL computed to log ``ratio_mean`` (and clip fractions for TRL's clipped losses).
-- ``importance_sampling`` and two-sided ``cispo`` (see `trl_grpo_ext.losses`) are computed by
+- ``importance_sampling``, two-sided ``cispo`` and ``ppo`` (Tinker's name, dapo's per-token loss; see
+  `trl_grpo_ext.losses`) are computed by
   `_compute_extension_loss`, which follows TRL 1.16's ``_compute_loss`` step by step (reference KL, old
   log-probabilities for ``num_iterations > 1``, ``importance_sampling_level``, ``top_entropy_quantile``,
   off-policy mask, vLLM importance-sampling correction, entropy bonus, MoE aux loss) and normalises like ``dapo``.
@@ -36,7 +37,7 @@ _TRL_PPO_CLIPPED = ("grpo", "bnpo", "dr_grpo", "dapo", "luspo")
 
 
 class GRPOTrainer(trl.GRPOTrainer):
-    """TRL's `GRPOTrainer` plus ``loss_type`` ``importance_sampling`` / ``cispo`` (two-sided) and degenerate groups.
+    """TRL's `GRPOTrainer` plus ``loss_type`` ``importance_sampling`` / ``cispo`` (two-sided) / ``ppo``, degenerate groups.
 
     Takes the same arguments as `trl.GRPOTrainer`. With a `trl_grpo_ext.GRPOConfig` the names of
     `trl_grpo_ext.config.VALID_LOSS_TYPES` apply (``cispo`` is the two-sided one, ``trl_cispo`` TRL's); with a plain
@@ -191,9 +192,12 @@ class GRPOTrainer(trl.GRPOTrainer):
             if self.args.use_bias_correction_kl:
                 per_token_kl = per_token_kl * torch.exp(log_importance_weights)
 
-        clip_low, clip_high = (
-            (self.cispo_clip_low, self.cispo_clip_high) if self.ext_loss_type == "cispo" else (None, None)
-        )
+        if self.ext_loss_type == "cispo":
+            clip_low, clip_high = self.cispo_clip_low, self.cispo_clip_high
+        elif self.ext_loss_type == "ppo":
+            clip_low, clip_high = 1 - self.epsilon_low, 1 + self.epsilon_high
+        else:
+            clip_low, clip_high = None, None
         per_token_loss, ratio_stats = policy_loss_from_log_ratio(
             self.ext_loss_type, log_importance_weights, per_token_logps, advantages, mask, clip_low, clip_high
         )

@@ -1,0 +1,170 @@
+"""Step-time overhead of `trl_grpo_ext.GRPOTrainer` against TRL's own trainer, measured side by side.
+
+Four variants on the same tiny random chat model (tests/conftest.py), same data, same seed:
+
+- ``trl/dapo``: vanilla `trl.GRPOTrainer`, loss ``dapo``;
+- ``ours/dapo``: the subclass with the same built-in loss (delegated to TRL, plus our metrics and degenerate groups);
+- ``ours/importance_sampling`` and ``ours/cispo``: the new loss types.
+
+Two measurements, variants alternating inside every repetition so CPU noise from neighbours hits all alike:
+
+1. full optimizer steps: ``trainer.train()`` for ``--steps`` steps per run, TRL's ``step_time`` metric, first step
+   dropped (warm-up), median over all repetitions; learning rate 0, so all variants do identical work;
+2. loss only: ``_compute_loss`` + ``backward`` on one fixed generation batch, median over ``--loss-reps``.
+
+Targets: ours/dapo <= 1.02x trl/dapo; importance_sampling and cispo <= 1.05x ours/dapo.
+Run: ``OMP_NUM_THREADS=1 python bench/trainer_overhead.py [--reps 7 --steps 8]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import statistics
+import sys
+import tempfile
+import time
+import warnings
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "tests"))
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import torch  # noqa: E402
+import trl  # noqa: E402
+from conftest import build_tiny_model  # noqa: E402
+from datasets import Dataset  # noqa: E402
+
+from trl_grpo_ext.config import GRPOConfig  # noqa: E402
+from trl_grpo_ext.trainer import GRPOTrainer  # noqa: E402
+
+VARIANTS = {
+    "trl/dapo": (trl.GRPOTrainer, trl.GRPOConfig, "dapo"),
+    "ours/dapo": (GRPOTrainer, GRPOConfig, "dapo"),
+    "ours/importance_sampling": (GRPOTrainer, GRPOConfig, "importance_sampling"),
+    "ours/cispo": (GRPOTrainer, GRPOConfig, "cispo"),
+}
+COMPARISONS = [
+    ("ours/dapo", "trl/dapo", 1.02),
+    ("ours/importance_sampling", "ours/dapo", 1.05),
+    ("ours/cispo", "ours/dapo", 1.05),
+]
+
+
+def length_reward(completions, **kwargs):
+    return [float(len(c[0]["content"])) for c in completions]
+
+
+def build(name, model_path, out_dir, args):
+    trainer_cls, config_cls, loss_type = VARIANTS[name]
+    config = config_cls(
+        output_dir=out_dir,
+        report_to="none",
+        use_cpu=True,
+        bf16=False,
+        loss_type=loss_type,
+        per_device_train_batch_size=args.batch,
+        num_generations=args.group,
+        max_completion_length=args.completion_length,
+        max_steps=args.steps,
+        logging_steps=1,
+        save_strategy="no",
+        disable_tqdm=True,
+        # lr 0: every variant generates the same completions step after step, so step times compare equal work
+        # (with lr > 0 the losses move the model apart and completion lengths, hence costs, drift).
+        learning_rate=0.0,
+        seed=0,
+    )
+    prompts = [[{"role": "user", "content": f"What is {i} + 4? Put the answer in \\boxed{{}}."}] for i in range(64)]
+    return trainer_cls(model_path, [length_reward], args=config, train_dataset=Dataset.from_dict({"prompt": prompts}))
+
+
+def step_times(name, model_path, out_dir, args):
+    torch.manual_seed(0)
+    trainer = build(name, model_path, out_dir, args)
+    trainer.train()
+    times = [h["step_time"] for h in trainer.state.log_history if "step_time" in h]
+    return times[1:]
+
+
+def loss_times(model_path, out_dir, args):
+    trainers = {name: build(name, model_path, out_dir, args) for name in VARIANTS}
+    first = trainers["trl/dapo"]
+    first.model.train()
+    torch.manual_seed(0)
+    inputs = first._generate_and_score_completions(
+        [{"prompt": [{"role": "user", "content": "What is 3 + 4?"}]}] * args.batch
+    )
+    inputs["advantages"] = torch.linspace(-1, 1, inputs["advantages"].numel())
+    times = {name: [] for name in trainers}
+    for trainer in trainers.values():
+        trainer.model.train()
+        trainer.current_gradient_accumulation_steps = 1
+    for rep in range(args.loss_reps):
+        names = list(trainers)
+        names = names[rep % len(names) :] + names[: rep % len(names)]
+        for name in names:
+            trainer = trainers[name]
+            start = time.perf_counter()
+            trainer._compute_loss(trainer.model, dict(inputs)).backward()
+            times[name].append(time.perf_counter() - start)
+            trainer.model.zero_grad(set_to_none=True)
+            for metrics in trainer._metrics.values():
+                metrics.clear()
+    return {name: statistics.median(values) for name, values in times.items()}
+
+
+def report(title, medians):
+    print(f"\n{title}")
+    for name, value in medians.items():
+        print(f"  {name:26s} {value * 1000:8.2f} ms")
+    ok = True
+    for ours, base, target in COMPARISONS:
+        ratio = medians[ours] / medians[base]
+        ok &= ratio <= target
+        print(f"  {ours} / {base}: {ratio:.3f}x (target <= {target:.2f}x) {'ok' if ratio <= target else 'OVER'}")
+    return ok
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--reps", type=int, default=7, help="train() runs per variant (alternating)")
+    parser.add_argument("--steps", type=int, default=8, help="optimizer steps per train() run")
+    parser.add_argument("--loss-reps", type=int, default=200, help="loss+backward repetitions per variant")
+    parser.add_argument("--batch", type=int, default=8, help="per_device_train_batch_size")
+    parser.add_argument("--group", type=int, default=4, help="num_generations")
+    parser.add_argument("--completion-length", type=int, default=32, help="max_completion_length")
+    args = parser.parse_args(argv)
+
+    warnings.filterwarnings("ignore")
+    logging.disable(logging.WARNING)
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+    print(f"torch threads: {torch.get_num_threads()}  reps={args.reps} steps={args.steps} batch={args.batch}")
+    with tempfile.TemporaryDirectory() as tmp:
+        model_path = build_tiny_model(Path(tmp) / "tiny")
+        out_dir = str(Path(tmp) / "out")
+        per_step = {name: [] for name in VARIANTS}
+        for rep in range(args.reps):
+            names = list(VARIANTS)
+            names = names[rep % len(names) :] + names[: rep % len(names)]
+            for name in names:
+                per_step[name].extend(step_times(name, model_path, out_dir, args))
+        ok_steps = report(
+            f"full optimizer step (generation + loss + backward + optimizer), median of "
+            f"{len(per_step['trl/dapo'])} steps",
+            {name: statistics.median(values) for name, values in per_step.items()},
+        )
+        ok_loss = report(f"loss + backward only, median of {args.loss_reps}", loss_times(model_path, out_dir, args))
+    print("\nall targets met" if ok_steps and ok_loss else "\nsome targets missed (see OVER)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
