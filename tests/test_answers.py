@@ -197,6 +197,9 @@ FAST_CASES = [
     ("0.5", "0.25", False),
     ("eighteen", "18", False),
     ("x + 18", "18", False),
+    ("5x", "5", False),
+    ("18 m", "18", True),
+    ("18 km/h", "18", True),
     ("Yes", "yes", True),
     ("", "18", False),
     ("18", "", False),
@@ -225,6 +228,7 @@ def test_answers_match_without_math_verify(pred, truth, equal):
         ("\\pi/2", "\\frac{\\pi}{2}", True),
         ("x^2+2x+1", "(x+1)^2", True),
         ("\\sqrt{8}", "3\\sqrt{2}", False),
+        ("5y", "5x", False),
     ],
 )
 def test_answers_match_falls_back_to_math_verify(pred, truth, equal):

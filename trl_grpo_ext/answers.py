@@ -301,6 +301,16 @@ _PLAIN_NUMBER = re.compile(r"[+-]?(?:\d+(?:\.\d*)?|\.\d+)")
 _SPACES = re.compile(r"\s+")
 _HEDGE_WORD = re.compile(r"(?<![A-Za-z\\])(?:or|and)(?![A-Za-z])")
 _UNIT_STOPWORDS = {"or", "and", "to", "of", "plus", "minus", "times"}
+_SINGLE_LETTER_UNITS = set("mgslhkjnwva")  # metres, grams, seconds, litres, hours, kelvin, joules, ...
+
+
+def _is_unit(tail: str) -> bool:
+    """`dollars`, `cm^2`, `km/h`, `m`; not `x` (`5x` is an expression) nor `or 18`-style hedges."""
+    words = tail.lower().replace(".", " ").replace("/", " ").split()
+    if not words or set(words) & _UNIT_STOPWORDS:
+        return False
+    first = re.match(r"[a-z]+", words[0]).group()
+    return len(first) >= 2 or first in _SINGLE_LETTER_UNITS
 
 
 def _canonical_number(s: str) -> str:
@@ -352,7 +362,7 @@ def _normalize_cached(s: str) -> str:
     s = _THOUSANDS.sub(lambda m: re.sub(r"\D", "", m.group()), s)
     s = s.rstrip(" .;:")
     m = _NUMBER_UNITS.fullmatch(s)
-    if m is not None and not (set(m.group(2).lower().replace(".", " ").split()) & _UNIT_STOPWORDS):
+    if m is not None and _is_unit(m.group(2)):
         s = m.group(1)
     if _PLAIN_NUMBER.fullmatch(s):
         return _canonical_number(s)
