@@ -38,14 +38,12 @@ DEFAULT_DRO_BETA = 0.05
 TRL_STD_EPS = 1e-4
 
 
-def _masked_mean(x: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+def _mask_weights(x: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor | None:
     if mask is None:
-        return x.float().mean()
+        return None
     if x.shape != mask.shape:  # sequence-level values (B, 1): one per sequence that has a token
-        seq_mask = (mask.sum(-1, keepdim=True) > 0).to(x.dtype)
-        return (x * seq_mask).sum() / seq_mask.sum().clamp(min=1.0)
-    mask = mask.to(x.dtype)
-    return (x * mask).sum() / mask.sum().clamp(min=1.0)
+        return (mask.sum(-1, keepdim=True) > 0).to(x.dtype)
+    return mask.to(x.dtype)
 
 
 def ratio_metrics(
@@ -58,18 +56,26 @@ def ratio_metrics(
 
     ``clip_low_frac`` / ``clip_high_frac`` count tokens whose ratio lies below / above the bounds (whatever the
     advantage sign), ``clipped_ratio_mean`` is the mean of ``clip(r, low, high)``. Bounds of ``None`` are open,
-    and with both open only ``ratio_mean`` is returned.
+    and with both open only ``ratio_mean`` is returned. A (B, 1) ratio with a (B, T) mask is averaged per sequence.
     """
     ratio = ratio.detach().float()
-    metrics = {"ratio_mean": _masked_mean(ratio, mask)}
-    if clip_low is None and clip_high is None:
-        return metrics
-    low = ratio < clip_low if clip_low is not None else torch.zeros_like(ratio, dtype=torch.bool)
-    high = ratio > clip_high if clip_high is not None else torch.zeros_like(ratio, dtype=torch.bool)
-    metrics["clip_low_frac"] = _masked_mean(low.float(), mask)
-    metrics["clip_high_frac"] = _masked_mean(high.float(), mask)
-    metrics["clipped_ratio_mean"] = _masked_mean(torch.clamp(ratio, min=clip_low, max=clip_high), mask)
-    return metrics
+    names = ["ratio_mean"]
+    rows = [ratio]
+    if clip_low is not None or clip_high is not None:
+        names += ["clip_low_frac", "clip_high_frac", "clipped_ratio_mean"]
+        no = torch.zeros_like(ratio)
+        rows += [
+            (ratio < clip_low).float() if clip_low is not None else no,
+            (ratio > clip_high).float() if clip_high is not None else no,
+            torch.clamp(ratio, min=clip_low, max=clip_high),
+        ]
+    stacked = torch.stack(rows)  # one fused masked mean for all metrics: they are logged every micro-batch
+    weights = _mask_weights(ratio, mask)
+    if weights is None:
+        means = stacked.flatten(1).mean(1)
+    else:
+        means = (stacked * weights).flatten(1).sum(1) / weights.sum().clamp(min=1.0)
+    return dict(zip(names, means.unbind(0), strict=True))
 
 
 def _bounds(loss_type: str, clip_low: float | None, clip_high: float | None) -> tuple[float, float]:

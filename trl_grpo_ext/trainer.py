@@ -304,9 +304,6 @@ class GRPOTrainer(trl.GRPOTrainer):
         logps, self._captured_logps = self._captured_logps, None
         if logps is None:
             return
-        mask = self._loss_mask(inputs)
-        old = inputs.get("old_per_token_logps")
-        log_iw = self._log_importance_weights(logps - (logps if old is None else old), mask)
         if self.loss_type in _TRL_PPO_CLIPPED:
             bounds = (1 - self.epsilon_low, 1 + self.epsilon_high)
         elif self.loss_type == "cispo":
@@ -314,6 +311,13 @@ class GRPOTrainer(trl.GRPOTrainer):
         else:  # sapo, vespo: soft weights, no clipping bounds
             bounds = (None, None)
         mode = "train" if self.model.training else "eval"
+        old = inputs.get("old_per_token_logps")
+        if old is None:  # on-policy: TRL uses the detached log-probs, every ratio is exactly 1
+            for name, value in ratio_metrics(torch.ones(1), None, *bounds).items():
+                self._metrics[mode][name].append(value.item())
+            return
+        mask = self._loss_mask(inputs)
+        log_iw = self._log_importance_weights(logps - old, mask)
         self._log_ratio_stats(mode, ratio_metrics(torch.exp(log_iw), mask, *bounds), log_iw, mask)
 
     def _log_train_tokens(self, inputs):
