@@ -213,44 +213,25 @@ def problems_from_rows(rows: Sequence[dict], one_shot: bool = True, chat: bool =
     return problems
 
 
-def read_jsonl(path: str | os.PathLike) -> list[dict]:
-    rows = []
-    with open(path) as f:
-        for n, line in enumerate(f, 1):
-            if line.strip():
-                try:
-                    rows.append(json.loads(line))
-                except json.JSONDecodeError as e:
-                    raise ValueError(f"{path}:{n}: not JSON ({e})") from None
-    return rows
-
-
-def _gsm8k_test_rows() -> list[dict]:
-    try:
-        from datasets import load_dataset
-
-        return [dict(r) for r in load_dataset("openai/gsm8k", "main", split="test")]
-    except Exception as e:  # offline, no cache: say what to do instead of a hub stack trace
-        raise FileNotFoundError(
-            f"could not load GSM8K test from the hub ({type(e).__name__}: {str(e)[:200]}); "
-            "pass a local JSONL of question/answer rows as --data instead"
-        ) from None
-
-
 def load_rows(data: str, limit: int | None = None, seed: int = 0, tasks: str | None = None) -> list[dict]:
-    """`embedded` (offline reasoning-gym eval split, `tasks` as in training), `gsm8k-test` (hub) or a JSONL path."""
-    if data == EMBEDDED_DATA:
-        from trl_grpo_ext.data.synthetic import generate_problems
+    """GSM8K-schema rows through the recipes' own loader (`trl_grpo_ext.data.load_problems`).
 
-        kwargs = {"tasks": tasks} if tasks else {}
-        return list(generate_problems(limit or 200, split="eval", seed=seed, **kwargs))
-    if data == GSM8K_TEST:
-        rows = _gsm8k_test_rows()
-    elif Path(data).is_file():
-        rows = read_jsonl(data)
-    else:
-        raise FileNotFoundError(f"eval data '{data}' is neither '{EMBEDDED_DATA}', '{GSM8K_TEST}' nor a JSONL file")
-    return rows[:limit] if limit else rows
+    `embedded` / `synthetic`: the offline reasoning-gym test split (never shares a problem with training;
+    `tasks` as the recipe's `synthetic_tasks`); `gsm8k-test`: GSM8K test from the hub; otherwise a JSONL
+    file, or a folder holding `test.jsonl`, of question/answer rows.
+    """
+    from trl_grpo_ext.data import SYNTHETIC_SOURCE, load_problems
+    from trl_grpo_ext.data.loading import DEFAULT_TASKS
+
+    if limit is not None and limit < 1:
+        raise ValueError("--limit must be >= 1")
+    if data in (EMBEDDED_DATA, SYNTHETIC_SOURCE):
+        return load_problems(SYNTHETIC_SOURCE, "test", limit or 200, tasks=tasks or DEFAULT_TASKS, seed=seed)
+    if data in (GSM8K_TEST, "gsm8k", "openai/gsm8k"):
+        return load_problems("openai/gsm8k", "test", limit)
+    if not Path(data).exists():
+        raise FileNotFoundError(f"eval data '{data}' is neither '{EMBEDDED_DATA}', '{GSM8K_TEST}' nor a JSONL file/folder")
+    return load_problems(data, "test", limit)
 
 
 # --------------------------------------------------------------------------------------- generation
