@@ -173,3 +173,21 @@ def test_scoring_agrees_with_boxed_reward():
         completions = [r.greedy_completion, *r.samples]
         rewards = boxed_reward(completions, answer=[row["answer"]] * len(completions))
         assert rewards == [float(c) for c in [r.greedy_correct, *r.sample_correct]]
+
+
+def test_models_without_chat_template_get_text_prompts(tmp_path):
+    seen = []
+
+    class TextOnly:
+        chat = False
+
+        def generate(self, prompts, num_samples, greedy):
+            seen.extend(prompts)
+            return [["\\boxed{5}"] * num_samples for _ in prompts]
+
+    data = tmp_path / "set.jsonl"
+    data.write_text(json.dumps(ROWS[0]) + "\n")
+    payload = run_eval(EvalRun(model="m", data=str(data), out=str(tmp_path / "e.jsonl"), progress=False),
+                       make_generator=lambda m, a: TextOnly())
+    assert payload["summary"]["pass@1"] == 1.0
+    assert isinstance(seen[0], str) and seen[0].rstrip().endswith("Question: What is 2 + 3?\nAnswer:")

@@ -18,6 +18,9 @@ Prompt = Any  # a list of chat messages, or a plain string for models without a 
 
 
 class Generator(Protocol):
+    """Anything with `generate`; an optional `chat` attribute (default True) says whether it takes chat messages
+    (else prompts are plain text, as the recipes do for models without a chat template)."""
+
     def generate(self, prompts: Sequence[Prompt], num_samples: int, greedy: bool) -> list[list[str]]:
         """`num_samples` completions (text only, prompt excluded) for each prompt, in prompt order."""
         ...
@@ -268,6 +271,7 @@ class HFGenerator:
 
             self.model = PeftModel.from_pretrained(self.model, adapter).merge_and_unload()
         self.model.to(self.device).eval()
+        self.chat = bool(self.tokenizer.chat_template)
         self.max_new_tokens = max_new_tokens
         self.temperature = temperature
         self.top_p = top_p
@@ -277,16 +281,16 @@ class HFGenerator:
     def _text(self, prompt: Prompt) -> str:
         if isinstance(prompt, str):
             return prompt
-        if self.tokenizer.chat_template:
-            return self.tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=False)
-        return "\n\n".join(m["content"] for m in prompt) + "\n"
+        if not self.chat:
+            raise ValueError("chat messages given to a model without a chat template; build text prompts")
+        return self.tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=False)
 
     def generate(self, prompts: Sequence[Prompt], num_samples: int, greedy: bool) -> list[list[str]]:
         import torch
 
         texts = [self._text(p) for p in prompts]
         # Templated text already holds its special tokens; adding BOS again would shift the prompt.
-        templated = not isinstance(prompts[0], str) and bool(self.tokenizer.chat_template)
+        templated = not isinstance(prompts[0], str)
         enc = self.tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=not templated)
         enc = {k: v.to(self.device) for k, v in enc.items()}
         kwargs: dict[str, Any] = {
@@ -362,12 +366,15 @@ def run_eval(cfg: EvalRun, make_generator=None) -> dict:
     rows = load_rows(cfg.data, cfg.limit, cfg.seed, cfg.tasks)
     if not rows:
         raise ValueError(f"eval data '{cfg.data}' holds no problems")
-    problems = problems_from_rows(rows, one_shot=cfg.one_shot)
     settings = {k: v for k, v in asdict(cfg).items() if k != "progress"}
+
+    def problems_for(gen):
+        # As the recipes' prompt_format 'auto': chat messages when the model has a chat template, else text.
+        return problems_from_rows(rows, one_shot=cfg.one_shot, chat=getattr(gen, "chat", True))
 
     start = time.monotonic()
     gen = make_generator(cfg.model, cfg.adapter)
-    results, summary = evaluate(problems, gen, cfg.k, cfg.batch_size, progress=cfg.progress, desc="eval model")
+    results, summary = evaluate(problems_for(gen), gen, cfg.k, cfg.batch_size, progress=cfg.progress, desc="eval model")
     del gen
     summary["wall_time"] = round(time.monotonic() - start, 2)
     write_results(cfg.out, results)
@@ -377,7 +384,7 @@ def run_eval(cfg: EvalRun, make_generator=None) -> dict:
         start = time.monotonic()
         gen = make_generator(cfg.compare_model, None)
         before, before_summary = evaluate(
-            problems, gen, cfg.k, cfg.batch_size, progress=cfg.progress, desc="eval compare_model"
+            problems_for(gen), gen, cfg.k, cfg.batch_size, progress=cfg.progress, desc="eval compare_model"
         )
         del gen
         before_summary["wall_time"] = round(time.monotonic() - start, 2)
