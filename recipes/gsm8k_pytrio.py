@@ -13,8 +13,12 @@ unknown keys are an error. See docs/pytrio.md.
 import json
 import logging
 import sys
+from pathlib import Path
 
 from trl import TrlParser
+
+# Runnable from a checkout without `pip install -e .` too.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from trl_grpo_ext.pytrio.config import PyTrioGRPOConfig
 from trl_grpo_ext.pytrio.connection import install_log_redaction, redact
@@ -25,6 +29,7 @@ def main(argv=None) -> int:
     parser = TrlParser((PyTrioGRPOConfig,))
     (config,) = parser.parse_args_and_config(args=argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per HTTP request otherwise
     install_log_redaction()
     try:
         summary = run_from_config(config)

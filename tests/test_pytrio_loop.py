@@ -336,13 +336,13 @@ def _digits_reward(completions, **kwargs):
 
 @pytest.fixture(scope="module")
 def local_pytrio(tiny_model_path, tmp_path_factory):
-    from trl_grpo_ext.pytrio.server.app import LocalPyTrioServer, ServerConfig
+    from trl_grpo_ext.pytrio.server import running_server
     from trl_grpo_ext.rewards import REWARD_REGISTRY, register_reward
 
     if TEST_REWARD not in REWARD_REGISTRY:
         register_reward(TEST_REWARD)(_digits_reward)
     home = tmp_path_factory.mktemp("pytrio-home")
-    with LocalPyTrioServer(ServerConfig(model=tiny_model_path, api_key=SECRET_KEY)) as server:
+    with running_server(tiny_model_path, api_key=SECRET_KEY) as server:
         server.home = str(home)
         yield server
 

@@ -347,10 +347,23 @@ class GRPOLoop:
             return AutoTokenizer.from_pretrained(name)
         return _call(training_client.get_tokenizer, "get_tokenizer")
 
+    def prepare(self, training_client, data_position: int = 0) -> PromptStream:
+        """Tokenizer, reward functions and the prompt stream for ``training_client`` (`run` calls it; so do benches
+        that drive `train_step` themselves)."""
+        self.tokenizer = self._load_tokenizer(training_client)
+        self.reward_funcs, self.reward_names, self.reward_weights = self._reward_setup()
+        return PromptStream(self._load_rows(), self.config.seed, data_position)
+
     def _reward_setup(self):
         from trl_grpo_ext.rewards import get_reward_funcs
 
-        funcs = get_reward_funcs(self.config.reward_funcs)
+        eos = getattr(self.tokenizer, "eos_token_id", None)
+        # the same context TRL recipes give: lets rewards that veto truncated completions recognise them
+        funcs = get_reward_funcs(
+            self.config.reward_funcs,
+            max_completion_length=self.config.max_completion_length,
+            eos_token_ids=[eos] if eos is not None else None,
+        )
         names = [getattr(f, "__name__", str(n)) for f, n in zip(funcs, self.config.reward_funcs, strict=True)]
         weights = self.config.reward_weights or [1.0] * len(funcs)
         return funcs, names, [float(w) for w in weights]
@@ -562,9 +575,18 @@ class GRPOLoop:
             check_resumable(previous, c)
             state = previous
             truncate_metrics(out, state.step)
-            training_client = _call(
-                service.create_training_client_from_state_with_optimizer, "restore from checkpoint", state.state_path
-            )
+            try:
+                training_client = _call(
+                    service.create_training_client_from_state_with_optimizer, "restore from checkpoint",
+                    state.state_path,
+                )
+            except PyTrioLoopError as error:
+                if c.pytrio_base_url == "local":
+                    raise PyTrioLoopError(
+                        f"{error}. Note: a local server started by this recipe may not know checkpoints of an "
+                        "earlier process; start a fresh run (new output_dir) or resume against a persistent service."
+                    ) from None
+                raise
             logger.info("resumed at step %d from %s", state.step, state.state_path)
         else:
             state = LoopState(pinned=pinned_settings(c))
@@ -575,9 +597,7 @@ class GRPOLoop:
         sink = MetricsSink(out, c.report_to, c.to_dict(), c.run_name, c.swanlab_project, c.swanlab_mode,
                            fresh=previous is None)
         try:
-            self.tokenizer = self._load_tokenizer(training_client)
-            self.reward_funcs, self.reward_names, self.reward_weights = self._reward_setup()
-            stream = PromptStream(self._load_rows(), c.seed, state.data_position)
+            stream = self.prepare(training_client, state.data_position)
 
             done_here = 0
             for step in range(state.step, c.max_steps):
