@@ -36,6 +36,9 @@ def _grad(loss_type, logp, old, adv, mask, **kw):
 
 def test_public_registry():
     assert set(LOSS_FUNCTIONS) == {"importance_sampling", "ppo", "cispo", "cross_entropy", "dro"}
+    logp, old, adv, mask = _batch()
+    for name, fn in LOSS_FUNCTIONS.items():
+        torch.testing.assert_close(fn(logp, old, adv, mask)[0], policy_loss(name, logp, old, adv, mask)[0])
     assert DEFAULT_CLIP["ppo"] == (0.8, 1.2)
     assert DEFAULT_CLIP["cispo"] == (0.0, 4.0)
 

@@ -273,12 +273,14 @@ def test_degenerate_reward_name_is_checked(tiny_model_path, tmp_path):
 
 
 TRAIN_CASES = [
-    # loss_type, beta, num_iterations, lora, extra
+    # loss_type, beta, num_iterations, lora, extra: each new loss with beta 0 and > 0, 1 and 2 iterations, LoRA
     ("importance_sampling", 0.0, 1, False, {}),
-    ("cispo", 0.1, 2, False, {}),
     ("importance_sampling", 0.1, 2, False, {"importance_sampling_level": "sequence", "entropy_coef": 0.01}),
-    ("cispo", 0.0, 2, True, {"top_entropy_quantile": 0.5, "cispo_clip_low": 0.9, "cispo_clip_high": 1.05}),
-    ("importance_sampling", 0.05, 1, True, {"gradient_accumulation_steps": 2}),
+    ("importance_sampling", 0.0, 2, True, {"gradient_accumulation_steps": 2}),
+    ("cispo", 0.1, 2, False, {"cispo_clip_low": 0.9, "cispo_clip_high": 1.05}),
+    ("cispo", 0.05, 1, True, {"top_entropy_quantile": 0.5}),
+    ("cispo", 0.0, 1, False, {}),
+    ("ppo", 0.0, 2, False, {}),
     ("dapo", 0.0, 2, False, {}),
 ]
 

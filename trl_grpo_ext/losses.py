@@ -23,6 +23,7 @@ here they stay per token and `token_level_mean` aggregates them.
 from __future__ import annotations
 
 from collections.abc import Callable
+from functools import partial
 
 import torch
 
@@ -126,7 +127,8 @@ def _dro(log_ratio, logprobs, advantages, mask, clip_low, clip_high, beta):
     return loss, ratio_metrics(torch.exp(log_ratio), mask)
 
 
-LOSS_FUNCTIONS: dict[str, Callable] = {
+# Per-token math keyed by loss type: f(log_ratio, logprobs, advantages, mask, clip_low, clip_high, beta).
+_PER_TOKEN = {
     "importance_sampling": _importance_sampling,
     "ppo": _ppo,
     "cispo": _cispo,
@@ -152,10 +154,10 @@ def policy_loss_from_log_ratio(
     ``importance_sampling_level="sequence"`` builds it; it must carry the gradient where the loss needs it.
     The per-token loss is broadcast to the shape of ``logprobs``.
     """
-    if loss_type not in LOSS_FUNCTIONS:
-        raise ValueError(f"Unknown loss_type {loss_type!r}; valid values: {sorted(LOSS_FUNCTIONS)}")
+    if loss_type not in _PER_TOKEN:
+        raise ValueError(f"Unknown loss_type {loss_type!r}; valid values: {sorted(_PER_TOKEN)}")
     advantages = _as_token_advantages(advantages, logprobs)
-    loss, metrics = LOSS_FUNCTIONS[loss_type](log_ratio, logprobs, advantages, mask, clip_low, clip_high, beta)
+    loss, metrics = _PER_TOKEN[loss_type](log_ratio, logprobs, advantages, mask, clip_low, clip_high, beta)
     if loss.shape != logprobs.shape:
         loss = loss.expand(logprobs.shape)
     return loss, metrics
@@ -190,6 +192,12 @@ def policy_loss(
     return policy_loss_from_log_ratio(
         loss_type, logprobs - old, logprobs, advantages, mask, clip_low, clip_high, beta=beta
     )
+
+
+# `policy_loss` with the loss type bound: LOSS_FUNCTIONS[name](logprobs, old_logprobs, advantages, mask, ...).
+LOSS_FUNCTIONS: dict[str, Callable[..., tuple[torch.Tensor, dict[str, torch.Tensor]]]] = {
+    name: partial(policy_loss, name) for name in _PER_TOKEN
+}
 
 
 def token_level_mean(
