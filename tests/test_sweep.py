@@ -107,7 +107,7 @@ def test_expansion_names_and_configs(fake_sweep, tmp_path):
     assert r.config["learning_rate"] == 4e-05 and isinstance(r.config["learning_rate"], float)  # "4e-5" -> float
     assert r.config["max_steps"] == 2 and r.config["seed"] == 1  # override beats base; base kept
     assert r.config["output_dir"] == str(tmp_path / "runs" / r.name)
-    assert r.config["run_name"] == f"fake/{r.name}"
+    assert r.config["run_name"] == r.name
     assert [x.name for x in expand(spec)] == [x.name for x in runs]  # deterministic
 
 
@@ -170,7 +170,7 @@ def test_run_skip_fail_and_summary(fake_sweep, capsys):
     assert "training ppo" in (ok_dir / TRAIN_LOG).read_text()
     assert [json.loads(x)["step"] for x in (ok_dir / "metrics.jsonl").read_text().splitlines()] == [1, 2]
     inv = invocations(ok_dir)[0]
-    assert inv["group"] == "fake" and inv["exp"] == results[0].name and inv["run_name"] == f"fake/{results[0].name}"
+    assert inv["group"] == "fake" and inv["exp"] == results[0].name and inv["run_name"] == results[0].name
 
     summary = json.loads(summary_path.read_text())
     assert summary_path.name == SUMMARY_FILE

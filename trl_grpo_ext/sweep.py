@@ -347,7 +347,7 @@ def expand(spec: SweepSpec) -> list[RunSpec]:
             run_dir = spec.output_root / name
             config["output_dir"] = str(run_dir)
             if _backend(spec, backend).takes_run_name:
-                config["run_name"] = f"{spec.name}/{name}"
+                config["run_name"] = name  # the sweep is the SwanLab group (SWANLAB_GROUP)
             runs.append(RunSpec(name, backend, params, config, run_dir, base_path))
     return runs
 
