@@ -351,3 +351,48 @@ def test_cli_arguments():
     pytrio_serve.add_arguments(parser)
     args = parser.parse_args(["--model", "embedded"])
     assert args.host == "127.0.0.1" and args.api_key is None and math.isfinite(args.port)
+
+
+def test_old_sampler_hand_offs_are_pruned_and_snapshots_reload_from_disk(server, tiny_model_path):
+    from pytrio.errors.actor import ActorAPIError
+
+    small = LocalPyTrioServer(
+        ServerConfig(
+            model=tiny_model_path, api_key=server.api_key, snapshot_cache_size=1, max_temporary_checkpoints=2
+        ),
+        engine=server.engine,
+    )
+    try:
+        with small:
+            small.configure_client()
+            tc = trio.ServiceClient().create_lora_training_client(base_model=small.model_alias, rank=4, seed=12)
+            datum = _datum(_tokens(tc))
+            prompt = trio.ModelInput.from_ints(_tokens(tc)[:6])
+            params = trio.SamplingParams(max_tokens=4, seed=5)
+            samplers, first = [], []
+            for _ in range(3):
+                tc.forward_backward([datum], "cross_entropy").result()
+                tc.optim_step(trio.AdamParams(learning_rate=5e-2)).result()
+                samplers.append(tc.save_weights_and_get_sampling_client())
+                first.append(samplers[-1].sample(prompt, num_samples=2, sampling_params=params).result())
+            temporary = [c for c in small.registry.checkpoints.values() if c.visibility == "TEMPORARY"]
+            assert len(temporary) == 2 and len(small._snapshot_cache) == 1
+            with pytest.raises(ActorAPIError) as error:
+                samplers[0].sample(prompt, sampling_params=params).result()
+            assert error.value.code == "checkpoint_not_found"
+            # the second hand-off was evicted from memory: it reloads from disk and samples the same tokens
+            again = samplers[1].sample(prompt, num_samples=2, sampling_params=params).result()
+            assert [s.tokens for s in again.sequences] == [s.tokens for s in first[1].sequences]
+    finally:
+        server.configure_client()
+
+
+def test_keys_and_tokens_never_reach_the_logs(server, service, caplog):
+    import logging
+
+    caplog.set_level(logging.DEBUG)
+    tc = service.create_lora_training_client(base_model=server.model_alias, rank=4, seed=13)
+    tc.forward_backward([_datum(_tokens(tc))], "cross_entropy").result()
+    tokens = list(server.registry.tokens)
+    assert tokens and caplog.records
+    assert server.api_key not in caplog.text and not any(t in caplog.text for t in tokens)

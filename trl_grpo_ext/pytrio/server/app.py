@@ -16,6 +16,7 @@ import shutil
 import tempfile
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -78,6 +79,8 @@ class ServerConfig:
     max_batch_size: int | None = None  # advertised to the client, which then splits batches into events
     max_tokens_per_request: int | None = None
     long_poll_seconds: float = 20.0  # below the client's 65 s read timeout for event polls
+    snapshot_cache_size: int = 8  # adapter snapshots kept in memory; older ones reload from disk
+    max_temporary_checkpoints: int = 8  # per run: save_weights_and_get_sampling_client hand-offs kept
     heartbeat_ms: int = 60_000
 
 
@@ -155,6 +158,8 @@ class LocalPyTrioServer:
         self.registry = Registry()
         self.faults = FaultInjector()
         self._queues: dict[str, RunEventQueue] = {}
+        self._snapshot_cache: OrderedDict[str, LoraSnapshot] = OrderedDict()
+        self._cache_lock = threading.Lock()
         self._own_storage = config.storage_dir is None
         self.storage = Path(config.storage_dir or tempfile.mkdtemp(prefix="pytrio-server-"))
         self.storage.mkdir(parents=True, exist_ok=True)
@@ -530,14 +535,11 @@ class LocalPyTrioServer:
 
         request = _validate(SamplingRunCreateRequest, body, "invalid_request")
         self._resolve_base_model(request.base_model)
-        snapshot = None
         if request.source_checkpoint_uri:
-            snapshot = self._snapshot(self.registry.checkpoint(request.source_checkpoint_uri), with_optimizer=False)
+            self._snapshot(self.registry.checkpoint(request.source_checkpoint_uri), with_optimizer=False)
         with self.registry.lock:
             session = self.registry.session(sid)
-            run = SamplingRunRecord(
-                new_id("sr"), sid, len(session.sampling_runs), request.source_checkpoint_uri, snapshot
-            )
+            run = SamplingRunRecord(new_id("sr"), sid, len(session.sampling_runs), request.source_checkpoint_uri)
             self.registry.sampling_runs[run.cuid] = run
             session.sampling_runs.append(run.cuid)
         return {
@@ -625,11 +627,14 @@ class LocalPyTrioServer:
         if unknown:
             raise ApiError(400, "invalid_sampling_params", f"unsupported sampling params {unknown}")
         prompt = _tokens(request.prompt)
+        snapshot = None
+        if run.source_checkpoint_uri:
+            snapshot = self._snapshot(self.registry.checkpoint(run.source_checkpoint_uri), with_optimizer=False)
         stop = params.get("stop")
         stop = [stop] if isinstance(stop, str) else stop
         try:
             results = self.engine.sample(
-                run.snapshot,
+                snapshot,
                 prompt,
                 num_samples=request.num_samples,
                 max_tokens=int(params["max_tokens"]),
@@ -643,7 +648,7 @@ class LocalPyTrioServer:
             )
             prompt_logprobs, topk = None, None
             if request.return_prompt_logprobs or request.topk_prompt_logprobs:
-                prompt_logprobs, topk = self.engine.prompt_logprobs(run.snapshot, prompt, request.topk_prompt_logprobs)
+                prompt_logprobs, topk = self.engine.prompt_logprobs(snapshot, prompt, request.topk_prompt_logprobs)
         except EngineError as error:
             raise ApiError(400, error.code, error.message) from None
         except (TypeError, ValueError) as error:
@@ -692,11 +697,39 @@ class LocalPyTrioServer:
             raise EventFailure("invalid_payload", f"{record.type}: {_validation_message(error)}") from None
 
     def _snapshot(self, record: CheckpointRecord, with_optimizer: bool) -> LoraSnapshot:
-        if record.snapshot is not None and (record.snapshot.optimizer is not None or not with_optimizer):
-            return record.snapshot
+        """The checkpoint's weights, from the in-memory cache of recent snapshots or from disk."""
+        with self._cache_lock:
+            cached = self._snapshot_cache.get(record.uri)
+            if cached is not None and cached.uid == record.snapshot_uid:
+                self._snapshot_cache.move_to_end(record.uri)
+                if cached.optimizer is not None or not with_optimizer:
+                    return cached
         if not record.path.is_dir():
             raise ApiError(410, "checkpoint_gone", f"checkpoint files of {record.uri} are gone")
-        return LoraSnapshot.load(record.path, with_optimizer)
+        snapshot = LoraSnapshot.load(record.path, with_optimizer)
+        snapshot.uid = record.snapshot_uid  # same weights: a sampler slot holding them needs no reload
+        self._remember(record.uri, snapshot)
+        return snapshot
+
+    def _remember(self, uri: str, snapshot: LoraSnapshot) -> None:
+        with self._cache_lock:
+            self._snapshot_cache[uri] = snapshot
+            self._snapshot_cache.move_to_end(uri)
+            while len(self._snapshot_cache) > self.config.snapshot_cache_size:
+                self._snapshot_cache.popitem(last=False)
+
+    def _prune_temporary(self, run: str) -> None:
+        """Keep the newest `max_temporary_checkpoints` TEMPORARY checkpoints of `run` (sampler hand-offs)."""
+        with self.registry.lock:
+            temporary = [c for c in self.registry.checkpoints.values() if c.run == run and c.visibility == "TEMPORARY"]
+            temporary.sort(key=lambda c: c.created)
+            stale = temporary[: max(0, len(temporary) - self.config.max_temporary_checkpoints)]
+            for record in stale:
+                del self.registry.checkpoints[record.uri]
+        for record in stale:
+            with self._cache_lock:
+                self._snapshot_cache.pop(record.uri, None)
+            shutil.rmtree(record.path, ignore_errors=True)
 
     def _ev_init(self, record: EventRecord) -> dict:
         from pytrio.protocol.actor.events.trainer.init_run import TrainerInitRunPayload
@@ -785,10 +818,13 @@ class LocalPyTrioServer:
         size = snapshot.save(folder, self.model_id, self.engine.peft_config(snapshot.lora))
         checkpoint = CheckpointRecord(
             new_id("ckpt"), uri, record.run, payload.name, kind, folder, snapshot.lora, size, payload.visibility,
-            snapshot.step, snapshot=snapshot,
+            snapshot.step, snapshot_uid=snapshot.uid,
         )  # fmt: skip
         with self.registry.lock:
             self.registry.checkpoints[uri] = checkpoint
+        self._remember(uri, snapshot)
+        if payload.visibility == "TEMPORARY":
+            self._prune_temporary(record.run)
         return {
             "checkpoint": {
                 "uri": uri,
@@ -915,6 +951,9 @@ def _make_handler(server: LocalPyTrioServer) -> type[BaseHTTPRequestHandler]:
                     self._actor(method, path, raw)
                 else:
                     raise ApiError(404, "not_found", f"no route {method} {path}")
+            except (BrokenPipeError, ConnectionResetError):  # the client gave up on this request
+                logger.debug("client closed the connection during %s %s", method, path)
+                self.close_connection = True
             except ApiError as error:
                 self._send(error.status, {"code": error.code, "message": error.message}, wants_msgpack)
             except Exception as error:  # noqa: BLE001 - 4xx, not 5xx: the client would retry a 500 for minutes

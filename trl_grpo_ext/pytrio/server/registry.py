@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
 
-from trl_grpo_ext.pytrio.server.engine import LoraSettings, LoraSnapshot
+from trl_grpo_ext.pytrio.server.engine import LoraSettings
 
 CHECKPOINT_SCHEME = "trio"
 # The client renews an actor token within 300 s of expiry; an hour keeps renewals out of normal runs.
@@ -65,8 +65,7 @@ class SamplingRunRecord:
     cuid: str
     session: str
     index: int
-    source_checkpoint_uri: str
-    snapshot: LoraSnapshot | None
+    source_checkpoint_uri: str  # "" samples the base model
     status: str = "RUNNING"
     created: float = field(default_factory=time.time)
 
@@ -83,8 +82,8 @@ class CheckpointRecord:
     size: int
     visibility: str
     step: int
+    snapshot_uid: int = 0  # identifies the weights (the in-memory snapshot cache and sampler slots key on it)
     created: float = field(default_factory=time.time)
-    snapshot: LoraSnapshot | None = None  # kept in memory: samplers and restores skip the disk
 
 
 @dataclass
