@@ -27,7 +27,11 @@ from trl_grpo_ext.pytrio.loop import PyTrioLoopError, run_from_config
 
 def main(argv=None) -> int:
     parser = TrlParser((PyTrioGRPOConfig,))
-    (config,) = parser.parse_args_and_config(args=argv)
+    try:
+        (config,) = parser.parse_args_and_config(args=argv)
+    except ValueError as error:  # invalid values, unknown YAML keys: one clear line, no traceback
+        print(f"error: {error}", file=sys.stderr)
+        return 2
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per HTTP request otherwise
     install_log_redaction()

@@ -509,3 +509,43 @@ def test_service_failure_is_a_clear_error_and_keeps_the_checkpoint(pytrio_client
     state = load_loop_state(c.output_dir)
     assert state.step == 1 and state.state_path  # nothing lost: the next resume starts from the checkpoint
     assert [r["step"] for r in read_metrics(c.output_dir)] == [1]
+
+
+@pytest.mark.slow
+def test_recipe_runs_end_to_end_offline_from_one_command(tiny_model_path, tmp_path):
+    """`recipes/gsm8k_pytrio.py` with the embedded-default YAML: starts the local server itself, trains, saves."""
+    import os
+    import re
+    import subprocess
+    import sys
+
+    out = tmp_path / "recipe-run"
+    env = {**os.environ, "HOME": str(tmp_path), "HF_HUB_OFFLINE": "1", "SWANLAB_MODE": "disabled",
+           "OMP_NUM_THREADS": "1", "PYTRIO_API_KEY": "", "PYTRIO_BASE_URL": ""}
+    cmd = [
+        sys.executable, str(ROOT / "recipes" / "gsm8k_pytrio.py"), "--config", str(ROOT / "recipes/pytrio/embedded.yaml"),
+        "--base_model", tiny_model_path, "--lora_rank", "4", "--max_steps", "2", "--save_every", "1",
+        "--max_completion_length", "8", "--dataset_size", "16", "--output_dir", str(out),
+    ]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    summary = json.loads(proc.stdout[proc.stdout.index("{"):])
+    assert summary["steps"] == 2 and summary["sampler_path"].startswith("trio://")
+    assert [r["step"] for r in read_metrics(out)] == [1, 2]
+    assert not re.search(r"trio-local-[A-Za-z0-9_\-]{8,}", proc.stdout + proc.stderr)  # the server's random key
+
+
+
+def test_recipe_reports_bad_config_in_one_line(tmp_path, capsys):
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("gsm8k_pytrio", ROOT / "recipes" / "gsm8k_pytrio.py")
+    recipe = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(recipe)
+    args = ["--config", str(ROOT / "recipes/pytrio/embedded.yaml"), "--output_dir", str(tmp_path)]
+    assert recipe.main(args + ["--per_device_train_batch_size", "6"]) == 2
+    assert "multiple of num_generations" in capsys.readouterr().err
+    bad_yaml = tmp_path / "bad.yaml"
+    bad_yaml.write_text("max_steps: 1\nlearning_rat: 0.1\n")
+    assert recipe.main(["--config", str(bad_yaml)]) == 2
+    assert "learning_rat" in capsys.readouterr().err
