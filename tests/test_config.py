@@ -53,6 +53,7 @@ def test_loss_type_names():
         ({"loss_type": "importance_sampling", "epsilon_high": 0.28}, r"no clipping"),
         ({"loss_type": "importance_sampling", "delta": 2.0}, r"delta=2.0 .* does not apply"),
         ({"loss_type": "ppo", "delta": 2.0}, r"delta=2.0 .* does not apply"),
+        ({"loss_type": "ppo", "epsilon": 1.5}, r"epsilon must be in \[0, 1\]"),
     ],
 )
 def test_invalid_values_fail_at_config_time(kwargs, message):

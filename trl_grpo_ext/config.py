@@ -128,6 +128,11 @@ class GRPOConfig(trl.GRPOConfig):
                     f"epsilon_high={self.epsilon_high} has no effect with loss_type={self.loss_type!r}; its ratio "
                     f"bounds are {clip_fields}. Unset epsilon_high (or use loss_type='trl_cispo' for TRL's cispo)."
                 )
+        if self.loss_type == "ppo" and not (0 <= self.epsilon <= 1 and (self.epsilon_high or 0) >= 0):
+            raise ValueError(
+                f"loss_type='ppo' clips the ratio to [1 - epsilon, 1 + epsilon_high]: epsilon must be in [0, 1] and "
+                f"epsilon_high >= 0, got epsilon={self.epsilon}, epsilon_high={self.epsilon_high}"
+            )
         if self.loss_type in EXTRA_LOSS_TYPES and self.delta is not None:
             raise ValueError(
                 f"delta={self.delta} (INTELLECT-2 two-sided clipping of TRL's PPO-style losses) does not apply to "
