@@ -13,6 +13,7 @@ import logging
 import re
 import secrets
 import shutil
+import sys
 import tempfile
 import threading
 import time
@@ -199,9 +200,8 @@ class LocalPyTrioServer:
         """
         if self._httpd is None:
             return
-        try:
-            from pytrio.runtime import service as runtime_module
-        except ImportError:
+        runtime_module = sys.modules.get("pytrio.runtime.service")
+        if runtime_module is None:  # pytrio never imported here: no in-process clients (and no slow import)
             return
         with runtime_module._active_service_runtimes_lock:
             runtimes = list(runtime_module._active_service_runtimes)
