@@ -396,3 +396,30 @@ def test_keys_and_tokens_never_reach_the_logs(server, service, caplog):
     tokens = list(server.registry.tokens)
     assert tokens and caplog.records
     assert server.api_key not in caplog.text and not any(t in caplog.text for t in tokens)
+
+
+def test_rest_client_metadata_and_checkpoint_listing(server, service):
+    tc = service.create_lora_training_client(base_model=server.model_alias, rank=4, seed=14)
+    datum = _datum(_tokens(tc))
+    tc.forward_backward([datum], "cross_entropy").result()
+    saved = tc.save_state("listed").result()
+    rest = service.create_rest_client()
+    run = rest.get_training_run(tc.training_run_cuid).result()
+    assert run.training_run_id == tc.training_run_cuid and run.lora_rank == 4
+    assert any(r.training_run_id == tc.training_run_cuid for r in rest.list_training_runs().result().training_runs)
+    checkpoints = rest.list_checkpoints(tc.training_run_cuid).result().checkpoints
+    assert [c.checkpoint_type for c in checkpoints if c.path == saved.path] == ["training"]
+    session = rest.get_session(service.service_session_cuid).result()
+    assert tc.training_run_cuid in session.training_run_ids
+    assert service.get_supported_models() == [server.model_id]
+    capabilities = service.get_server_capabilities().supported_models[0]
+    assert capabilities.training.available and capabilities.max_context_length == server.engine.max_seq_len
+    heartbeat = _run_loop(service)(tc._actor_binding.coordinator.actor_client.heartbeat())
+    assert heartbeat["heartbeat_ms"] == server.config.heartbeat_ms
+    sampler = tc.save_weights_and_get_sampling_client()
+    info = rest.get_sampler(sampler.sampling_run_cuid).result()
+    assert info.model_path.startswith("trio://") and info.base_model == server.model_id
+    listed = {c.path: c for c in rest.list_user_checkpoints().result().checkpoints}
+    assert listed[info.model_path].checkpoint_type == "sampler" and listed[info.model_path].expires_at is not None
+    rest.delete_checkpoint(tc.training_run_cuid, listed[saved.path].checkpoint_id).result()
+    assert saved.path not in {c.path for c in rest.list_user_checkpoints().result().checkpoints}

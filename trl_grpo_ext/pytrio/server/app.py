@@ -491,7 +491,7 @@ class LocalPyTrioServer:
             "training_run_cuid": c.run,
             "workspace_cuid": WORKSPACE,
             "name": c.name,
-            "checkpoint_type": "training" if c.kind == "state" else "sampler",
+            "checkpoint_type": "TRAINING" if c.kind == "state" else "SAMPLER",
             "status": "READY",
             "checkpoint_uri": c.uri,
             "model": self.model_alias,
@@ -507,6 +507,7 @@ class LocalPyTrioServer:
             "size_bytes": c.size,
             "lora_rank": c.lora.rank,
             "is_uploaded": False,
+            "expired_at": iso(c.expires),
         }
 
     def list_run_checkpoints(self, query, _b, rid) -> dict:
@@ -819,6 +820,7 @@ class LocalPyTrioServer:
         checkpoint = CheckpointRecord(
             new_id("ckpt"), uri, record.run, payload.name, kind, folder, snapshot.lora, size, payload.visibility,
             snapshot.step, snapshot_uid=snapshot.uid,
+            expires=time.time() + payload.ttl_seconds if payload.ttl_seconds else None,
         )  # fmt: skip
         with self.registry.lock:
             self.registry.checkpoints[uri] = checkpoint

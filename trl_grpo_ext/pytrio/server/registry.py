@@ -83,6 +83,7 @@ class CheckpointRecord:
     visibility: str
     step: int
     snapshot_uid: int = 0  # identifies the weights (the in-memory snapshot cache and sampler slots key on it)
+    expires: float | None = None  # reported from ttl_seconds; not enforced (see max_temporary_checkpoints)
     created: float = field(default_factory=time.time)
 
 
