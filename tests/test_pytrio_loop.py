@@ -511,37 +511,41 @@ def test_service_failure_is_a_clear_error_and_keeps_the_checkpoint(pytrio_client
     assert [r["step"] for r in read_metrics(c.output_dir)] == [1]
 
 
-@pytest.mark.slow
-def test_recipe_runs_end_to_end_offline_from_one_command(tiny_model_path, tmp_path):
-    """`recipes/gsm8k_pytrio.py` with the embedded-default YAML: starts the local server itself, trains, saves."""
-    import os
-    import re
-    import subprocess
-    import sys
-
-    out = tmp_path / "recipe-run"
-    env = {**os.environ, "HOME": str(tmp_path), "HF_HUB_OFFLINE": "1", "SWANLAB_MODE": "disabled",
-           "OMP_NUM_THREADS": "1", "PYTRIO_API_KEY": "", "PYTRIO_BASE_URL": ""}
-    cmd = [
-        sys.executable, str(ROOT / "recipes" / "gsm8k_pytrio.py"), "--config", str(ROOT / "recipes/pytrio/embedded.yaml"),
-        "--base_model", tiny_model_path, "--lora_rank", "4", "--max_steps", "2", "--save_every", "1",
-        "--max_completion_length", "8", "--dataset_size", "16", "--output_dir", str(out),
-    ]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300, cwd=tmp_path)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    summary = json.loads(proc.stdout[proc.stdout.index("{"):])
-    assert summary["steps"] == 2 and summary["sampler_path"].startswith("trio://")
-    assert [r["step"] for r in read_metrics(out)] == [1, 2]
-    assert not re.search(r"trio-local-[A-Za-z0-9_\-]{8,}", proc.stdout + proc.stderr)  # the server's random key
-
-
-
-def test_recipe_reports_bad_config_in_one_line(tmp_path, capsys):
+def load_recipe():
     import importlib.util
 
     spec = importlib.util.spec_from_file_location("gsm8k_pytrio", ROOT / "recipes" / "gsm8k_pytrio.py")
     recipe = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(recipe)
+    return recipe
+
+
+@pytest.mark.slow
+def test_recipe_runs_end_to_end_offline_from_one_command(pytrio_client, tiny_model_path, tmp_path, capfd, caplog):
+    """`recipes/gsm8k_pytrio.py` with the embedded-default YAML (its `main`, in this process to spare the test
+    budget a second torch import): starts its own local server, generates the data offline, trains, saves."""
+    import logging
+    import re
+
+    caplog.set_level(logging.DEBUG)
+    out = tmp_path / "recipe-run"
+    args = [
+        "--config", str(ROOT / "recipes/pytrio/embedded.yaml"), "--base_model", tiny_model_path, "--lora_rank", "4",
+        "--max_steps", "2", "--save_every", "1", "--max_completion_length", "8", "--dataset_size", "16",
+        "--output_dir", str(out),
+    ]
+    assert load_recipe().main(args) == 0
+    captured = capfd.readouterr()
+    summary = json.loads(captured.out[captured.out.index("{"):])
+    assert summary["steps"] == 2 and summary["sampler_path"].startswith("trio://")
+    assert [r["step"] for r in read_metrics(out)] == [1, 2]
+    assert "step 2/2" in caplog.text
+    # the server's random key
+    assert not re.search(r"trio-local-[A-Za-z0-9_\-]{8,}", captured.out + captured.err + caplog.text)
+
+
+def test_recipe_reports_bad_config_in_one_line(tmp_path, capsys):
+    recipe = load_recipe()
     args = ["--config", str(ROOT / "recipes/pytrio/embedded.yaml"), "--output_dir", str(tmp_path)]
     assert recipe.main(args + ["--per_device_train_batch_size", "6"]) == 2
     assert "multiple of num_generations" in capsys.readouterr().err
