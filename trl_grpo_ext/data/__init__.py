@@ -1,0 +1,22 @@
+"""Datasets for the recipes: GSM8K (hub or JSONL) and offline reasoning-gym problems, as TRL prompts.
+
+`load_dataset_split(source, split, ...)` returns a `datasets.Dataset` with TRL's `prompt` column and the
+ground-truth `answer` (GSM8K style, `... #### N`) that the rewards receive as a keyword argument.
+"""
+
+from .loading import SYNTHETIC_SOURCE, load_dataset_split, load_problems
+from .prompts import ONE_SHOT_ANSWER, ONE_SHOT_QUESTION, SYSTEM_PROMPT, build_prompt
+from .synthetic import TASKS, generate_problems, parse_task_mix
+
+__all__ = [
+    "ONE_SHOT_ANSWER",
+    "ONE_SHOT_QUESTION",
+    "SYNTHETIC_SOURCE",
+    "SYSTEM_PROMPT",
+    "TASKS",
+    "build_prompt",
+    "generate_problems",
+    "load_dataset_split",
+    "load_problems",
+    "parse_task_mix",
+]

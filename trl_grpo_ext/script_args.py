@@ -1,0 +1,140 @@
+"""`ScriptArguments` of the GSM8K recipes and the strict YAML + CLI parsing they share.
+
+TRL's parser applies YAML values as argparse defaults; a misspelt key would then be dropped by scripts that
+ask for remaining strings. `parse_recipe_args` refuses it with the closest valid name instead.
+"""
+
+from __future__ import annotations
+
+import difflib
+import os
+from dataclasses import dataclass, field
+
+import yaml
+
+PROMPT_FORMATS = ("auto", "chat", "text")
+SWANLAB_MODES = ("online", "offline", "local", "disabled")
+
+
+@dataclass
+class ScriptArguments:
+    """Data, prompt, reward and logging options of `recipes/gsm8k_grpo.py` (training options live in GRPOConfig)."""
+
+    dataset_name: str = field(
+        default="synthetic",
+        metadata={
+            "help": "'synthetic' (offline reasoning-gym problems, see synthetic_tasks), 'openai/gsm8k' (hub) or a "
+            "local JSONL file / folder of <split>.jsonl with question/answer rows."
+        },
+    )
+    dataset_train_split: str = field(default="train", metadata={"help": "Split used for training."})
+    dataset_test_split: str = field(default="test", metadata={"help": "Split used for the before/after eval."})
+    num_train_samples: int | None = field(
+        default=None,
+        metadata={"help": "Training problems to use (synthetic: to generate; default enough for max_steps)."},
+    )
+    synthetic_tasks: str = field(
+        default="chain_sum_easy:2,chain_sum:2,basic_arithmetic:1,gsm_symbolic:1",
+        metadata={
+            "help": "Synthetic task mix 'task:weight,...' (tasks: chain_sum_easy, chain_sum, basic_arithmetic, "
+            "gsm_symbolic). Each problem draws its task by weight: an easy-to-hard mix in every batch."
+        },
+    )
+    on_malformed: str = field(
+        default="error",
+        metadata={"help": "Rows without question/answer or with an unparseable answer: 'error' or 'drop'."},
+    )
+    one_shot: bool = field(default=True, metadata={"help": "Put one worked example (answer in \\boxed{}) in the prompt."})
+    prompt_format: str = field(
+        default="auto",
+        metadata={"help": "'chat' messages, plain 'text', or 'auto' (chat if the tokenizer has a chat template)."},
+    )
+    reward_funcs: list[str] = field(
+        default_factory=lambda: ["boxed", "format"],
+        metadata={"help": "Reward names from trl_grpo_ext.REWARD_REGISTRY (weights: GRPOConfig.reward_weights)."},
+    )
+    eval_num_samples: int = field(
+        default=0,
+        metadata={"help": "Held-out problems scored greedily before and after training (0: no eval)."},
+    )
+    eval_max_new_tokens: int | None = field(
+        default=None, metadata={"help": "Token limit of the before/after eval (default: max_completion_length)."}
+    )
+    swanlab_project: str = field(default="trl-grpo-ext", metadata={"help": "SwanLab project (report_to: swanlab)."})
+    swanlab_mode: str | None = field(
+        default=None,
+        metadata={
+            "help": "SwanLab mode: online, offline (logs under output_dir, no network), local or disabled. Default: "
+            "$SWANLAB_MODE, else online when an API key is configured, else offline."
+        },
+    )
+
+    def __post_init__(self):
+        if self.on_malformed not in ("error", "drop"):
+            raise ValueError(f"on_malformed must be 'error' or 'drop', got {self.on_malformed!r}")
+        if self.prompt_format not in PROMPT_FORMATS:
+            raise ValueError(f"prompt_format must be one of {PROMPT_FORMATS}, got {self.prompt_format!r}")
+        if self.swanlab_mode is not None and self.swanlab_mode not in SWANLAB_MODES:
+            raise ValueError(f"swanlab_mode must be one of {SWANLAB_MODES}, got {self.swanlab_mode!r}")
+        if isinstance(self.reward_funcs, str):
+            self.reward_funcs = [name.strip() for name in self.reward_funcs.split(",") if name.strip()]
+        if not self.reward_funcs:
+            raise ValueError("reward_funcs is empty; name at least one reward (e.g. boxed)")
+        if self.eval_num_samples < 0:
+            raise ValueError(f"eval_num_samples must be >= 0, got {self.eval_num_samples}")
+        if self.num_train_samples is not None and self.num_train_samples <= 0:
+            raise ValueError(f"num_train_samples must be > 0, got {self.num_train_samples}")
+
+
+def _known_keys(parser) -> set[str]:
+    keys = set()
+    for action in parser._actions:
+        keys.add(action.dest)
+    return keys
+
+
+def check_config_keys(config: dict, known: set[str], path: str) -> None:
+    """Raise on YAML keys no dataclass defines, naming each with the closest valid key."""
+    unknown = [key for key in config if key not in known and key != "env"]
+    if not unknown:
+        return
+    lines = []
+    for key in unknown:
+        close = difflib.get_close_matches(str(key), sorted(known), n=1, cutoff=0.6)
+        lines.append(f"'{key}'" + (f" (did you mean '{close[0]}'?)" if close else ""))
+    raise ValueError(f"{path}: unknown key(s) {', '.join(lines)}")
+
+
+def load_yaml_config(path: str) -> dict:
+    with open(path) as handle:
+        config = yaml.safe_load(handle) or {}
+    if not isinstance(config, dict):
+        raise ValueError(f"{path} must hold a YAML mapping of option: value, got {type(config).__name__}")
+    return config
+
+
+def parse_recipe_args(argv: list[str] | None = None, default_config: str | None = None, dataclass_types=None):
+    """(script_args, training_args, model_args) from `--config recipe.yaml` and CLI flags (flags win).
+
+    Without `--config`, `default_config` (the offline embedded recipe) is used.
+    """
+    import sys
+
+    from trl import ModelConfig, TrlParser
+
+    from trl_grpo_ext.config import GRPOConfig
+
+    argv = list(sys.argv[1:] if argv is None else argv)
+    types = dataclass_types or (ScriptArguments, GRPOConfig, ModelConfig)
+    parser = TrlParser(types)
+    if "--config" not in argv and default_config:
+        argv = ["--config", str(default_config), *argv]
+    if "--config" in argv:
+        index = argv.index("--config")
+        if index + 1 >= len(argv):
+            raise ValueError("--config needs a YAML path")
+        path = argv[index + 1]
+        if not os.path.isfile(path):
+            raise FileNotFoundError(f"recipe not found: {path}")
+        check_config_keys(load_yaml_config(path), _known_keys(parser), path)
+    return parser.parse_args_and_config(argv, fail_with_unknown_args=True)
