@@ -337,7 +337,8 @@ class LocalPyTrioServer:
         return self._session_view(session)
 
     def list_sessions(self, query, _b) -> dict:
-        items = [self._session_view(s, brief=True) for s in self.registry.sessions.values()]
+        with self.registry.lock:
+            items = [self._session_view(s, brief=True) for s in self.registry.sessions.values()]
         return _page(items, query, "service_sessions")
 
     def renew_session(self, _q, _b, sid) -> dict:
@@ -469,7 +470,9 @@ class LocalPyTrioServer:
         return self._run_view(self.registry.training_run(rid))
 
     def list_training_runs(self, query, _b) -> dict:
-        return _page([self._run_view(r) for r in self.registry.training_runs.values()], query, "training_runs")
+        with self.registry.lock:
+            items = [self._run_view(r) for r in self.registry.training_runs.values()]
+        return _page(items, query, "training_runs")
 
     def renew_training_run(self, _q, _b, rid) -> dict:
         run = self.registry.training_run(rid)
@@ -512,11 +515,14 @@ class LocalPyTrioServer:
 
     def list_run_checkpoints(self, query, _b, rid) -> dict:
         self.registry.training_run(rid)
-        items = [self._checkpoint_view(c) for c in self.registry.checkpoints.values() if c.run == rid]
+        with self.registry.lock:
+            items = [self._checkpoint_view(c) for c in self.registry.checkpoints.values() if c.run == rid]
         return _page(items, query, "checkpoints")
 
     def list_checkpoints(self, query, _b) -> dict:
-        return _page([self._checkpoint_view(c) for c in self.registry.checkpoints.values()], query, "checkpoints")
+        with self.registry.lock:
+            items = [self._checkpoint_view(c) for c in self.registry.checkpoints.values()]
+        return _page(items, query, "checkpoints")
 
     def delete_checkpoint(self, _q, _b, cid) -> dict:
         record = self.registry.checkpoint_by_cuid(cid)

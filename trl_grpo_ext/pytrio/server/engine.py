@@ -447,9 +447,17 @@ class ModelEngine:
         with self.lock:
             model, ctx = self._use_snapshot(snapshot)
             with ctx, torch.no_grad():
-                ids = torch.tensor([prompt] * num_samples, device=self.device)
-                out = model(input_ids=ids, use_cache=True, logits_to_keep=1)
+                # one prefill for all samples: the prompt's cache is copied num_samples times
+                out = model(input_ids=torch.tensor([prompt], device=self.device), use_cache=True, logits_to_keep=1)
                 past, logits = _cache_of(out), out.logits[:, -1].float()
+                if num_samples > 1:
+                    if hasattr(past, "batch_repeat_interleave"):
+                        past.batch_repeat_interleave(num_samples)
+                    else:  # a cache type that cannot be copied: prefill the batch
+                        ids = torch.tensor([prompt] * num_samples, device=self.device)
+                        out = model(input_ids=ids, use_cache=True, logits_to_keep=1)
+                        past = _cache_of(out)
+                    logits = logits.expand(num_samples, -1)
                 tokens = [[] for _ in range(num_samples)]
                 logps = [[] for _ in range(num_samples)]
                 reasons = ["length"] * num_samples

@@ -133,7 +133,9 @@ class Registry:
         return record
 
     def checkpoint_by_cuid(self, cuid: str) -> CheckpointRecord:
-        for record in self.checkpoints.values():
+        with self.lock:
+            records = list(self.checkpoints.values())
+        for record in records:
             if record.cuid == cuid:
                 return record
         raise ApiError(404, "checkpoint_not_found", f"checkpoint {cuid} not found")
