@@ -25,6 +25,7 @@ from trl_grpo_ext.sweep import (
     run_status,
     run_sweep,
     sanitize_name,
+    validate_runs,
 )
 
 REPO = Path(__file__).resolve().parents[1]
@@ -211,6 +212,21 @@ def test_restart_without_checkpoint_sets_old_metrics_aside(fake_sweep):
     assert len((run.run_dir / "metrics.jsonl").read_text().splitlines()) == 2
 
 
+def test_unknown_recipe_keys_are_caught_before_running(tmp_path, capsys):
+    from trl_grpo_ext.cli import main
+
+    path = tmp_path / "s.yaml"
+    path.write_text(yaml.safe_dump({"backend": "pytrio", "grid": {"loss_type": ["ppo"]}, "overrides": {"lora_rnak": 8},
+                                    "output_root": str(tmp_path / "runs")}))
+    spec = load_sweep(path)
+    assert validate_runs(spec, expand(spec)) == [
+        "loss_type=ppo: the pytrio recipe has no key 'lora_rnak' (did you mean 'lora_rank'?)"
+    ]
+    assert main(["sweep", str(path), "--dry-run"]) == 2
+    assert "lora_rnak" in capsys.readouterr().err
+    assert not (tmp_path / "runs").exists()
+
+
 def test_pytrio_backend_resumes_through_its_flag(fake_sweep):
     spec = fake_sweep(grid={"loss_type": ["ppo"]}, backend="pytrio", scripts={"pytrio": "fake_recipe.py"})
     run = expand(spec)[0]
@@ -278,6 +294,7 @@ def test_shipped_sweep_files_expand():
         spec = load_sweep(f)
         runs = expand(spec)
         assert runs, f
+        assert validate_runs(spec, runs) == [], f  # every key is one the recipe accepts
         if f.name == "embedded_losses.yaml":
             assert sorted(r.params["loss_type"] for r in runs) == ["cispo", "importance_sampling", "ppo"]
 

@@ -360,6 +360,50 @@ def _backend(spec: SweepSpec, name: str) -> Backend:
     return Backend(name, script or known.script, known.resume_args, known.takes_run_name)
 
 
+# ------------------------------------------------------------------------------------------ validation
+
+
+def recipe_keys(backend: str) -> set[str] | None:
+    """Config keys the shipped recipe of `backend` accepts, or None when they cannot be known here."""
+    try:
+        if backend == "trl":
+            from trl import ModelConfig, TrlParser
+
+            from trl_grpo_ext.config import GRPOConfig
+            from trl_grpo_ext.script_args import ScriptArguments
+
+            parser = TrlParser((ScriptArguments, GRPOConfig, ModelConfig))
+            return {action.dest for action in parser._actions} | {"env"}
+        if backend == "pytrio":
+            from trl_grpo_ext.pytrio.config import PyTrioGRPOConfig
+
+            return {f.name for f in dataclasses.fields(PyTrioGRPOConfig)} | {"env"}
+    except ImportError:
+        return None
+    return None
+
+
+def validate_runs(spec: SweepSpec, runs: list[RunSpec]) -> list[str]:
+    """Keys a run's recipe would reject, found before hours of other runs go by (shipped recipes only)."""
+    import difflib
+
+    problems, cache = [], {}
+    for run in runs:
+        if run.backend in spec.scripts:  # a custom script: its keys are its own business
+            continue
+        if run.backend not in cache:
+            cache[run.backend] = recipe_keys(run.backend)
+        known = cache[run.backend]
+        if known is None:
+            continue
+        for key in run.config:
+            if key not in known:
+                close = difflib.get_close_matches(str(key), sorted(known), n=1, cutoff=0.6)
+                hint = f" (did you mean '{close[0]}'?)" if close else ""
+                problems.append(f"{run.name}: the {run.backend} recipe has no key '{key}'{hint}")
+    return problems
+
+
 # -------------------------------------------------------------------------------------------- running
 
 

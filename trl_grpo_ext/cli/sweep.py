@@ -14,12 +14,14 @@ def add_arguments(parser) -> None:
                         help="run only runs whose name contains SUBSTRING (repeatable)")
     parser.add_argument("--force", action="store_true",
                         help="delete the selected runs' folders and run them again from scratch")
+    parser.add_argument("--skip-validation", "--skip_validation", dest="validate", action="store_false",
+                        help="do not check run configs against the recipe's known keys before starting")
     parser.add_argument("--no-progress", "--no_progress", dest="progress", action="store_false",
                         help="no progress bar (plain lines only)")
 
 
 def run(args) -> int:
-    from trl_grpo_ext.sweep import describe_runs, expand, load_sweep, run_sweep
+    from trl_grpo_ext.sweep import describe_runs, expand, load_sweep, run_sweep, validate_runs
 
     try:
         spec = load_sweep(args.sweep_file, output_root=args.output_root)
@@ -35,6 +37,13 @@ def run(args) -> int:
     if args.parallel is not None and args.parallel < 1:
         print("error: --parallel must be >= 1", file=sys.stderr)
         return 2
+    if args.validate:
+        problems = validate_runs(spec, runs)
+        if problems:
+            for line in problems:
+                print(f"error: {line}", file=sys.stderr)
+            print("fix the sweep file (or pass --skip-validation)", file=sys.stderr)
+            return 2
     if args.dry_run:
         print(describe_runs(spec, runs))
         return 0
