@@ -3,6 +3,7 @@ plus one real tiny TRL run when the TRL recipe is present."""
 
 import json
 import os
+import shutil
 import sys
 import textwrap
 from pathlib import Path
@@ -299,38 +300,54 @@ def test_shipped_sweep_files_expand():
             assert sorted(r.params["loss_type"] for r in runs) == ["cispo", "importance_sampling", "ppo"]
 
 
-TRL_RECIPE = REPO / "recipes" / "gsm8k_grpo.py"
-
-
 @pytest.mark.slow
-@pytest.mark.skipif(not TRL_RECIPE.is_file(), reason="recipes/gsm8k_grpo.py is not in this checkout yet")
-def test_real_tiny_trl_sweep_then_compare_and_eval(tiny_model_path, tmp_path):
+def test_real_tiny_trl_run_resume_eval_and_compare(tiny_model_path, tmp_path):
+    """The shipped TRL recipe on the tiny model: a run, an interruption after checkpoint-1, the resume, then
+    the sweep's eval of the saved model and a compare report."""
     from trl_grpo_ext.compare import build_report
 
     sweep = {
         "name": "tiny",
         "base": str(REPO / "recipes" / "gsm8k" / "embedded.yaml"),
         "output_root": str(tmp_path / "runs"),
-        "grid": {"loss_type": ["importance_sampling", "cispo"]},
+        "grid": {"loss_type": ["cispo"]},
         "overrides": {
             "model_name_or_path": tiny_model_path,
-            "max_steps": 1,
+            "synthetic_tasks": "chain_sum_easy",
+            "num_train_samples": 8,
+            "eval_num_samples": 0,
+            "max_steps": 2,
             "num_generations": 2,
             "per_device_train_batch_size": 2,
             "max_completion_length": 8,
-            "logging_steps": 1,
-            "save_strategy": "no",
-            "report_to": "none",
+            "save_strategy": "steps",
+            "save_steps": 1,
         },
         "env": {"OMP_NUM_THREADS": "1"},
-        "evaluate": {"data": "embedded", "limit": 2, "max_new_tokens": 4, "k": 2},
     }
     path = tmp_path / "tiny.yaml"
     path.write_text(yaml.safe_dump(sweep))
-    results, _ = run_sweep(load_sweep(path), progress=False)
-    for r in results:
-        assert r.status == "finished", (Path(r.run_dir) / TRAIN_LOG).read_text()[-3000:] + str(r.eval)
-        assert r.eval["status"] == "finished" and r.eval["n"] == 2
+    spec = load_sweep(path)
+    assert validate_runs(spec, expand(spec)) == []
+    (result,), _ = run_sweep(spec, progress=False)
+    run_dir = Path(result.run_dir)
+    assert result.status == "finished", (run_dir / TRAIN_LOG).read_text()[-3000:]
+    assert [json.loads(x)["step"] for x in (run_dir / "metrics.jsonl").read_text().splitlines()] == [1, 2]
+
+    # as if killed after the first checkpoint: no marker, no checkpoint-2
+    (run_dir / DONE_MARKER).unlink()
+    shutil.rmtree(run_dir / "checkpoint-2")
+    sweep["evaluate"] = {"data": "embedded", "limit": 2, "max_new_tokens": 4, "k": 2, "tasks": "chain_sum_easy"}
+    path.write_text(yaml.safe_dump(sweep))
+    (result,), _ = run_sweep(load_sweep(path), progress=False)
+    assert result.status == "finished", (run_dir / TRAIN_LOG).read_text()[-3000:] + str(result.eval)
+    assert result.resumed_from == str(run_dir / "checkpoint-1")
+    assert "--resume_from_checkpoint" in result.command
+    rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2]  # step 2 logged once, by the resumed attempt
+    assert result.eval["status"] == "finished" and result.eval["n"] == 2 and "pass@1" in result.eval
+    assert len((run_dir / "eval.jsonl").read_text().splitlines()) == 2
+
     report = build_report([tmp_path / "runs"], tmp_path / "report")
-    assert "loss_type=cispo" in report.table and "reward" in report.plots
+    assert "| loss_type=cispo | trl | 2 |" in report.table and "eval pass@1" in report.table
     assert os.path.getsize(report.plots["reward"]) > 1000
