@@ -269,6 +269,23 @@ def test_cli_dry_run_and_exit_codes(fake_sweep, tmp_path, capsys):
     assert main(["sweep", str(tmp_path / "missing.yaml")]) == 2
 
 
+def test_cli_set_overrides_every_run(fake_sweep, tmp_path, capsys):
+    from trl_grpo_ext.cli import main
+    from trl_grpo_ext.cli.sweep import parse_set_values
+
+    assert parse_set_values(["max_steps=5", "learning_rate=4e-5", "reward_funcs=[boxed, format]"]) == {
+        "max_steps": 5, "learning_rate": 4e-05, "reward_funcs": ["boxed", "format"]}
+    with pytest.raises(ValueError, match="KEY=VALUE"):
+        parse_set_values(["max_steps"])
+    spec = fake_sweep(grid={"loss_type": ["ppo"]})
+    assert main(["sweep", str(spec.source), "--no-progress", "--set", "max_steps=3"]) == 0
+    run_dir = tmp_path / "runs" / "loss_type=ppo"
+    assert yaml.safe_load((run_dir / "sweep_config.yaml").read_text())["max_steps"] == 3
+    assert len((run_dir / "metrics.jsonl").read_text().splitlines()) == 3
+    assert main(["sweep", str(spec.source), "--set", "output_dir=x"]) == 2
+    assert "set by the sweep" in capsys.readouterr().err
+
+
 def test_eval_command_picks_saved_model(fake_sweep):
     spec = fake_sweep(grid={"loss_type": ["ppo"]}, evaluate={"data": "embedded", "limit": 4, "k": 2})
     run = expand(spec)[0]

@@ -10,6 +10,8 @@ def add_arguments(parser) -> None:
     parser.add_argument("--dry-run", "--dry_run", dest="dry_run", action="store_true", help="list the runs, run nothing")
     parser.add_argument("--parallel", type=int, default=None, help="runs at once (default: the file's, else 1)")
     parser.add_argument("--output_root", "--output-root", default=None, help="override the file's output_root")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", dest="set_values",
+                        help="extra override for every run, on top of the file's (repeatable; VALUE is YAML: 10, 1e-5, [a, b])")
     parser.add_argument("--only", action="append", default=None, metavar="SUBSTRING",
                         help="run only runs whose name contains SUBSTRING (repeatable)")
     parser.add_argument("--force", action="store_true",
@@ -20,11 +22,29 @@ def add_arguments(parser) -> None:
                         help="no progress bar (plain lines only)")
 
 
+def parse_set_values(items: list[str]) -> dict:
+    import yaml
+
+    from trl_grpo_ext.sweep import RESERVED_KEYS, coerce_scalar
+
+    out = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            raise ValueError(f"--set expects KEY=VALUE, got {item!r}")
+        if key.strip() in RESERVED_KEYS:
+            raise ValueError(f"--set {key.strip()}: set by the sweep for each run")
+        out[key.strip()] = coerce_scalar(yaml.safe_load(value)) if value.strip() else None
+    return out
+
+
 def run(args) -> int:
     from trl_grpo_ext.sweep import describe_runs, expand, load_sweep, run_sweep, validate_runs
 
     try:
         spec = load_sweep(args.sweep_file, output_root=args.output_root)
+        if args.set_values:
+            spec.overrides.update(parse_set_values(args.set_values))
         runs = expand(spec)
     except (FileNotFoundError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
