@@ -104,7 +104,7 @@ def test_summary_values(runs):
 
 def test_config_differences_ignore_output_paths(runs):
     loaded = load_runs(list(runs))
-    assert config_differences(loaded) == ["learning_rate", "loss_type", "backend"]
+    assert config_differences(loaded) == ["learning_rate", "loss_type"]  # backend: only one run's config has it
     assert loaded[0].backend == "trl" and loaded[1].backend == "pytrio"
 
 
@@ -121,7 +121,7 @@ def test_report_files_and_table(runs, tmp_path):
     assert "12s" in cells
     cispo = next(line for line in lines if line.startswith("| loss_type=cispo"))
     assert "| pytrio | 4 | 0.600 | 0.600 | 0.400 |" in cispo and "–" in cispo
-    assert "## Config differences" in md and "| run | learning_rate | loss_type | backend |" in md
+    assert "## Config differences" in md and "| run | learning_rate | loss_type |" in md
     for name in ("reward", "frac_degenerate", "entropy", "kl", "completion_length", "overview"):
         png = out / f"{name}.png"
         assert png.is_file() and png.stat().st_size > 1000
@@ -139,6 +139,14 @@ def test_metric_no_run_logged_is_skipped(tmp_path):
     assert any("no saved config" in n for n in report.notes)
     assert not (tmp_path / "out" / "entropy.png").exists()
     assert "(one run: nothing to compare)" in report.markdown
+
+
+def test_same_named_runs_get_distinct_labels(tmp_path):
+    for root in ("a/runs", "b/runs"):
+        write_run(tmp_path / root, "loss_type=ppo", [{"step": 1, "reward": 0.0}])
+    write_run(tmp_path / "a" / "runs", "other", [{"step": 1, "reward": 0.0}])
+    loaded = load_runs([tmp_path / "a/runs/loss_type=ppo", tmp_path / "b/runs/loss_type=ppo", tmp_path / "a/runs/other"])
+    assert [r.label for r in loaded] == ["a/runs/loss_type=ppo", "b/runs/loss_type=ppo", "other"]
 
 
 def test_sweep_root_expands_to_its_runs_in_summary_order(runs, tmp_path):

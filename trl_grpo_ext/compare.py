@@ -180,8 +180,11 @@ def load_run(path: Path, label: str | None = None) -> RunData:
     if source is None:
         notes.append("no saved config found (looked for " + ", ".join(CONFIG_CANDIDATES) + ")")
     backend = (marker or {}).get("backend") or config.get("backend")
-    if backend is None and any(c.name.startswith("checkpoint-") for c in path.iterdir()):
-        backend = "trl"
+    if backend is None:  # no sweep marker: the files each backend leaves behind tell
+        if (path / "pytrio_state.json").is_file() or "pytrio_base_url" in config:
+            backend = "pytrio"
+        elif any(c.name.startswith("checkpoint-") for c in path.iterdir()) or "model_name_or_path" in config:
+            backend = "trl"
     wall = (marker or {}).get("wall_time")
     if not _is_number(wall):
         runtimes = [r["train_runtime"] for r in rows if _is_number(r.get("train_runtime"))]
@@ -198,10 +201,20 @@ def load_run(path: Path, label: str | None = None) -> RunData:
 
 def load_runs(paths: list[str | os.PathLike]) -> list[RunData]:
     dirs = expand_run_dirs(paths)
-    labels = [d.resolve().name for d in dirs]
-    # Same folder name in two sweeps (e.g. trl/ vs pytrio/ roots): prefix the parent.
-    labels = [f"{d.resolve().parent.name}/{n}" if labels.count(n) > 1 else n for d, n in zip(dirs, labels, strict=False)]
-    return [load_run(d, label) for d, label in zip(dirs, labels, strict=False)]
+    return [load_run(d, label) for d, label in zip(dirs, unique_labels(dirs), strict=True)]
+
+
+def unique_labels(dirs: list[Path]) -> list[str]:
+    """Folder names, with as many parent folders as it takes to tell same-named runs apart."""
+    parts = [d.resolve().parts for d in dirs]
+    depth = [1] * len(dirs)
+    while True:
+        labels = ["/".join(p[-n:]) for p, n in zip(parts, depth, strict=True)]
+        clashes = {i for i, lab in enumerate(labels) if labels.count(lab) > 1 and depth[i] < len(parts[i])}
+        if not clashes:
+            return labels
+        for i in clashes:
+            depth[i] += 1
 
 
 # ------------------------------------------------------------------------------------------- numbers
@@ -263,16 +276,19 @@ def summarize(run: RunData, smooth_window: int = 1) -> dict:
 
 
 def config_differences(runs: list[RunData]) -> list[str]:
-    """Config keys whose value is not the same in every run (a key missing from a run counts as differing)."""
+    """Config keys that take different values in runs that set them.
+
+    A key only some runs have (the two backends' recipes do not share every key) differs only if those
+    runs disagree on it; otherwise TRL vs PyTRIO comparisons would list every backend-specific option.
+    """
     keys: list[str] = []
     for run in runs:
         for k in run.config:
             if k not in keys and k not in IGNORED_CONFIG_KEYS:
                 keys.append(k)
-    missing = object()
     diff = []
     for k in keys:
-        values = {json.dumps(run.config.get(k, missing), sort_keys=True, default=str) for run in runs}
+        values = {json.dumps(run.config[k], sort_keys=True, default=str) for run in runs if k in run.config}
         if len(values) > 1:
             diff.append(k)
     return diff
@@ -460,6 +476,8 @@ def build_report(run_paths: list[str | os.PathLike], out_dir: str | os.PathLike,
         md += [diff_table(runs, diff_keys), ""]
     else:
         md += ["(saved configs are identical apart from output paths)", ""]
+    if len(runs) > 1 and diff_keys:
+        md += ["A key that only some runs' configs hold is compared among those runs.", ""]
     md += ["## Curves", ""]
     for metric, path in plots.items():
         md += [f"### {metric}", "", f"![{metric}]({path.name})", ""]
