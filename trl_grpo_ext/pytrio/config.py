@@ -37,8 +37,8 @@ class PyTrioGRPOConfig:
     tokenizer_name_or_path: str | None = field(
         default=None,
         metadata={
-            "help": "Tokenizer for the chat template. None: the base model's own (local path / 'embedded' resolved "
-            "here, otherwise `TrainingClient.get_tokenizer()`)."
+            "help": "Tokenizer for the chat template. None: the client's `TrainingClient.get_tokenizer()` (the base "
+            "model's), falling back to the locally resolved model ('embedded' or a local path)."
         },
     )
     mode: str = field(

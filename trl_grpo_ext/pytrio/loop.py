@@ -333,19 +333,25 @@ class GRPOLoop:
         return load_train_rows(self.config)
 
     def _load_tokenizer(self, training_client):
+        """``tokenizer_name_or_path`` if set, else the client's own (`TrainingClient.get_tokenizer`, the base
+        model's tokenizer), else transformers on the locally resolved base model."""
         if self._tokenizer is not None:
             return self._tokenizer
         from transformers import AutoTokenizer
 
-        name = self.config.tokenizer_name_or_path
-        base = self.config.base_model
-        if name is None and (base.strip().lower() == "embedded" or Path(base).is_dir()):
-            from trl_grpo_ext.models import resolve_model
+        if self.config.tokenizer_name_or_path:
+            return AutoTokenizer.from_pretrained(self.config.tokenizer_name_or_path)
+        try:
+            return training_client.get_tokenizer()
+        except Exception as error:  # noqa: BLE001 - fall back to a local copy of the model
+            base = self.config.base_model
+            if base.strip().lower() == "embedded" or Path(base).is_dir():
+                from trl_grpo_ext.models import resolve_model
 
-            name = resolve_model(base)
-        if name is not None:
-            return AutoTokenizer.from_pretrained(name)
-        return _call(training_client.get_tokenizer, "get_tokenizer")
+                return AutoTokenizer.from_pretrained(resolve_model(base))
+            raise PyTrioLoopError(
+                f"no tokenizer for {base!r} ({type(error).__name__}: {redact(error)}); set tokenizer_name_or_path"
+            ) from None
 
     def prepare(self, training_client, data_position: int = 0) -> PromptStream:
         """Tokenizer, reward functions and the prompt stream for ``training_client`` (`run` calls it; so do benches
