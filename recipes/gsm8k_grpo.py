@@ -11,6 +11,7 @@ from pathlib import Path
 from trl import get_peft_config
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # runs from a checkout without `pip install -e .`
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from trl_grpo_ext.callbacks import (
     BeforeAfterEvalCallback,
@@ -26,7 +27,11 @@ EMBEDDED_RECIPE = Path(__file__).resolve().parent / "gsm8k" / "embedded.yaml"
 
 def main(argv=None):
     script_args, training_args, model_args = parse_recipe_args(argv, default_config=EMBEDDED_RECIPE)
+    import torch
+
     import trl_grpo_ext
+
+    print(f"torch threads: {torch.get_num_threads()}", flush=True)
 
     model, tokenizer = load_model_and_tokenizer(model_args, training_args)
     train_dataset, eval_problems = build_datasets(script_args, training_args, tokenizer)
@@ -50,7 +55,10 @@ def main(argv=None):
         trainer.add_callback(SwanLabCompletionsCallback(trainer))
     trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
     trainer.save_model(training_args.output_dir)
-    report_run(trainer, training_args)
+    if report_run(trainer, training_args):
+        from plot_metrics import plot_reward_curve
+
+        print(f"reward curve: {plot_reward_curve(training_args.output_dir)}")
 
 
 if __name__ == "__main__":

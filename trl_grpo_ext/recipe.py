@@ -134,7 +134,12 @@ def report_run(trainer, training_args) -> dict:
     eval_path = out_dir / EVAL_BEFORE_AFTER_FILENAME
     if eval_path.exists():
         summary["eval"] = json.loads(eval_path.read_text())
+    import torch
+
+    summary["torch_threads"] = torch.get_num_threads()
     summary["wall_time_s"] = round(time.time() - _START, 1)
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    summary["cpu_time_s"] = round(usage.ru_utime + usage.ru_stime, 1)
     summary["peak_rss_gb"] = round(peak_rss_gb(), 2)
     (out_dir / RUN_SUMMARY_FILENAME).write_text(json.dumps(summary, indent=2) + "\n")
     lines = [f"run summary ({out_dir / RUN_SUMMARY_FILENAME}):"]
@@ -145,6 +150,9 @@ def report_run(trainer, training_args) -> dict:
         )
     for label, result in summary.get("eval", {}).items():
         lines.append(f"  eval {label}: greedy accuracy {result['accuracy']:.3f}, boxed {result['boxed_rate']:.3f}")
-    lines.append(f"  wall time {summary['wall_time_s']} s, peak RSS {summary['peak_rss_gb']} GB")
+    lines.append(
+        f"  wall time {summary['wall_time_s']} s (CPU time {summary['cpu_time_s']} s, {summary['torch_threads']} torch "
+        f"threads), peak RSS {summary['peak_rss_gb']} GB"
+    )
     print("\n".join(lines), file=sys.stdout, flush=True)
     return summary

