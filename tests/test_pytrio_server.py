@@ -353,6 +353,52 @@ def test_cli_arguments():
     assert args.host == "127.0.0.1" and args.api_key is None and math.isfinite(args.port)
 
 
+def test_pytrio_serve_command_serves_checks_the_key_and_stops(tiny_model_path):
+    """`trl-grpo-ext pytrio-serve` in a subprocess: one command, 127.0.0.1, bearer check, key never printed."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+    from pathlib import Path
+
+    import httpx
+
+    secret = "cli-secret-0b9e7d"
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "TRL_GRPO_EXT_PYTRIO_API_KEY": secret, "PYTHONPATH": str(root), "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-c", "import sys; from trl_grpo_ext.cli import main; sys.exit(main())"]
+    proc = subprocess.Popen(
+        [*cmd, "pytrio-serve", "--model", tiny_model_path, "--port", "0"],
+        cwd=root, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )  # fmt: skip
+    lines = []
+    try:
+        deadline = time.time() + 120
+        base_url = None
+        while base_url is None and time.time() < deadline:
+            line = proc.stdout.readline()
+            if not line:
+                break
+            lines.append(line)
+            if "export PYTRIO_BASE_URL=" in line:
+                base_url = line.split("=", 1)[1].strip()
+        assert base_url and base_url.startswith("http://127.0.0.1:"), "".join(lines)
+        verify = f"{base_url}/api/openapi/v1/api-key/verify"
+        assert httpx.get(verify, headers={"Authorization": f"Bearer {secret}"}).status_code == 200
+        denied = httpx.get(verify, headers={"Authorization": "Bearer wrong"})
+        assert denied.status_code == 401 and denied.json()["code"] == "unauthorized"
+        proc.send_signal(signal.SIGTERM)
+        out, _ = proc.communicate(timeout=60)
+        lines.append(out)
+        assert proc.returncode == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert secret not in "".join(lines)
+
+
 def test_old_sampler_hand_offs_are_pruned_and_snapshots_reload_from_disk(server, tiny_model_path):
     from pytrio.errors.actor import ActorAPIError
 
