@@ -15,8 +15,9 @@ from dataclasses import dataclass, field
 logger = logging.getLogger(__name__)
 
 PROTOCOL_VERSION = 1
-# Events kept per run for status reads; older finished ones are forgotten (the client polls promptly).
-MAX_EVENTS_PER_RUN = 4096
+# Events kept per run for status reads; older finished ones are forgotten (the client polls promptly, and
+# a forward result holds per-token arrays).
+MAX_EVENTS_PER_RUN = 512
 
 
 class EventFailure(Exception):
@@ -103,4 +104,5 @@ class RunEventQueue:
                 record.error = {"code": "internal_error", "message": f"{type(exc).__name__}: {exc}"}
                 record.status = "failed"
             finally:
+                record.payload = {}  # the batch is no longer needed; only the answer is polled
                 record.done.set()

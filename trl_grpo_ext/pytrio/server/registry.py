@@ -104,6 +104,7 @@ class Registry:
         self.checkpoints: dict[str, CheckpointRecord] = {}  # by uri
         self.tokens: dict[str, ActorToken] = {}
         self.telemetry_events = 0
+        self.rejected_tokens = 0  # actor requests answered 401
 
     # ------------------------------------------------------------------ sessions and runs
     def session(self, cuid: str) -> ServiceSession:
@@ -150,6 +151,8 @@ class Registry:
     def check_token(self, token: str | None) -> ActorToken:
         record = self.tokens.get(token or "")
         if record is None or record.expires <= datetime.now(timezone.utc):
+            with self.lock:
+                self.rejected_tokens += 1
             raise ApiError(401, "unauthorized", "actor token is missing, unknown or expired; renew it through Control")
         return record
 
