@@ -8,6 +8,7 @@ come from injected faults, because the client retries 5xx for up to 15 minutes.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import logging
 import re
@@ -150,6 +151,8 @@ class LocalPyTrioServer:
     """
 
     def __init__(self, config: ServerConfig, engine: ModelEngine | None = None):
+        if importlib.util.find_spec("pytrio") is None:  # its protocol models validate every request
+            raise RuntimeError("the local PyTRIO server needs the pytrio client package: pip install 'pytrio==0.2.9'")
         self.config = config
         self.api_key = config.api_key or "trio-local-" + secrets.token_urlsafe(18)
         self.engine = engine or ModelEngine(_resolve_model(config.model), device=config.device, dtype=config.dtype)
