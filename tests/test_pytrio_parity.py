@@ -157,7 +157,7 @@ def test_builtin_loss_and_gradients_match_the_trl_path(
     assert grads.keys() == ref_grads.keys()
     assert any(g.abs().max() > 1e-3 for g in grads.values())  # the comparison is not between zeros
     for name, grad in grads.items():
-        torch.testing.assert_close(grad, ref_grads[name], atol=1e-5, rtol=1e-4, msg=name)
+        torch.testing.assert_close(grad, ref_grads[name], atol=1e-5, rtol=1e-5, msg=name)
     if loss_type in ("ppo", "cispo"):  # the batch exercises the clipped branch
         ratio = torch.exp(torch.from_numpy(np.concatenate([-r["noise"] for r in batch])))
         low, high = _bounds(loss_type)
@@ -187,4 +187,4 @@ def test_custom_loss_path_gives_the_builtin_gradient(server, service, batch, tra
     want, got = _server_grads(server, builtin.training_run_cuid), _server_grads(server, custom.training_run_cuid)
     assert want.keys() == got.keys()
     for name, grad in want.items():
-        torch.testing.assert_close(got[name], grad, atol=1e-5, rtol=1e-4, msg=name)
+        torch.testing.assert_close(got[name], grad, atol=1e-5, rtol=1e-5, msg=name)
