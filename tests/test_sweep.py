@@ -248,6 +248,40 @@ def test_accelerate_launcher_command(fake_sweep, tmp_path):
     assert cmd[cmd.index("--num_processes") + 2] == str(tmp_path / "fake_recipe.py")
 
 
+@pytest.mark.parametrize("parallel", [1, 2])
+def test_sigterm_stops_trainers_and_records_interruption(fake_sweep, tmp_path, parallel):
+    import signal
+    import subprocess
+    import time
+
+    (tmp_path / "slow.py").write_text(
+        "import os, sys, time, yaml\n"
+        "cfg = yaml.safe_load(open(sys.argv[sys.argv.index('--config') + 1]))\n"
+        "os.makedirs(cfg['output_dir'], exist_ok=True)\n"
+        "open(os.path.join(cfg['output_dir'], 'pid'), 'w').write(str(os.getpid()))\n"
+        "time.sleep(60)\n"
+    )
+    spec = fake_sweep(grid={"loss_type": ["ppo", "cispo", "dapo"]}, scripts={"trl": "slow.py"})
+    sweep = subprocess.Popen(
+        [sys.executable, "-c", "import sys; from trl_grpo_ext.cli import main; sys.exit(main())", "sweep",
+         str(spec.source), "--no-progress", "--parallel", str(parallel)],
+        cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+    )
+    pid_file = tmp_path / "runs" / "loss_type=ppo" / "pid"
+    deadline = time.monotonic() + 60
+    while not pid_file.is_file() or not pid_file.read_text():
+        assert time.monotonic() < deadline and sweep.poll() is None, sweep.communicate()[0]
+        time.sleep(0.1)
+    sweep.send_signal(signal.SIGTERM)
+    out, _ = sweep.communicate(timeout=60)
+    assert sweep.returncode == 130, out
+    child = int(pid_file.read_text())
+    with pytest.raises(ProcessLookupError):
+        os.kill(child, 0)  # the trainer was stopped (and reaped), not orphaned
+    summary = json.loads((tmp_path / "runs" / SUMMARY_FILE).read_text())
+    assert [r["status"] for r in summary["runs"]] == ["interrupted"] * 3
+
+
 def test_parallel_runs_all(fake_sweep):
     results, _ = run_sweep(fake_sweep(), parallel=2, progress=False)
     assert [r.status for r in results] == ["finished"] * 4

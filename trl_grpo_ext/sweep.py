@@ -30,6 +30,7 @@ import json
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import threading
@@ -504,10 +505,17 @@ class _ProcessTable:
             if p.poll() is None:
                 p.terminate()
         for p in procs:
-            try:
-                p.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                p.kill()
+            _stop_process(p)
+
+
+def _stop_process(proc: subprocess.Popen, grace_s: float = 30.0) -> None:
+    if proc.poll() is None:
+        proc.terminate()
+    try:
+        proc.wait(timeout=grace_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
 
 
 def _run_logged(cmd: list[str], log_path: Path, env: dict, table: _ProcessTable, header: str) -> int:
@@ -518,6 +526,9 @@ def _run_logged(cmd: list[str], log_path: Path, env: dict, table: _ProcessTable,
         table.add(proc)
         try:
             return proc.wait()
+        except BaseException:  # Ctrl-C / SIGTERM while waiting on it: the trainer goes too
+            _stop_process(proc)
+            raise
         finally:
             table.discard(proc)
 
@@ -689,6 +700,17 @@ def _append_sweep_log(spec: SweepSpec, line: str) -> None:
         f.write(f"{_now()} {line}\n")
 
 
+def _stop_on_sigterm():
+    """Treat SIGTERM (a scheduler's or `kill`'s stop) like Ctrl-C: stop the trainers, write the summary."""
+    if threading.current_thread() is not threading.main_thread():
+        return None
+
+    def handler(signum, frame):
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    return signal.signal(signal.SIGTERM, handler)
+
+
 def run_sweep(
     spec: SweepSpec,
     runs: list[RunSpec] | None = None,
@@ -739,23 +761,31 @@ def run_sweep(
             return RunResult(run.name, "failed", str(run.run_dir), log_tail=f"{type(e).__name__}: {e}")
 
     _append_sweep_log(spec, f"start {len(runs)} runs, parallel={parallel}")
+    previous_term = _stop_on_sigterm()
+    pool = ThreadPoolExecutor(max_workers=parallel) if parallel > 1 else None
     try:
-        if parallel <= 1:
+        if pool is None:
             for run in runs:
                 record(one(run))
         else:
-            with ThreadPoolExecutor(max_workers=parallel) as pool:
-                futures = [pool.submit(one, run) for run in runs]
-                for fut in as_completed(futures):
-                    record(fut.result())
+            futures = [pool.submit(one, run) for run in runs]
+            for fut in as_completed(futures):
+                record(fut.result())
     except KeyboardInterrupt:
+        # Children first: the worker threads are blocked waiting on them.
         table.terminate_all()
+        if pool is not None:
+            pool.shutdown(wait=True, cancel_futures=True)
         for run in runs:
             if run.name not in results:
                 results[run.name] = RunResult(run.name, "interrupted", str(run.run_dir))
         _append_sweep_log(spec, "interrupted")
         raise
     finally:
+        if pool is not None:
+            pool.shutdown(wait=False)
+        if previous_term is not None:
+            signal.signal(signal.SIGTERM, previous_term)
         bar.close()
         path = _write_summary(spec, runs, results, started, previous)
     return [results[r.name] for r in runs], path
