@@ -46,6 +46,9 @@ def run(args: argparse.Namespace) -> int:
         dtype=args.dtype,
         max_batch_size=args.max_batch_size,
     )
+    stop = threading.Event()
+    # installed before the address is printed: a supervisor may send SIGTERM as soon as it reads it
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
     server = LocalPyTrioServer(config).start()
     print(f"PyTRIO local server: {server.base_url}  model: {server.model_alias} ({server.model_id})", flush=True)
     print(f"  export PYTRIO_BASE_URL={server.base_url}", flush=True)
@@ -53,10 +56,9 @@ def run(args: argparse.Namespace) -> int:
         print(f"  export PYTRIO_API_KEY={server.api_key}", flush=True)
     else:
         print("  export PYTRIO_API_KEY=<the key you configured>", flush=True)
-    stop = threading.Event()
-    signal.signal(signal.SIGTERM, lambda *_: stop.set())
     try:
-        stop.wait()
+        while not stop.wait(0.5):  # short waits keep the main thread responsive to signals
+            pass
     except KeyboardInterrupt:
         pass
     finally:
