@@ -191,3 +191,21 @@ def test_models_without_chat_template_get_text_prompts(tmp_path):
                        make_generator=lambda m, a: TextOnly())
     assert payload["summary"]["pass@1"] == 1.0
     assert isinstance(seen[0], str) and seen[0].rstrip().endswith("Question: What is 2 + 3?\nAnswer:")
+
+
+@pytest.mark.slow
+def test_lora_adapter_is_applied(tiny_model_path, tmp_path):
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    base = AutoModelForCausalLM.from_pretrained(tiny_model_path)
+    lora = get_peft_model(base, LoraConfig(r=2, target_modules=["q_proj", "v_proj"], init_lora_weights=False))
+    lora.save_pretrained(tmp_path / "adapter")
+    plain = HFGenerator(tiny_model_path, max_new_tokens=4)
+    adapted = HFGenerator(tiny_model_path, adapter=str(tmp_path / "adapter"), max_new_tokens=4)
+    assert not hasattr(adapted.model, "peft_config")  # merged into the weights
+    name = "model.layers.0.self_attn.q_proj.weight"
+    assert not torch.equal(plain.model.state_dict()[name], adapted.model.state_dict()[name])
+    prompts = problems_from_rows(ROWS[:2])
+    assert len(adapted.generate([p.prompt for p in prompts], 2, False)) == 2
