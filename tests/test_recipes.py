@@ -167,7 +167,11 @@ def test_tiny_run_end_to_end_with_swanlab_offline(tiny_model_path, tmp_path, mon
     assert evals["before"]["step"] == 0 and evals["after"]["step"] == 2 and evals["after"]["n"] == 2
     summary = json.loads((out / "run_summary.json").read_text())
     assert summary["logged_steps"] == 2 and summary["peak_rss_gb"] > 0
-    assert any((out / "swanlog").rglob("*")), "offline SwanLab logs live under the output dir"
+    tables = [json.loads(p.read_text()) for p in (out / "swanlog").rglob("media/echarts/*.json")]
+    assert tables, "offline SwanLab logs (with the completions table) live under the output dir"
+    columns = [c["field"] for c in tables[0]["colDefs"]]
+    assert tables[0]["_swanLab"] == "table" and columns[:2] == ["prompt", "completion"]
+    assert "hybrid_reward" in columns and len(tables[0]["rowData"]) >= 4  # one generation batch
     assert (out / "model.safetensors").exists()
     import swanlab
 
