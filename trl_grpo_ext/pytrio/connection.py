@@ -97,6 +97,8 @@ def create_service_client():
             f"No PyTRIO API key configured for {base_url}: run `trio login`, or set PYTRIO_API_KEY "
             "(and PYTRIO_BASE_URL for another server); or use pytrio_base_url: local for the offline server."
         )
+    # pytrio retries an unreachable service for minutes (control_retry_timeout_seconds): say where we wait
+    logger.info("connecting to PyTRIO at %s", base_url)
     try:
         return trio.ServiceClient()
     except trio.PyTrioError as error:
