@@ -1,8 +1,10 @@
 """Configuration of the PyTRIO GRPO loop (`recipes/gsm8k_pytrio.py`).
 
-Keys shared with the TRL recipes are spelled, and mean, what they mean in `trl.GRPOConfig`. In particular
-``per_device_train_batch_size`` counts completions per optimizer step as in TRL, so a step trains on
-``per_device_train_batch_size // num_generations`` prompts with ``num_generations`` completions each.
+Keys shared with the TRL recipes are spelled, and mean, what they mean in `trl.GRPOConfig`. One mapping:
+``per_device_train_batch_size`` counts the completions of one optimizer step (TRL's
+``per_device_train_batch_size x gradient_accumulation_steps x processes``; there is no accumulation key here, the
+service splits big batches itself), so a step trains on ``per_device_train_batch_size // num_generations``
+prompts with ``num_generations`` completions each.
 
 Credentials are never part of this config: the client reads them from pytrio's own places (``PYTRIO_API_KEY``,
 ``PYTRIO_BASE_URL``, the profile written by ``trio login``), so a saved config cannot leak a key.
@@ -91,7 +93,10 @@ class PyTrioGRPOConfig:
     num_generations: int = field(default=8, metadata={"help": "Completions per prompt (the GRPO group size)."})
     per_device_train_batch_size: int = field(
         default=16,
-        metadata={"help": "Completions per optimizer step, as in TRL; prompts per step = this / num_generations."},
+        metadata={
+            "help": "Completions per optimizer step (TRL: per_device_train_batch_size x gradient_accumulation_steps "
+            "x processes; the service splits large batches itself). Prompts per step = this / num_generations."
+        },
     )
     max_completion_length: int = field(default=256, metadata={"help": "Maximum generated tokens per completion."})
     temperature: float = field(default=1.0, metadata={"help": "Sampling temperature."})
