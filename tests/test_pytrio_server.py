@@ -25,6 +25,7 @@ from pytrio.protocol.actor.events.event import (  # noqa: E402
 
 from trl_grpo_ext import losses  # noqa: E402
 from trl_grpo_ext.pytrio.server import LocalPyTrioServer, ServerConfig, running_server  # noqa: E402
+from trl_grpo_ext.pytrio.server.registry import safe_name  # noqa: E402
 
 TEXT = "What is 3 + 4? The answer is \\boxed{7}. Solve the problem step by step."
 
@@ -320,8 +321,8 @@ def test_wrong_api_key_is_an_auth_error(server):
 
 
 def test_split_batches_accumulate_like_one_event(server, tiny_model_path, tmp_path):
-    split = LocalPyTrioServer(ServerConfig(model=tiny_model_path, max_batch_size=1, api_key=server.api_key),
-                              engine=server.engine)  # fmt: skip
+    split = LocalPyTrioServer(ServerConfig(model=tiny_model_path, max_batch_size=1, api_key=server.api_key,
+                                           ephemeral_storage=True), engine=server.engine)  # fmt: skip
     try:
         with split:
             split.configure_client()
@@ -405,7 +406,8 @@ def test_old_sampler_hand_offs_are_pruned_and_snapshots_reload_from_disk(server,
 
     small = LocalPyTrioServer(
         ServerConfig(
-            model=tiny_model_path, api_key=server.api_key, snapshot_cache_size=1, max_temporary_checkpoints=2
+            model=tiny_model_path, api_key=server.api_key, snapshot_cache_size=1, max_temporary_checkpoints=2,
+            ephemeral_storage=True,
         ),
         engine=server.engine,
     )
@@ -470,3 +472,88 @@ def test_rest_client_metadata_and_checkpoint_listing(server, service):
     assert listed[info.model_path].checkpoint_type == "sampler" and listed[info.model_path].expires_at is not None
     rest.delete_checkpoint(tc.training_run_cuid, listed[saved.path].checkpoint_id).result()
     assert saved.path not in {c.path for c in rest.list_user_checkpoints().result().checkpoints}
+
+
+def _logprobs(client, datum):
+    return client.forward([datum], "cross_entropy").result().loss_fn_outputs[0]["logprobs"].to_numpy()
+
+
+def test_new_server_process_loads_state_saved_by_an_earlier_one(server, tiny_model_path, tmp_path):
+    """Checkpoint records persist under the storage root: a fresh server (own engine, empty memory) restores."""
+    root = tmp_path / "root"
+
+    def fresh_server():
+        return LocalPyTrioServer(ServerConfig(model=tiny_model_path, api_key=server.api_key, storage_dir=str(root)))
+
+    adam = trio.AdamParams(learning_rate=2e-2)
+    try:
+        with fresh_server() as first:
+            first.configure_client()
+            tc = trio.ServiceClient().create_lora_training_client(base_model=first.model_alias, rank=4, seed=21)
+            datum = _datum(_tokens(tc))
+            tc.forward_backward([datum], "cross_entropy").result()
+            tc.optim_step(adam).result()
+            saved = tc.save_state("before-restart").result().path
+            tc.save_weights_and_get_sampling_client()  # a TEMPORARY hand-off: removed when the server stops
+            before = _logprobs(tc, datum)
+            tc.forward_backward([datum], "cross_entropy").result()
+            tc.optim_step(adam).result()
+            after_step = _logprobs(tc, datum)
+        with fresh_server() as second:
+            assert second.engine is not first.engine and not second.engine.runs
+            assert saved in second.registry.checkpoints
+            assert not [c for c in second.registry.checkpoints.values() if c.visibility == "TEMPORARY"]
+            second.configure_client()
+            service = trio.ServiceClient()
+            listed = {c.path: c for c in service.create_rest_client().list_user_checkpoints().result().checkpoints}
+            assert listed[saved].checkpoint_type == "training"
+            restored = service.create_training_client_from_state_with_optimizer(saved)
+            np.testing.assert_allclose(_logprobs(restored, datum), before, rtol=0, atol=1e-6)
+            # the optimizer moments came back too: the same step lands on the same weights
+            restored.forward_backward([datum], "cross_entropy").result()
+            restored.optim_step(adam).result()
+            np.testing.assert_allclose(_logprobs(restored, datum), after_step, rtol=0, atol=1e-6)
+            # a record written by another process after this one started is found on first use
+            second.registry.checkpoints.clear()
+            assert second.registry.checkpoint(saved).step == 1
+            with pytest.raises(Exception, match="not found"):
+                second.registry.checkpoint(saved.replace("before-restart", "..%2F.."))
+            # names become folder names (the client checks them too; the server does not rely on it)
+            assert safe_name("step_000010") and not safe_name("../escape") and not safe_name("a/b")
+    finally:
+        server.configure_client()
+
+
+def test_padded_batches_match_one_datum_at_a_time(server, service):
+    """forward_backward runs right-padded batches; chunked one datum per call it must give the same numbers."""
+    tc = service.create_lora_training_client(base_model=server.model_alias, rank=4, seed=22)
+    tokens = _tokens(tc)
+    rng = np.random.default_rng(0)
+    data, lengths = [], []
+    for cut in (len(tokens), 7, len(tokens) - 4):  # three lengths: the shorter rows are padded
+        n = cut - 1
+        lengths.append(n)
+        data.append(_datum(tokens[:cut], "ppo", old=list(rng.normal(-2.0, 0.3, n)), adv=list(rng.normal(0, 1, n))))
+
+    def run_once(max_batch_tokens):
+        server.engine.max_batch_tokens = max_batch_tokens
+        try:
+            out = tc.forward_backward(data, "ppo").result()
+        finally:
+            server.engine.max_batch_tokens = 4096
+        grads = _grads(server, tc.training_run_cuid)
+        for _, p in server.engine.runs[tc.training_run_cuid].params:
+            p.grad = None
+        return out, grads
+
+    batched, batched_grads = run_once(4096)
+    single, single_grads = run_once(1)
+    assert batched.metrics["loss_sum"] == pytest.approx(single.metrics["loss_sum"], rel=1e-5)
+    assert batched.metrics["token_count"] == single.metrics["token_count"] == sum(lengths)
+    for a, b in zip(batched.loss_fn_outputs, single.loss_fn_outputs, strict=True):
+        for key in ("logprobs", "elementwise_loss"):
+            assert a[key].to_numpy().shape == b[key].to_numpy().shape
+            np.testing.assert_allclose(a[key].to_numpy(), b[key].to_numpy(), rtol=1e-5, atol=1e-6)
+    assert batched_grads.keys() == single_grads.keys() and batched_grads
+    for name, grad in single_grads.items():
+        torch.testing.assert_close(batched_grads[name], grad, atol=1e-6, rtol=1e-5)

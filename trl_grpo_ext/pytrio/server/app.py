@@ -47,6 +47,7 @@ from trl_grpo_ext.pytrio.server.registry import (
     checkpoint_uri,
     iso,
     new_id,
+    safe_name,
 )
 
 logger = logging.getLogger(__name__)
@@ -75,11 +76,15 @@ class ServerConfig:
     port: int = 0  # 0: a free port chosen by the OS
     api_key: str | None = None  # None: a random key, read it from `server.api_key`
     model_name: str | None = None  # alias the client may pass as base_model (besides the path)
-    storage_dir: str | None = None  # checkpoints; None: a temporary folder removed on stop
+    # Checkpoints and their records; None: `default_storage_dir()`, a stable folder, so a restarted server can
+    # load_state from an earlier process's checkpoints. ephemeral_storage: a temporary folder removed on stop.
+    storage_dir: str | None = None
+    ephemeral_storage: bool = False
     device: str | None = None
     dtype: str = "float32"
     max_batch_size: int | None = None  # advertised to the client, which then splits batches into events
     max_tokens_per_request: int | None = None
+    max_batch_tokens: int = 4096  # forward/backward: padded tokens per model call (memory of the logits)
     long_poll_seconds: float = 20.0  # below the client's 65 s read timeout for event polls
     snapshot_cache_size: int = 8  # adapter snapshots kept in memory; older ones reload from disk
     max_temporary_checkpoints: int = 8  # per run: save_weights_and_get_sampling_client hand-offs kept
@@ -155,18 +160,27 @@ class LocalPyTrioServer:
             raise RuntimeError("the local PyTRIO server needs the pytrio client package: pip install 'pytrio==0.2.9'")
         self.config = config
         self.api_key = config.api_key or "trio-local-" + secrets.token_urlsafe(18)
-        self.engine = engine or ModelEngine(_resolve_model(config.model), device=config.device, dtype=config.dtype)
+        self.engine = engine or ModelEngine(
+            _resolve_model(config.model), device=config.device, dtype=config.dtype,
+            max_batch_tokens=config.max_batch_tokens,
+        )
         self.model_id = self.engine.model_path
         self.model_alias = config.model_name or _default_alias(config.model, self.model_id)
         self.aliases = {self.model_id, self.model_alias, str(config.model)}
-        self.registry = Registry()
         self.faults = FaultInjector()
         self._queues: dict[str, RunEventQueue] = {}
         self._snapshot_cache: OrderedDict[str, LoraSnapshot] = OrderedDict()
         self._cache_lock = threading.Lock()
-        self._own_storage = config.storage_dir is None
-        self.storage = Path(config.storage_dir or tempfile.mkdtemp(prefix="pytrio-server-"))
-        self.storage.mkdir(parents=True, exist_ok=True)
+        self._own_storage = config.ephemeral_storage
+        if config.ephemeral_storage:
+            self.storage = Path(tempfile.mkdtemp(prefix="pytrio-server-"))
+        else:
+            self.storage = Path(config.storage_dir).expanduser() if config.storage_dir else default_storage_dir()
+            self.storage.mkdir(parents=True, exist_ok=True)
+        self.registry = Registry(self.storage)
+        restored = self.registry.load_persisted()
+        if restored:
+            logger.info("PyTRIO local server: %d checkpoints of earlier processes in %s", restored, self.storage)
         self._httpd: ThreadingHTTPServer | None = None
         self._thread: threading.Thread | None = None
         self.started = time.time()
@@ -194,6 +208,12 @@ class LocalPyTrioServer:
         self._queues.clear()
         if self._own_storage:
             shutil.rmtree(self.storage, ignore_errors=True)
+        else:  # sampler hand-offs only serve this process's samplers; durable checkpoints stay for a restart
+            with self.registry.lock:
+                temporary = [c for c in self.registry.checkpoints.values() if c.visibility == "TEMPORARY"]
+            for record in temporary:
+                self.registry.forget_checkpoint(record.uri)
+                shutil.rmtree(record.path, ignore_errors=True)
 
     def _close_inprocess_clients(self) -> None:
         """Shut down this process's pytrio runtimes bound to this server while it still answers.
@@ -517,9 +537,10 @@ class LocalPyTrioServer:
         }
 
     def list_run_checkpoints(self, query, _b, rid) -> dict:
-        self.registry.training_run(rid)
         with self.registry.lock:
             items = [self._checkpoint_view(c) for c in self.registry.checkpoints.values() if c.run == rid]
+        if not items:  # a run of an earlier process is known through its checkpoints only
+            self.registry.training_run(rid)
         return _page(items, query, "checkpoints")
 
     def list_checkpoints(self, query, _b) -> dict:
@@ -529,8 +550,7 @@ class LocalPyTrioServer:
 
     def delete_checkpoint(self, _q, _b, cid) -> dict:
         record = self.registry.checkpoint_by_cuid(cid)
-        with self.registry.lock:
-            self.registry.checkpoints.pop(record.uri, None)
+        self.registry.forget_checkpoint(record.uri)
         shutil.rmtree(record.path, ignore_errors=True)
         return {}
 
@@ -735,7 +755,7 @@ class LocalPyTrioServer:
             temporary.sort(key=lambda c: c.created)
             stale = temporary[: max(0, len(temporary) - self.config.max_temporary_checkpoints)]
             for record in stale:
-                del self.registry.checkpoints[record.uri]
+                self.registry.forget_checkpoint(record.uri)
         for record in stale:
             with self._cache_lock:
                 self._snapshot_cache.pop(record.uri, None)
@@ -817,6 +837,10 @@ class LocalPyTrioServer:
 
         payload = self._payload(TrainerSavePayload, record)
         kind = "state" if record.type == "trainer.save_state" else "sampler"
+        if not safe_name(payload.name):
+            raise EventFailure(
+                "invalid_checkpoint_name", f"checkpoint name {payload.name!r}: use letters, digits, '_', '-', '.'"
+            )
         uri = checkpoint_uri(record.run, kind, payload.name)
         with self.registry.lock:
             existing = self.registry.checkpoints.get(uri)
@@ -831,8 +855,7 @@ class LocalPyTrioServer:
             snapshot.step, snapshot_uid=snapshot.uid,
             expires=time.time() + payload.ttl_seconds if payload.ttl_seconds else None,
         )  # fmt: skip
-        with self.registry.lock:
-            self.registry.checkpoints[uri] = checkpoint
+        self.registry.add_checkpoint(checkpoint)
         self._remember(uri, snapshot)
         if payload.visibility == "TEMPORARY":
             self._prune_temporary(record.run)
@@ -852,6 +875,14 @@ class LocalPyTrioServer:
         run = self.registry.training_run(record.run)
         run.status, run.updated = "ENDED", time.time()
         return {}
+
+
+def default_storage_dir() -> Path:
+    """``$TRL_GRPO_EXT_CACHE/pytrio-server`` (default ``~/.cache/trl_grpo_ext/pytrio-server``): the same folder
+    for every server of this user, so a restarted one finds earlier checkpoints."""
+    from trl_grpo_ext.models import cache_dir
+
+    return cache_dir() / "pytrio-server"
 
 
 def _tokens(model_input, event: bool = False) -> list[int]:

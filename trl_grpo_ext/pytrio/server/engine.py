@@ -19,6 +19,7 @@ import warnings
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from trl_grpo_ext.pytrio.server.losses import LossSpec, per_token_loss
@@ -34,6 +35,11 @@ _SNAPSHOT_IDS = itertools.count(1)
 ADAPTER_FILE = "adapter_model.safetensors"
 OPTIMIZER_FILE = "optimizer.pt"
 META_FILE = "trio_checkpoint.json"
+
+
+def next_snapshot_uid() -> int:
+    """A fresh weights identity (the snapshot cache and sampler slots key on it)."""
+    return next(_SNAPSHOT_IDS)
 
 
 class EngineError(Exception):
@@ -132,7 +138,9 @@ def _cache_of(output):
 class ModelEngine:
     """Loads `model_path` once and serves training runs and samplers on it."""
 
-    def __init__(self, model_path: str, *, device: str | None = None, dtype: str = "float32"):
+    def __init__(
+        self, model_path: str, *, device: str | None = None, dtype: str = "float32", max_batch_tokens: int = 4096
+    ):
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         self.model_path = str(model_path)
@@ -157,6 +165,8 @@ class ModelEngine:
         self._stop_ids = self._default_stop_ids()
         self.vocab_size = int(model.get_output_embeddings().weight.shape[0])
         self.max_seq_len = int(getattr(model.config, "max_position_embeddings", 0) or 0) or None
+        # padded tokens per forward/backward batch: bounds the (batch, length, vocab) logits held for backward
+        self.max_batch_tokens = max(1, int(max_batch_tokens))
         # transformers 5.x renamed the forward argument `past_key_values` to `cache`
         self._cache_kw = "cache" if "cache" in inspect.signature(type(model).forward).parameters else "past_key_values"
 
@@ -274,48 +284,87 @@ class ModelEngine:
                 }
             return LoraSnapshot(run.lora, self._export(run.adapter), optimizer, run.step)
 
-    def _target_logprobs(self, datum: ForwardDatum, auto_shift: bool) -> tuple[torch.Tensor, torch.Tensor]:
-        """Per-position log p(target) aligned with ``datum.targets`` and the mask of positions that count."""
-        ids = torch.tensor([datum.tokens], device=self.device)
-        targets = torch.tensor(datum.targets, device=self.device)
-        logits = self.peft(input_ids=ids).logits[0].float()
+    def _check_tokens(self, datum: ForwardDatum) -> None:
+        if max(datum.tokens, default=0) >= self.vocab_size or min(datum.tokens, default=0) < 0:
+            raise EngineError("token_out_of_range", f"input token ids must lie in [0, {self.vocab_size})")
+        if any(t >= self.vocab_size or (t < 0 and t != -100) for t in datum.targets):
+            raise EngineError("token_out_of_range", f"target token ids must lie in [0, {self.vocab_size}) or be -100")
+
+    def _batch_target_logprobs(self, data: list[ForwardDatum], auto_shift: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per-position log p(target) of a right-padded batch, (B, T), and the mask of valid target positions.
+
+        Right padding keeps every real token's position ids and causal context as in a single-sequence forward;
+        padded positions carry target -100, so they never count.
+        """
+        width = max(len(d.tokens) for d in data)
+        ids = torch.zeros(len(data), width, dtype=torch.long)
+        targets = torch.full((len(data), width), -100, dtype=torch.long)
+        attention = torch.zeros(len(data), width, dtype=torch.long)
+        for row, datum in enumerate(data):
+            n = len(datum.tokens)
+            ids[row, :n] = torch.tensor(datum.tokens, dtype=torch.long)
+            targets[row, :n] = torch.tensor(datum.targets, dtype=torch.long)
+            attention[row, :n] = 1
+        ids, targets = ids.to(self.device), targets.to(self.device)
+        # no mask when nothing is padded: the exact computation of an unpadded forward
+        mask = None if bool(attention.all()) else attention.to(self.device)
+        logits = self.peft(input_ids=ids, attention_mask=mask).logits.float()
         if auto_shift:
             # position i predicts target i + 1; the first label has no predicting position
-            logits = torch.cat([logits.new_zeros(1, logits.shape[-1]), logits[:-1]], dim=0)
+            logits = torch.cat([logits.new_zeros(logits.shape[0], 1, logits.shape[-1]), logits[:, :-1]], dim=1)
         valid = targets != -100
         if auto_shift:
-            valid[0] = False
-        if bool(((targets < 0) & valid).any()) or bool((targets >= logits.shape[-1]).any()):
-            raise EngineError("token_out_of_range", f"target token ids must lie in [0, {logits.shape[-1]}) or be -100")
+            valid[:, 0] = False
         gathered = torch.log_softmax(logits, dim=-1).gather(-1, targets.clamp(min=0).unsqueeze(-1)).squeeze(-1)
         return torch.where(valid, gathered, torch.zeros_like(gathered)), valid
+
+    def _padded(self, rows: list[list[float]], width: int, dtype: torch.dtype) -> torch.Tensor:
+        out = torch.zeros(len(rows), width, dtype=dtype)
+        for i, row in enumerate(rows):
+            out[i, : len(row)] = torch.tensor(row, dtype=dtype)
+        return out.to(self.device)
+
+    def _chunks(self, data: list[ForwardDatum]) -> list[list[ForwardDatum]]:
+        """Consecutive groups whose padded size stays within `max_batch_tokens` (bounds the logits' memory)."""
+        chunks: list[list[ForwardDatum]] = []
+        current: list[ForwardDatum] = []
+        width = 0
+        for datum in data:
+            grown = max(width, len(datum.tokens))
+            if current and grown * (len(current) + 1) > self.max_batch_tokens:
+                chunks.append(current)
+                current, grown = [], len(datum.tokens)
+            current.append(datum)
+            width = grown
+        if current:
+            chunks.append(current)
+        return chunks
 
     def forward(self, run_id: str, data: list[ForwardDatum], spec: LossSpec, *, backward: bool, auto_shift: bool):
         """Per-datum outputs (``logprobs``, ``elementwise_loss`` as float arrays) and summed metrics.
 
         The loss of the call is the sum over data and counted tokens; gradients accumulate into the run's
-        adapter until `optim_step`.
+        adapter until `optim_step`. Data run as right-padded batches (`_chunks`), which leaves the sum unchanged.
         """
         with self.lock:
             run = self._run(run_id)
+            for datum in data:  # before any backward: a bad datum must not leave half a batch of gradients
+                self._check_tokens(datum)
             self._activate(run.adapter, trainable=backward)
             outputs, loss_sum, token_count = [], 0.0, 0
-            for datum in data:
-                if max(datum.tokens, default=0) >= self.vocab_size or min(datum.tokens, default=0) < 0:
-                    raise EngineError("token_out_of_range", f"input token ids must lie in [0, {self.vocab_size})")
+            for chunk in self._chunks([d for d in data if d.tokens]):
                 with torch.set_grad_enabled(backward):
-                    logprobs, valid = self._target_logprobs(datum, auto_shift)
+                    logprobs, valid = self._batch_target_logprobs(chunk, auto_shift)
+                    width = logprobs.shape[1]
                     mask = valid.clone()
                     kwargs = {}
                     if spec.name == "cross_entropy":
-                        weights = torch.tensor(datum.weights, dtype=logprobs.dtype, device=self.device)
+                        weights = self._padded([d.weights for d in chunk], width, logprobs.dtype)
                         mask &= weights != 0
                         kwargs["weights"] = weights
                     else:
-                        kwargs["old_logprobs"] = torch.tensor(
-                            datum.old_logprobs, dtype=logprobs.dtype, device=self.device
-                        )
-                        advantages = torch.tensor(datum.advantages, dtype=logprobs.dtype, device=self.device)
+                        kwargs["old_logprobs"] = self._padded([d.old_logprobs for d in chunk], width, logprobs.dtype)
+                        advantages = self._padded([d.advantages for d in chunk], width, logprobs.dtype)
                         kwargs["advantages"] = advantages
                         if spec.name == "dro":  # its quadratic penalty would otherwise train prompt tokens
                             mask &= advantages != 0
@@ -326,11 +375,16 @@ class ModelEngine:
                         raise EngineError("non_finite_loss", f"loss is {loss.item()}; check logprobs and advantages")
                     if backward:
                         loss.backward()
-                outputs.append(
-                    {"logprobs": logprobs.detach().cpu().numpy(), "elementwise_loss": loss_tok.detach().cpu().numpy()}
-                )
+                logprobs_np, loss_np = logprobs.detach().cpu().numpy(), loss_tok.detach().cpu().numpy()
+                for row, datum in enumerate(chunk):
+                    n = len(datum.tokens)
+                    outputs.append({"logprobs": logprobs_np[row, :n], "elementwise_loss": loss_np[row, :n]})
                 loss_sum += float(loss.detach())
                 token_count += int(mask.sum())
+            if len(outputs) != len(data):  # empty data (no tokens) keep their place with empty outputs
+                filled = iter(outputs)
+                empty = {"logprobs": np.zeros(0, np.float32), "elementwise_loss": np.zeros(0, np.float32)}
+                outputs = [dict(empty) if not d.tokens else next(filled) for d in data]
             if backward:
                 run.pending_tokens += token_count
             return outputs, {"loss_sum": loss_sum, "token_count": token_count}

@@ -1,20 +1,33 @@
 """Control-plane records of the local PyTRIO server: sessions, runs, actor tokens and checkpoints.
 
-Everything is in memory (checkpoint files live under the server's storage folder); one lock guards it all.
+Sessions, runs and tokens live in memory; one lock guards them. Checkpoint records are also written next to the
+checkpoint files (`RECORD_FILE` in each checkpoint folder), so a new server process on the same storage root
+finds the checkpoints of earlier processes (`load_state` after a restart).
 """
 
 from __future__ import annotations
 
+import json
+import logging
+import os
+import re
 import secrets
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
 
 from trl_grpo_ext.pytrio.server.engine import LoraSettings
 
+logger = logging.getLogger(__name__)
+
 CHECKPOINT_SCHEME = "trio"
+RECORD_FILE = "trio_record.json"  # the persisted CheckpointRecord, written last (its presence = complete)
+KIND_FOLDERS = {"state": "weights", "sampler": "sampler_weights"}
+# run ids and checkpoint names become folder names: no separators, no "..", nothing hidden
+_SAFE_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.\-]{0,199}$")
+_URI = re.compile(rf"^{CHECKPOINT_SCHEME}://([^/]+)/(weights|sampler_weights)/([^/]+)$")
 # The client renews an actor token within 300 s of expiry; an hour keeps renewals out of normal runs.
 TOKEN_LIFETIME = timedelta(hours=1)
 
@@ -96,7 +109,8 @@ class ActorToken:
 
 
 class Registry:
-    def __init__(self):
+    def __init__(self, storage: Path | None = None):
+        self.storage = storage  # where checkpoint records persist; None keeps them in memory only
         self.lock = threading.RLock()
         self.sessions: dict[str, ServiceSession] = {}
         self.training_runs: dict[str, TrainingRunRecord] = {}
@@ -128,10 +142,52 @@ class Registry:
         return run
 
     def checkpoint(self, uri: str) -> CheckpointRecord:
-        record = self.checkpoints.get(uri)
+        with self.lock:
+            record = self.checkpoints.get(uri)
+        if record is None:
+            record = self._load_persisted(uri)  # saved by an earlier (or another) server process on this root
         if record is None:
             raise ApiError(404, "checkpoint_not_found", f"checkpoint {uri!r} not found on this server")
         return record
+
+    # ------------------------------------------------------------------ persisted checkpoint records
+    def add_checkpoint(self, record: CheckpointRecord) -> None:
+        """Register `record` and persist it next to its files (atomically: a reader sees all of it or nothing)."""
+        if self.storage is not None:
+            write_record(record, self.storage)
+        with self.lock:
+            self.checkpoints[record.uri] = record
+
+    def forget_checkpoint(self, uri: str) -> None:
+        with self.lock:
+            self.checkpoints.pop(uri, None)
+
+    def load_persisted(self) -> int:
+        """Register every complete checkpoint record under the storage root; returns how many were new."""
+        if self.storage is None or not self.storage.is_dir():
+            return 0
+        added = 0
+        for path in sorted(self.storage.glob(f"*/*/*/{RECORD_FILE}")):
+            record = read_record(path, self.storage)
+            if record is None:
+                continue
+            with self.lock:
+                if record.uri not in self.checkpoints:
+                    self.checkpoints[record.uri] = record
+                    added += 1
+        return added
+
+    def _load_persisted(self, uri: str) -> CheckpointRecord | None:
+        if self.storage is None:
+            return None
+        folder = checkpoint_folder(self.storage, uri)
+        if folder is None or not (folder / RECORD_FILE).is_file():
+            return None
+        record = read_record(folder / RECORD_FILE, self.storage)
+        if record is None or record.uri != uri:
+            return None
+        with self.lock:
+            return self.checkpoints.setdefault(uri, record)
 
     def checkpoint_by_cuid(self, cuid: str) -> CheckpointRecord:
         with self.lock:
@@ -165,5 +221,48 @@ class Registry:
 
 
 def checkpoint_uri(run: str, kind: str, name: str) -> str:
-    folder = "weights" if kind == "state" else "sampler_weights"
-    return f"{CHECKPOINT_SCHEME}://{run}/{folder}/{name}"
+    return f"{CHECKPOINT_SCHEME}://{run}/{KIND_FOLDERS[kind]}/{name}"
+
+
+def safe_name(name: str) -> bool:
+    """Whether `name` can be used as one folder name under the storage root."""
+    return bool(_SAFE_NAME.match(name)) and ".." not in name
+
+
+def checkpoint_folder(storage: Path, uri: str) -> Path | None:
+    """``storage/<run>/<weights|sampler_weights>/<name>`` for a well-formed URI of this server, else None."""
+    match = _URI.match(uri)
+    if match is None or not (safe_name(match.group(1)) and safe_name(match.group(3))):
+        return None
+    return storage / match.group(1) / match.group(2) / match.group(3)
+
+
+def write_record(record: CheckpointRecord, storage: Path) -> None:
+    data = {
+        "cuid": record.cuid, "uri": record.uri, "run": record.run, "name": record.name, "kind": record.kind,
+        "path": os.path.relpath(record.path, storage), "lora": asdict(record.lora), "size": record.size,
+        "visibility": record.visibility, "step": record.step, "expires": record.expires, "created": record.created,
+    }  # fmt: skip
+    target = Path(record.path) / RECORD_FILE
+    tmp = target.with_name(f".{RECORD_FILE}.{os.getpid()}.{threading.get_ident()}.tmp")
+    tmp.write_text(json.dumps(data, indent=1))
+    os.replace(tmp, target)
+
+
+def read_record(path: Path, storage: Path) -> CheckpointRecord | None:
+    """The record persisted at `path`, or None (logged) when it is unreadable or points outside `storage`."""
+    from trl_grpo_ext.pytrio.server.engine import next_snapshot_uid
+
+    try:
+        data = json.loads(path.read_text())
+        folder = (storage / data["path"]).resolve()
+        if not folder.is_relative_to(storage.resolve()) or data["kind"] not in KIND_FOLDERS:
+            raise ValueError(f"path {data['path']!r} / kind {data['kind']!r} not valid")
+        return CheckpointRecord(
+            str(data["cuid"]), str(data["uri"]), str(data["run"]), str(data["name"]), data["kind"], folder,
+            LoraSettings(**data["lora"]), int(data["size"]), str(data["visibility"]), int(data["step"]),
+            snapshot_uid=next_snapshot_uid(), expires=data.get("expires"), created=float(data["created"]),
+        )  # fmt: skip
+    except (OSError, ValueError, KeyError, TypeError) as error:
+        logger.warning("ignoring unreadable checkpoint record %s: %s", path, error)
+        return None
