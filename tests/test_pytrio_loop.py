@@ -342,7 +342,7 @@ def local_pytrio(tiny_model_path, tmp_path_factory):
     if TEST_REWARD not in REWARD_REGISTRY:
         register_reward(TEST_REWARD)(_digits_reward)
     home = tmp_path_factory.mktemp("pytrio-home")
-    with running_server(tiny_model_path, api_key=SECRET_KEY) as server:
+    with running_server(tiny_model_path, api_key=SECRET_KEY, ephemeral_storage=True) as server:
         server.home = str(home)
         yield server
 
@@ -542,6 +542,10 @@ def test_recipe_runs_end_to_end_offline_from_one_command(pytrio_client, tiny_mod
     assert "step 2/2" in caplog.text
     # the server's random key
     assert not re.search(r"trio-local-[A-Za-z0-9_\-]{8,}", captured.out + captured.err + caplog.text)
+    # resume with a new local server (its checkpoint records come from disk under the run's output_dir)
+    assert load_recipe().main([*args, "--max_steps", "3", "--resume", "true"]) == 0
+    assert [r["step"] for r in read_metrics(out)] == [1, 2, 3]
+    assert "resumed at step 2" in caplog.text
 
 
 def test_recipe_reports_bad_config_in_one_line(tmp_path, capsys):

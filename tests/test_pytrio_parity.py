@@ -36,7 +36,7 @@ def _bounds(loss_type):
 
 @pytest.fixture(scope="module")
 def server(tiny_model_path, tmp_path_factory):
-    with running_server(tiny_model_path) as srv:
+    with running_server(tiny_model_path, ephemeral_storage=True) as srv:
         srv.configure_client(home=str(tmp_path_factory.mktemp("trio-home")), retry_initial_delay_seconds=0.05)
         yield srv
 

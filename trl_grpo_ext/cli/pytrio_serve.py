@@ -21,7 +21,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help=f"bearer token clients must send; default ${API_KEY_ENV}, else a random key printed once at start",
     )
     parser.add_argument("--model-name", default=None, help="alias clients may pass as base_model")
-    parser.add_argument("--storage-dir", default=None, help="checkpoint folder (default: temporary, removed on exit)")
+    parser.add_argument("--storage-dir", default=None, help="checkpoint folder, kept across restarts (default: $TRL_GRPO_EXT_CACHE/pytrio-server or ~/.cache/trl_grpo_ext/pytrio-server)")
     parser.add_argument("--device", default=None, help="torch device (default cuda if available, else cpu)")
     parser.add_argument("--dtype", default="float32", help="model dtype: float32, bfloat16, float16")
     parser.add_argument("--max-batch-size", type=int, default=None, help="per-event batch cap advertised to clients")

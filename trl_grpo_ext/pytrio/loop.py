@@ -581,18 +581,10 @@ class GRPOLoop:
             check_resumable(previous, c)
             state = previous
             truncate_metrics(out, state.step)
-            try:
-                training_client = _call(
-                    service.create_training_client_from_state_with_optimizer, "restore from checkpoint",
-                    state.state_path,
-                )
-            except PyTrioLoopError as error:
-                if c.pytrio_base_url == "local":
-                    raise PyTrioLoopError(
-                        f"{error}. Note: a local server started by this recipe may not know checkpoints of an "
-                        "earlier process; start a fresh run (new output_dir) or resume against a persistent service."
-                    ) from None
-                raise
+            training_client = _call(
+                service.create_training_client_from_state_with_optimizer, "restore from checkpoint",
+                state.state_path,
+            )
             logger.info("resumed at step %d from %s", state.step, state.state_path)
         else:
             state = LoopState(pinned=pinned_settings(c))
@@ -652,7 +644,8 @@ def run_from_config(config: PyTrioGRPOConfig, **kwargs) -> dict:
 
     install_log_redaction()
     if config.pytrio_base_url == LOCAL_SERVER_NAME:
-        with local_server(config.base_model) as server:
+        # Checkpoints live beside the run, so a resumed run's fresh server finds the earlier process's states.
+        with local_server(config.base_model, storage_dir=str(Path(config.output_dir) / "pytrio-server")) as server:
             configure_client(base_url=server.base_url, api_key=server.api_key)
             return run_grpo(config, **kwargs)
     if config.pytrio_base_url:
