@@ -345,6 +345,7 @@ def local_pytrio(tiny_model_path, tmp_path_factory):
     with running_server(tiny_model_path, api_key=SECRET_KEY, ephemeral_storage=True) as server:
         server.home = str(home)
         yield server
+    REWARD_REGISTRY.pop(TEST_REWARD, None)  # other modules iterate over the registry
 
 
 @pytest.fixture

@@ -283,16 +283,21 @@ ADVERSARIAL = {
 }
 
 
+# The package's own rewards, snapshotted at collection: other test modules register test-only rewards.
+BUILTIN_REWARDS = dict(REWARD_REGISTRY)
+
+
 def _check_within_50ms(text, truth):
-    for name, func in REWARD_REGISTRY.items():
+    for name, func in BUILTIN_REWARDS.items():
         func([text], answer=[truth])  # warm-up
-        worst = 0.0
+        # Fastest of 3: a missing bound costs seconds on every run, while a busy machine only delays some runs.
+        best = float("inf")
         for _ in range(3):
             start = time.perf_counter()
             scores = func([text], answer=[truth])
-            worst = max(worst, time.perf_counter() - start)
+            best = min(best, time.perf_counter() - start)
         assert len(scores) == 1 and isinstance(scores[0], float)
-        assert worst < 0.05, f"{name} took {worst * 1000:.1f} ms"
+        assert best < 0.05, f"{name} took {best * 1000:.1f} ms"
 
 
 @pytest.mark.parametrize("case", list(ADVERSARIAL))
