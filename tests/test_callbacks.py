@@ -5,14 +5,8 @@ import json
 import pytest
 from transformers import TrainerControl, TrainerState, TrainingArguments
 
-from trl_grpo_ext.callbacks import (
-    EVAL_METRICS_FILENAME,
-    METRICS_FILENAME,
-    MetricsJsonlCallback,
-    greedy_accuracy,
-    read_metrics,
-    swanlab_mode,
-)
+from trl_grpo_ext.callbacks import EVAL_METRICS_FILENAME, MetricsJsonlCallback, greedy_accuracy, swanlab_mode
+from trl_grpo_ext.metrics_log import METRICS_FILENAME, read_metrics
 
 
 @pytest.fixture

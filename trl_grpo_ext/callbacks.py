@@ -15,7 +15,8 @@ from pathlib import Path
 
 from transformers import TrainerCallback
 
-METRICS_FILENAME = "metrics.jsonl"
+from trl_grpo_ext.metrics_log import METRICS_FILENAME, truncate_metrics
+
 EVAL_METRICS_FILENAME = "eval_metrics.jsonl"
 # Keys of the end-of-training summary log (not a step's metrics).
 _SUMMARY_KEYS = {"train_runtime", "train_samples_per_second", "train_steps_per_second", "total_flos", "train_loss"}
@@ -27,23 +28,6 @@ def _jsonable(value):
     if isinstance(value, float) and not math.isfinite(value):
         return None  # JSON has no NaN/inf; readers treat null as missing
     return value
-
-
-def read_metrics(path) -> list[dict]:
-    """Rows of a metrics.jsonl file (a torn last line from a killed run is skipped)."""
-    rows = []
-    path = Path(path)
-    if not path.exists():
-        return rows
-    for line in path.read_text().splitlines():
-        line = line.strip()
-        if not line:
-            continue
-        try:
-            rows.append(json.loads(line))
-        except json.JSONDecodeError:
-            continue
-    return rows
 
 
 class MetricsJsonlCallback(TrainerCallback):
@@ -65,17 +49,8 @@ class MetricsJsonlCallback(TrainerCallback):
     def on_train_begin(self, args, state, control, **kwargs):
         if not state.is_world_process_zero:
             return
-        path = self._path(args)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        rows = read_metrics(path)
         # A fresh run (global_step 0) starts a new file; a resumed one keeps rows up to its checkpoint.
-        kept = [row for row in rows if isinstance(row.get("step"), int) and row["step"] <= state.global_step]
-        if state.global_step == 0:
-            kept = []
-        if kept != rows or not path.exists() or state.global_step == 0:
-            tmp = path.with_suffix(".jsonl.tmp")
-            tmp.write_text("".join(json.dumps(row) + "\n" for row in kept))
-            os.replace(tmp, path)
+        truncate_metrics(self._path(args), state.global_step)
 
     def on_step_begin(self, args, state, control, **kwargs):
         self._step_start = time.perf_counter()

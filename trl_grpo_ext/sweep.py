@@ -558,7 +558,7 @@ def eval_command(run: RunSpec, options: dict) -> list[str]:
         model_args = ["--model", str(ckpt)]
     else:
         raise FileNotFoundError(f"{run_dir} holds no saved model (no config.json, adapter or checkpoint)")
-    cmd = [sys.executable, "-c", "import sys; from trl_grpo_ext.cli import main; sys.exit(main())", "eval"]
+    cmd = [sys.executable, "-m", "trl_grpo_ext.cli", "eval"]
     cmd += model_args
     for key, value in options.items():
         if key in ("model", "adapter", "out"):

@@ -10,13 +10,14 @@ previous record.
 from __future__ import annotations
 
 import json
-import os
-import tempfile
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from trl_grpo_ext import metrics_log
+from trl_grpo_ext.metrics_log import METRICS_FILENAME as METRICS_FILE
+from trl_grpo_ext.metrics_log import atomic_write_text
+
 STATE_FILE = "pytrio_state.json"
-METRICS_FILE = "metrics.jsonl"
 STATE_VERSION = 1
 # Settings that must not change across a resume: they define the model being trained and the data order.
 PINNED_KEYS = ("base_model", "lora_rank", "seed", "num_generations", "per_device_train_batch_size", "dataset_name")
@@ -47,20 +48,6 @@ class LoopState:
 
 def pinned_settings(config) -> dict:
     return {key: getattr(config, key) for key in PINNED_KEYS}
-
-
-def atomic_write_text(path: Path, text: str) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as handle:
-            handle.write(text)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
 
 
 def save_loop_state(output_dir: str | Path, state: LoopState) -> Path:
@@ -96,19 +83,7 @@ def check_resumable(state: LoopState, config) -> None:
 
 
 def read_metrics(output_dir: str | Path) -> list[dict]:
-    path = Path(output_dir) / METRICS_FILE
-    if not path.is_file():
-        return []
-    rows = []
-    for line in path.read_text(encoding="utf-8").splitlines():
-        line = line.strip()
-        if not line:
-            continue
-        try:
-            rows.append(json.loads(line))
-        except json.JSONDecodeError:
-            continue  # a line cut short by a kill mid-write
-    return rows
+    return metrics_log.read_metrics(Path(output_dir) / METRICS_FILE)
 
 
 def truncate_metrics(output_dir: str | Path, last_step: int) -> int:
@@ -117,9 +92,4 @@ def truncate_metrics(output_dir: str | Path, last_step: int) -> int:
     Steps after the checkpoint are trained again on resume, so their old rows would duplicate the new ones.
     """
     path = Path(output_dir) / METRICS_FILE
-    if not path.is_file():
-        return 0
-    rows = read_metrics(output_dir)
-    kept = [row for row in rows if isinstance(row.get("step"), int) and row["step"] <= last_step]
-    atomic_write_text(path, "".join(json.dumps(row) + "\n" for row in kept))
-    return len(rows) - len(kept)
+    return metrics_log.truncate_metrics(path, last_step) if path.is_file() else 0

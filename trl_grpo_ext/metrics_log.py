@@ -1,0 +1,57 @@
+"""`<output_dir>/metrics.jsonl`: one JSON object per logged optimizer step, written by both execution paths.
+
+The TRL callback and the PyTRIO loop append to it; a resumed run first drops the rows logged after its
+checkpoint (those steps are trained again), so the file ends with one row per step.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from pathlib import Path
+
+METRICS_FILENAME = "metrics.jsonl"
+
+
+def atomic_write_text(path: Path, text: str) -> None:
+    """Replace `path` with `text` so a process killed mid-write leaves the previous file intact."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as handle:
+            handle.write(text)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def read_metrics(path) -> list[dict]:
+    """Rows of a metrics.jsonl file; a line cut short by a kill mid-write is skipped."""
+    path = Path(path)
+    if not path.is_file():
+        return []
+    rows = []
+    for line in path.read_text(encoding="utf-8").splitlines():
+        line = line.strip()
+        if not line:
+            continue
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    return rows
+
+
+def truncate_metrics(path, last_step: int) -> int:
+    """Keep the rows up to `last_step` (0: none) and return how many were dropped."""
+    path = Path(path)
+    rows = read_metrics(path)
+    kept = [row for row in rows if isinstance(row.get("step"), int) and row["step"] <= last_step]
+    if kept != rows or not path.exists():
+        atomic_write_text(path, "".join(json.dumps(row) + "\n" for row in kept))
+    return len(rows) - len(kept)
