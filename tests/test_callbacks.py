@@ -6,7 +6,7 @@ import pytest
 from transformers import TrainerControl, TrainerState, TrainingArguments
 
 from trl_grpo_ext.callbacks import EVAL_METRICS_FILENAME, MetricsJsonlCallback, greedy_accuracy, swanlab_mode
-from trl_grpo_ext.metrics_log import METRICS_FILENAME, read_metrics
+from trl_grpo_ext.metrics_log import METRICS_FILENAME, read_metrics, read_metrics_counting_skipped, truncate_metrics
 
 
 @pytest.fixture
@@ -55,6 +55,16 @@ def test_resume_drops_rows_after_the_checkpoint_and_a_torn_line(args, tmp_path):
     for step in (4, 5, 6):
         _log(cb, args, state, step, reward=1.0)
     assert [r["step"] for r in read_metrics(path)] == [1, 2, 3, 4, 5, 6]
+
+
+def test_reader_skips_torn_and_non_object_lines_and_counts_them(tmp_path):
+    path = tmp_path / METRICS_FILENAME
+    path.write_bytes(b'{"step": 1}\n[1, 2]\n\n"text"\n{"step": 2, "note": "\xff"}\n{"step": 3, "rew')
+    rows, skipped = read_metrics_counting_skipped(path)
+    assert [r["step"] for r in rows] == [1, 2] and skipped == 3
+    assert truncate_metrics(path, 1) == 1  # a list row must not break truncation
+    assert read_metrics(path) == [{"step": 1}]
+    assert read_metrics_counting_skipped(tmp_path / "missing.jsonl") == ([], 0)
 
 
 def test_only_the_main_process_writes(args, tmp_path):

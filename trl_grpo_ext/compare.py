@@ -15,7 +15,9 @@ from typing import Any
 
 import yaml
 
-METRICS_FILE = "metrics.jsonl"
+from trl_grpo_ext.metrics_log import METRICS_FILENAME as METRICS_FILE
+from trl_grpo_ext.metrics_log import read_metrics_counting_skipped
+
 # Where a run's config may lie, best first: the sweep's marker and config, then what recipes save.
 CONFIG_CANDIDATES = (
     "sweep_done.json",
@@ -82,26 +84,15 @@ def read_metrics(path: Path) -> tuple[list[dict], list[str]]:
     """Rows of a metrics.jsonl merged by step (a resumed run logs some steps twice: the later row wins)."""
     notes: list[str] = []
     by_step: dict[int, dict] = {}
-    bad = no_step = 0
-    with open(path, errors="replace") as f:
-        for line in f:
-            line = line.strip()
-            if not line:
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError:
-                bad += 1  # typically the last line of a run killed mid-write
-                continue
-            if not isinstance(row, dict):
-                bad += 1
-                continue
-            step = row.get("step", row.get("global_step"))
-            if not _is_number(step):
-                no_step += 1
-                continue
-            by_step.setdefault(int(step), {}).update(row)
-            by_step[int(step)]["step"] = int(step)
+    rows, bad = read_metrics_counting_skipped(path)
+    no_step = 0
+    for row in rows:
+        step = row.get("step", row.get("global_step"))
+        if not _is_number(step):
+            no_step += 1
+            continue
+        by_step.setdefault(int(step), {}).update(row)
+        by_step[int(step)]["step"] = int(step)
     if bad:
         notes.append(f"{bad} unreadable line(s) in {path.name} skipped")
     if no_step:

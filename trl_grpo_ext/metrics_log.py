@@ -30,21 +30,33 @@ def atomic_write_text(path: Path, text: str) -> None:
         raise
 
 
-def read_metrics(path) -> list[dict]:
-    """Rows of a metrics.jsonl file; a line cut short by a kill mid-write is skipped."""
+def read_metrics_counting_skipped(path) -> tuple[list[dict], int]:
+    """Rows of a metrics.jsonl file and how many lines were skipped as unreadable.
+
+    A line is skipped when it is not a JSON object: typically the last line of a run killed mid-write.
+    """
     path = Path(path)
     if not path.is_file():
-        return []
-    rows = []
-    for line in path.read_text(encoding="utf-8").splitlines():
+        return [], 0
+    rows, skipped = [], 0
+    for line in path.read_text(encoding="utf-8", errors="replace").splitlines():
         line = line.strip()
         if not line:
             continue
         try:
-            rows.append(json.loads(line))
+            row = json.loads(line)
         except json.JSONDecodeError:
-            continue
-    return rows
+            row = None
+        if isinstance(row, dict):
+            rows.append(row)
+        else:
+            skipped += 1
+    return rows, skipped
+
+
+def read_metrics(path) -> list[dict]:
+    """Rows of a metrics.jsonl file; a line cut short by a kill mid-write is skipped."""
+    return read_metrics_counting_skipped(path)[0]
 
 
 def truncate_metrics(path, last_step: int) -> int:
