@@ -131,6 +131,22 @@ def test_report_files_and_table(runs, tmp_path):
     assert summary[0]["run"] == "loss_type=ppo" and summary[0]["config"]["loss_type"] == "ppo"
 
 
+def test_heldout_accuracy_before_after_columns(runs, tmp_path):
+    (runs[0] / "eval_before_after.json").write_text(json.dumps({
+        "before": {"n": 16, "accuracy": 0.125, "step": 0}, "after": {"n": 16, "accuracy": 0.25, "step": 3},
+    }))
+    (runs[1] / "eval_before_after.json").write_text("{not json")
+    a, b = load_run(runs[0]), load_run(runs[1])
+    assert a.heldout == {"before": 0.125, "after": 0.25, "n": 16}
+    assert b.heldout == {} and "unreadable eval_before_after.json" in b.notes
+    assert summarize(a)["heldout_after"] == 0.25 and "heldout_after" not in summarize(b)
+    report = build_report(list(runs), tmp_path / "report")
+    header, _, ppo, cispo = report.table.splitlines()
+    assert header.endswith("| held-out acc before | held-out acc after |")
+    assert ppo.endswith("| 0.125 | 0.250 |") and cispo.endswith("| – | – |")
+    assert "greedy accuracy on 16 held-out problems" in (tmp_path / "report" / "report.md").read_text()
+
+
 def test_metric_no_run_logged_is_skipped(tmp_path):
     d = write_run(tmp_path, "r1", [{"step": 1, "reward": 0.1}, {"step": 2, "reward": 0.3}])
     report = build_report([d], tmp_path / "out", smooth_window=3)

@@ -15,7 +15,7 @@ from pathlib import Path
 
 from transformers import TrainerCallback
 
-from trl_grpo_ext.metrics_log import METRICS_FILENAME, truncate_metrics
+from trl_grpo_ext.metrics_log import EVAL_BEFORE_AFTER_FILENAME, METRICS_FILENAME, truncate_metrics
 
 EVAL_METRICS_FILENAME = "eval_metrics.jsonl"
 # Keys of the end-of-training summary log (not a step's metrics).
@@ -166,8 +166,6 @@ class SwanLabCompletionsCallback(TrainerCallback):
 
 
 # ------------------------------------------------------------------------------------ before/after eval
-
-EVAL_BEFORE_AFTER_FILENAME = "eval_before_after.json"
 
 
 def greedy_accuracy(model, tokenizer, problems: list[dict], max_new_tokens: int, batch_size: int = 16) -> dict:

@@ -15,6 +15,7 @@ from typing import Any
 
 import yaml
 
+from trl_grpo_ext.metrics_log import EVAL_BEFORE_AFTER_FILENAME
 from trl_grpo_ext.metrics_log import METRICS_FILENAME as METRICS_FILE
 from trl_grpo_ext.metrics_log import read_metrics_counting_skipped
 
@@ -61,6 +62,8 @@ class RunData:
     wall_time: float | None = None
     eval_summary: dict | None = None
     notes: list[str] = field(default_factory=list)
+    # The recipe's own greedy held-out accuracy at the start and end of training, when it ran one.
+    heldout: dict = field(default_factory=dict)
 
     def series(self, metric: str) -> tuple[list[float], list[float]]:
         """(steps, values) of a metric, finite values only, under any of its known spellings."""
@@ -187,7 +190,29 @@ def load_run(path: Path, label: str | None = None) -> RunData:
             eval_summary = json.loads((path / EVAL_SUMMARY).read_text()).get("summary")
         except (json.JSONDecodeError, AttributeError):
             notes.append(f"unreadable {EVAL_SUMMARY}")
-    return RunData(label or path.name, path, rows, config, source, backend, wall, eval_summary, notes)
+    heldout = read_heldout_accuracy(path / EVAL_BEFORE_AFTER_FILENAME, notes)
+    return RunData(label or path.name, path, rows, config, source, backend, wall, eval_summary, notes, heldout)
+
+
+def read_heldout_accuracy(path: Path, notes: list[str]) -> dict:
+    """{'before': accuracy, 'after': accuracy, 'n': problems} from eval_before_after.json; {} when absent."""
+    if not path.is_file():
+        return {}
+    try:
+        data = json.loads(path.read_text())
+    except (json.JSONDecodeError, OSError, UnicodeDecodeError):
+        data = None
+    if not isinstance(data, dict):
+        notes.append(f"unreadable {path.name}")
+        return {}
+    out = {}
+    for when in ("before", "after"):
+        entry = data.get(when)
+        if isinstance(entry, dict) and _is_number(entry.get("accuracy")):
+            out[when] = float(entry["accuracy"])
+            if _is_number(entry.get("n")):
+                out["n"] = int(entry["n"])
+    return out
 
 
 def load_runs(paths: list[str | os.PathLike]) -> list[RunData]:
@@ -259,6 +284,9 @@ def summarize(run: RunData, smooth_window: int = 1) -> dict:
         "tokens_per_s": tok_s,
         "wall_time": run.wall_time,
     }
+    for when in ("before", "after"):
+        if when in run.heldout:
+            out[f"heldout_{when}"] = run.heldout[when]
     if run.eval_summary:
         for key in ("pass@1", "maj@k", "pass@k"):
             if _is_number(run.eval_summary.get(key)):
@@ -299,6 +327,8 @@ COLUMNS = (
     ("completion_length", "completion len"),
     ("tokens_per_s", "train tok/s"),
     ("wall_time", "wall time"),
+    ("heldout_before", "held-out acc before"),
+    ("heldout_after", "held-out acc after"),
 )
 EVAL_COLUMNS = (("eval_pass@1", "eval pass@1"), ("eval_maj@k", "eval maj@k"), ("eval_pass@k", "eval pass@k"))
 
@@ -460,6 +490,14 @@ def build_report(run_paths: list[str | os.PathLike], out_dir: str | os.PathLike,
         " train tok/s: tokens with non-zero advantage per second of step time.",
         "",
     ]
+    sizes = sorted({r.heldout["n"] for r in runs if "n" in r.heldout})
+    if sizes:
+        md += [
+            "held-out acc before/after: the recipe's greedy accuracy on "
+            + "/".join(map(str, sizes))
+            + " held-out problems at the first and last step (eval_before_after.json).",
+            "",
+        ]
     md += ["## Config differences", ""]
     if len(runs) < 2:
         md += ["(one run: nothing to compare)", ""]

@@ -12,6 +12,8 @@ import tempfile
 from pathlib import Path
 
 METRICS_FILENAME = "metrics.jsonl"
+# Greedy held-out accuracy at the start and end of a TRL recipe run ({"before": {...}, "after": {...}}).
+EVAL_BEFORE_AFTER_FILENAME = "eval_before_after.json"
 
 
 def atomic_write_text(path: Path, text: str) -> None:

@@ -8,8 +8,7 @@ import sys
 import time
 from pathlib import Path
 
-from trl_grpo_ext.callbacks import EVAL_BEFORE_AFTER_FILENAME
-from trl_grpo_ext.metrics_log import METRICS_FILENAME, read_metrics
+from trl_grpo_ext.metrics_log import EVAL_BEFORE_AFTER_FILENAME, METRICS_FILENAME, read_metrics
 
 RUN_SUMMARY_FILENAME = "run_summary.json"
 _START = time.time()
