@@ -15,9 +15,8 @@ from typing import Any
 
 import yaml
 
-from trl_grpo_ext.metrics_log import EVAL_BEFORE_AFTER_FILENAME
+from trl_grpo_ext.metrics_log import EVAL_BEFORE_AFTER_FILENAME, read_metrics_counting_skipped
 from trl_grpo_ext.metrics_log import METRICS_FILENAME as METRICS_FILE
-from trl_grpo_ext.metrics_log import read_metrics_counting_skipped
 
 # Where a run's config may lie, best first: the sweep's marker and config, then what recipes save.
 CONFIG_CANDIDATES = (
