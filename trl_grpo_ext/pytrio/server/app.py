@@ -421,18 +421,23 @@ class LocalPyTrioServer:
             )
             self.registry.training_runs[run.cuid] = run
             session.training_runs.append(run.cuid)
+        return self._created_reply("training", run)
+
+    def _created_reply(self, kind: str, run: TrainingRunRecord | SamplingRunRecord) -> dict:
+        """Reply to a create request: the new run, the model, and the actor token for its data-plane calls."""
+        training = kind == "training"
         return {
-            "training_run_cuid": run.cuid,
-            "service_session_cuid": sid,
+            f"{kind}_run_cuid": run.cuid,
+            "service_session_cuid": run.session,
             "workspace_cuid": WORKSPACE,
             "status": run.status,
             "run_index": run.index,
             "model_spec_cuid": "model_local",
             "model_alias": self.model_alias,
             "model_id": self.model_id,
-            "trainer": self._caps(True),
+            "trainer" if training else "sampler": self._caps(training),
             "actor": self._actor(),
-            "actor_jwt": self._jwt("training", run.cuid),
+            "actor_jwt": self._jwt(kind, run.cuid),
             "created_at": iso(run.created),
         }
 
@@ -572,20 +577,7 @@ class LocalPyTrioServer:
             run = SamplingRunRecord(new_id("sr"), sid, len(session.sampling_runs), request.source_checkpoint_uri)
             self.registry.sampling_runs[run.cuid] = run
             session.sampling_runs.append(run.cuid)
-        return {
-            "sampling_run_cuid": run.cuid,
-            "service_session_cuid": sid,
-            "workspace_cuid": WORKSPACE,
-            "status": run.status,
-            "run_index": run.index,
-            "model_spec_cuid": "model_local",
-            "model_alias": self.model_alias,
-            "model_id": self.model_id,
-            "sampler": self._caps(False),
-            "actor": self._actor(),
-            "actor_jwt": self._jwt("sampling", run.cuid),
-            "created_at": iso(run.created),
-        }
+        return self._created_reply("sampling", run)
 
     def get_sampling_run(self, _q, _b, rid) -> dict:
         run = self.registry.sampling_run(rid)
