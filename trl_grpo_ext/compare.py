@@ -293,6 +293,33 @@ def summarize(run: RunData, smooth_window: int = 1) -> dict:
     return out
 
 
+def identical_curves(runs: list[RunData], metrics: tuple[str, ...] = ("reward", "grad_norm")) -> list[str]:
+    """Notes for pairs of runs whose `metrics` curves are equal wherever both logged them.
+
+    Two variants with equal reward and gradient-norm curves trained the same way: the setting that tells
+    them apart had no effect in this run (for example CISPO's weight cap never reached, which leaves its
+    gradient equal to plain importance sampling; the loss values differ by construction, so they don't count).
+    """
+    notes = []
+    for i, a in enumerate(runs):
+        for b in runs[i + 1 :]:
+            compared, equal = [], True
+            for metric in metrics:
+                sa, sb = a.series(metric), b.series(metric)
+                if len(sa[1]) < 2 or len(sb[1]) < 2:
+                    continue
+                compared.append(metric)
+                equal = equal and sa[0] == sb[0] and all(
+                    math.isclose(x, y, rel_tol=1e-6, abs_tol=1e-9) for x, y in zip(sa[1], sb[1], strict=True)
+                )
+            if compared and equal:
+                notes.append(
+                    f"{a.label} and {b.label} logged the same {' and '.join(compared)} at every step: the"
+                    " settings that differ between them did not change training here"
+                )
+    return notes
+
+
 def config_differences(runs: list[RunData]) -> list[str]:
     """Config keys that take different values in runs that set them.
 
@@ -374,6 +401,15 @@ def diff_table(runs: list[RunData], keys: list[str]) -> str:
     return markdown_table(["run"] + keys, rows)
 
 
+# Runs whose curves coincide (same seed, a setting that did not change training) stay visible as
+# dashes or dots over the solid line.
+LINE_STYLES = ("-", "--", ":", "-.")
+
+
+def _line_style(index: int) -> tuple[str, str]:
+    return f"C{index % 10}", LINE_STYLES[index % len(LINE_STYLES)]
+
+
 def plot_metric(runs: list[RunData], metric: str, title: str, path: Path, smooth_window: int = 1) -> bool:
     """One PNG with a line per run that logged `metric`; False (no file) when none did."""
     import matplotlib
@@ -381,18 +417,20 @@ def plot_metric(runs: list[RunData], metric: str, title: str, path: Path, smooth
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    series = [(run, *run.series(metric)) for run in runs]
-    series = [(run, s, v) for run, s, v in series if v]
+    # The run's position, not the plotted line's, picks its style: the same run looks alike in every plot.
+    series = [(i, run, *run.series(metric)) for i, run in enumerate(runs)]
+    series = [(i, run, s, v) for i, run, s, v in series if v]
     if not series:
         return False
     fig, ax = plt.subplots(figsize=(7, 4.2), dpi=110)
-    for i, (run, steps, values) in enumerate(series):
-        color = f"C{i % 10}"
+    for i, run, steps, values in series:
+        color, style = _line_style(i)
         if smooth_window > 1:
-            ax.plot(steps, values, color=color, alpha=0.25, linewidth=1)
-            ax.plot(steps, smooth(values, smooth_window), color=color, linewidth=2, label=run.label)
+            ax.plot(steps, values, color=color, alpha=0.25, linewidth=1, linestyle=style)
+            ax.plot(steps, smooth(values, smooth_window), color=color, linewidth=2, linestyle=style, label=run.label)
         else:
-            ax.plot(steps, values, color=color, linewidth=1.8, label=run.label, marker="." if len(steps) < 40 else None)
+            marker = "." if len(steps) < 40 else None
+            ax.plot(steps, values, color=color, linewidth=1.8, linestyle=style, label=run.label, marker=marker)
     ax.set_xlabel("optimizer step")
     ax.set_ylabel(metric)
     suffix = f" (moving average over {smooth_window} steps)" if smooth_window > 1 else ""
@@ -421,7 +459,8 @@ def plot_overview(runs: list[RunData], metrics: list[str], path: Path, smooth_wi
         for i, run in enumerate(runs):
             steps, values = run.series(metric)
             if values:
-                ax.plot(steps, smooth(values, smooth_window), color=f"C{i % 10}", linewidth=1.6, label=run.label)
+                color, style = _line_style(i)
+                ax.plot(steps, smooth(values, smooth_window), color=color, linestyle=style, linewidth=1.6, label=run.label)
         ax.set_title(metric, fontsize=9)
         ax.set_xlabel("step", fontsize=8)
         ax.tick_params(labelsize=7)
@@ -465,7 +504,7 @@ def build_report(run_paths: list[str | os.PathLike], out_dir: str | os.PathLike,
     summaries = [summarize(r, smooth_window) for r in runs]
     table = results_table(runs, summaries)
     diff_keys = config_differences(runs)
-    notes = [f"{r.label}: {n}" for r in runs for n in r.notes]
+    notes = [f"{r.label}: {n}" for r in runs for n in r.notes] + identical_curves(runs)
 
     plots: dict[str, Path] = {}
     for metric, title in PLOTS:
