@@ -151,13 +151,16 @@ def test_heldout_accuracy_before_after_columns(runs, tmp_path):
 def test_runs_with_identical_curves_are_noted(tmp_path):
     rows = [{"step": s, "reward": s / 10, "loss": -s / 7, "grad_norm": 1.0 + s} for s in (1, 2, 3)]
     a = write_run(tmp_path, "loss_type=importance_sampling", rows)
-    b = write_run(tmp_path, "loss_type=cispo", [{**r, "loss": r["loss"] * 2} for r in rows])  # same gradient
+    # same gradient up to float rounding, other loss values
+    b = write_run(tmp_path, "loss_type=cispo", [{**r, "loss": r["loss"] * 2, "grad_norm": r["grad_norm"] * (1 + 2e-5)} for r in rows])
     c = write_run(tmp_path, "loss_type=ppo", [{**r, "reward": r["reward"] + 0.01} for r in rows])
     runs = load_runs([a, b, c])
     notes = identical_curves(runs)
     assert len(notes) == 1  # ppo's reward differs; the loss values of the other two may differ
     assert notes[0].startswith("loss_type=importance_sampling and loss_type=cispo logged the same reward and grad_norm")
     assert identical_curves(load_runs([a, write_run(tmp_path, "short", rows[:2])])) == []  # different steps
+    off = write_run(tmp_path, "off", [{**r, "grad_norm": r["grad_norm"] * (1 + 1e-3)} for r in rows])
+    assert identical_curves(load_runs([a, off])) == []
     report = build_report([a, b, c], tmp_path / "report")
     assert any("logged the same reward" in n for n in report.notes)
 
