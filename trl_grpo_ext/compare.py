@@ -317,10 +317,10 @@ def identical_curves(runs: list[RunData], metrics: tuple[str, ...] = ("reward", 
                     math.isclose(x, y, rel_tol=SAME_CURVE_RTOL, abs_tol=1e-9) for x, y in zip(sa[1], sb[1], strict=True)
                 )
             if compared and equal:
+                same = " and ".join(compared)
                 notes.append(
-                    f"{a.label} and {b.label} logged the same {' and '.join(compared)} at every step (to"
-                    f" {SAME_CURVE_RTOL:g} relative): the"
-                    " settings that differ between them did not change training here"
+                    f"{a.label} and {b.label} logged the same {same} at every step (to {SAME_CURVE_RTOL:g}"
+                    " relative): the settings that differ between them did not change training here"
                 )
     return notes
 
