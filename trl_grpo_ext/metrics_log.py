@@ -7,29 +7,13 @@ checkpoint (those steps are trained again), so the file ends with one row per st
 from __future__ import annotations
 
 import json
-import os
-import tempfile
 from pathlib import Path
+
+from trl_grpo_ext.atomic_write import atomic_write_text
 
 METRICS_FILENAME = "metrics.jsonl"
 # Greedy held-out accuracy at the start and end of a TRL recipe run ({"before": {...}, "after": {...}}).
 EVAL_BEFORE_AFTER_FILENAME = "eval_before_after.json"
-
-
-def atomic_write_text(path: Path, text: str) -> None:
-    """Replace `path` with `text` so a process killed mid-write leaves the previous file intact."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as handle:
-            handle.write(text)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
 
 
 def read_metrics_counting_skipped(path) -> tuple[list[dict], int]:

@@ -42,6 +42,8 @@ from typing import Any, Callable
 
 import yaml
 
+from trl_grpo_ext.atomic_write import atomic_write_text
+
 DONE_MARKER = "sweep_done.json"
 RUN_CONFIG = "sweep_config.yaml"
 TRAIN_LOG = "train.log"
@@ -637,7 +639,7 @@ def execute_run(spec: SweepSpec, run: RunSpec, table: _ProcessTable, force: bool
             "finished_at": result.finished_at,
             "resumed_from": result.resumed_from,
         }
-        (run_dir / DONE_MARKER).write_text(json.dumps(marker, indent=2, default=str))
+        atomic_write_text(run_dir / DONE_MARKER, json.dumps(marker, indent=2, default=str))
         result.status = "finished"
 
     if spec.evaluate:
@@ -689,9 +691,7 @@ def _write_summary(
         "counts": {s: sum(1 for r in ordered if r["status"] == s) for s in sorted({r["status"] for r in ordered})},
         "runs": ordered,
     }
-    tmp = path.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps(payload, indent=2, default=str))
-    tmp.replace(path)
+    atomic_write_text(path, json.dumps(payload, indent=2, default=str))
     return path
 
 

@@ -14,8 +14,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from trl_grpo_ext import metrics_log
+from trl_grpo_ext.atomic_write import atomic_write_text
 from trl_grpo_ext.metrics_log import METRICS_FILENAME as METRICS_FILE
-from trl_grpo_ext.metrics_log import atomic_write_text
 
 STATE_FILE = "pytrio_state.json"
 STATE_VERSION = 1

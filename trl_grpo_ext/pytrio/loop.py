@@ -628,7 +628,7 @@ class GRPOLoop:
 def _write_config(config: PyTrioGRPOConfig, out: Path) -> None:
     import yaml
 
-    from trl_grpo_ext.pytrio.checkpoint import atomic_write_text
+    from trl_grpo_ext.atomic_write import atomic_write_text
 
     atomic_write_text(out / "config.yaml", yaml.safe_dump({**config.to_dict(), "backend": "pytrio"}, sort_keys=True))
 

@@ -18,6 +18,7 @@ from dataclasses import asdict, dataclass, field
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
 
+from trl_grpo_ext.atomic_write import atomic_write_text
 from trl_grpo_ext.pytrio.server.engine import LoraSettings
 
 logger = logging.getLogger(__name__)
@@ -243,10 +244,7 @@ def write_record(record: CheckpointRecord, storage: Path) -> None:
         "path": os.path.relpath(record.path, storage), "lora": asdict(record.lora), "size": record.size,
         "visibility": record.visibility, "step": record.step, "expires": record.expires, "created": record.created,
     }  # fmt: skip
-    target = Path(record.path) / RECORD_FILE
-    tmp = target.with_name(f".{RECORD_FILE}.{os.getpid()}.{threading.get_ident()}.tmp")
-    tmp.write_text(json.dumps(data, indent=1))
-    os.replace(tmp, target)
+    atomic_write_text(Path(record.path) / RECORD_FILE, json.dumps(data, indent=1))
 
 
 def read_record(path: Path, storage: Path) -> CheckpointRecord | None:
