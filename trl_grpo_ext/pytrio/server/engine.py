@@ -296,18 +296,14 @@ class ModelEngine:
         Right padding keeps every real token's position ids and causal context as in a single-sequence forward;
         padded positions carry target -100, so they never count.
         """
-        width = max(len(d.tokens) for d in data)
-        ids = torch.zeros(len(data), width, dtype=torch.long)
-        targets = torch.full((len(data), width), -100, dtype=torch.long)
-        attention = torch.zeros(len(data), width, dtype=torch.long)
-        for row, datum in enumerate(data):
-            n = len(datum.tokens)
-            ids[row, :n] = torch.tensor(datum.tokens, dtype=torch.long)
-            targets[row, :n] = torch.tensor(datum.targets, dtype=torch.long)
-            attention[row, :n] = 1
-        ids, targets = ids.to(self.device), targets.to(self.device)
+        lengths = [len(d.tokens) for d in data]
+        width = max(lengths)
+        ids = self._padded([d.tokens for d in data], width, torch.long)
+        targets = self._padded([d.targets for d in data], width, torch.long, fill=-100)
         # no mask when nothing is padded: the exact computation of an unpadded forward
-        mask = None if bool(attention.all()) else attention.to(self.device)
+        mask = None
+        if min(lengths) < width:
+            mask = (torch.arange(width) < torch.tensor(lengths).unsqueeze(1)).long().to(self.device)
         logits = self.peft(input_ids=ids, attention_mask=mask).logits.float()
         if auto_shift:
             # position i predicts target i + 1; the first label has no predicting position
@@ -318,8 +314,9 @@ class ModelEngine:
         gathered = torch.log_softmax(logits, dim=-1).gather(-1, targets.clamp(min=0).unsqueeze(-1)).squeeze(-1)
         return torch.where(valid, gathered, torch.zeros_like(gathered)), valid
 
-    def _padded(self, rows: list[list[float]], width: int, dtype: torch.dtype) -> torch.Tensor:
-        out = torch.zeros(len(rows), width, dtype=dtype)
+    def _padded(self, rows: list[list[float]], width: int, dtype: torch.dtype, fill: float = 0) -> torch.Tensor:
+        """Rows right-padded with `fill` to `width`, as one (len(rows), width) tensor on the engine's device."""
+        out = torch.full((len(rows), width), fill, dtype=dtype)
         for i, row in enumerate(rows):
             out[i, : len(row)] = torch.tensor(row, dtype=dtype)
         return out.to(self.device)
