@@ -6,6 +6,7 @@ docs/ARCHITECTURE.md) and the run's saved config. Anything missing is reported a
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import os
@@ -298,30 +299,30 @@ SAME_CURVE_RTOL = 1e-4
 
 
 def identical_curves(runs: list[RunData], metrics: tuple[str, ...] = ("reward", "grad_norm")) -> list[str]:
-    """Notes for pairs of runs whose `metrics` curves are equal wherever both logged them.
+    """Notes for pairs of runs whose `metrics` curves are equal: same steps, values within `SAME_CURVE_RTOL`.
 
     Two variants with equal reward and gradient-norm curves trained the same way: the setting that tells
     them apart had no effect in this run (for example CISPO's weight cap never reached, which leaves its
     gradient equal to plain importance sampling; the loss values differ by construction, so they don't count).
     """
     notes = []
-    for i, a in enumerate(runs):
-        for b in runs[i + 1 :]:
-            compared, equal = [], True
-            for metric in metrics:
-                sa, sb = a.series(metric), b.series(metric)
-                if len(sa[1]) < 2 or len(sb[1]) < 2:
-                    continue
-                compared.append(metric)
-                equal = equal and sa[0] == sb[0] and all(
-                    math.isclose(x, y, rel_tol=SAME_CURVE_RTOL, abs_tol=1e-9) for x, y in zip(sa[1], sb[1], strict=True)
-                )
-            if compared and equal:
-                same = " and ".join(compared)
-                notes.append(
-                    f"{a.label} and {b.label} logged the same {same} at every step (to {SAME_CURVE_RTOL:g}"
-                    " relative): the settings that differ between them did not change training here"
-                )
+    curves = [{metric: run.series(metric) for metric in metrics} for run in runs]
+    for (a, curves_a), (b, curves_b) in itertools.combinations(zip(runs, curves, strict=True), 2):
+        compared, equal = [], True
+        for metric in metrics:
+            sa, sb = curves_a[metric], curves_b[metric]
+            if len(sa[1]) < 2 or len(sb[1]) < 2:
+                continue
+            compared.append(metric)
+            equal = equal and sa[0] == sb[0] and all(
+                math.isclose(x, y, rel_tol=SAME_CURVE_RTOL, abs_tol=1e-9) for x, y in zip(sa[1], sb[1], strict=True)
+            )
+        if compared and equal:
+            same = " and ".join(compared)
+            notes.append(
+                f"{a.label} and {b.label} logged the same {same} at every step (to {SAME_CURVE_RTOL:g}"
+                " relative): the settings that differ between them did not change training here"
+            )
     return notes
 
 
