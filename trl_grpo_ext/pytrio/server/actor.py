@@ -1,0 +1,121 @@
+"""Actor API handlers (``<base>/actor/v1/...``): event submission and status, sampling requests.
+
+A mixin of `LocalPyTrioServer`.
+"""
+
+from __future__ import annotations
+
+import msgpack
+
+from trl_grpo_ext.pytrio.server.engine import EngineError
+from trl_grpo_ext.pytrio.server.events import EventRecord, RunEventQueue
+from trl_grpo_ext.pytrio.server.registry import ApiError
+from trl_grpo_ext.pytrio.server.wire import prompt_tokens, validate
+
+KNOWN_EVENTS = (
+    "trainer.init_run",
+    "trainer.forward",
+    "trainer.forward_backward",
+    "trainer.optimize_step",
+    "trainer.save_state",
+    "trainer.save_weights",
+    "trainer.end_run",
+)
+SAMPLING_PARAM_KEYS = {"max_tokens", "temperature", "top_k", "top_p", "seed", "stop", "stop_token_ids"}
+
+
+class ActorHandlers:
+    def submit_event(self, token, raw: bytes) -> tuple[int, dict]:
+        from pytrio.protocol.actor.events.event import EventEnvelope
+
+        try:
+            data = msgpack.unpackb(raw, raw=False)
+        except Exception as error:  # noqa: BLE001 - any undecodable body is a client error
+            raise ApiError(400, "invalid_envelope", f"event body is not valid MessagePack: {error}") from None
+        if not isinstance(data, dict):
+            raise ApiError(400, "invalid_envelope", "event body must be a MessagePack map")
+        event_type = data.get("type")
+        if event_type not in KNOWN_EVENTS:
+            raise ApiError(
+                400,
+                "unknown_event_type",
+                f"unknown event type {event_type!r}; this server handles {list(KNOWN_EVENTS)}",
+            )
+        envelope = validate(EventEnvelope, data, "invalid_envelope")
+        run_id = envelope.metadata.run_id
+        if token.kind != "training" or token.run != run_id:
+            raise ApiError(403, "run_mismatch", f"this actor token does not grant access to run {run_id}")
+        run = self.registry.training_run(run_id)
+        if run.status in ("ENDED", "CANCELLED"):
+            raise ApiError(409, "run_ended", f"training run {run_id} is {run.status}")
+        record = EventRecord(envelope.event_id, event_type, run_id, envelope.payload)
+        with self.registry.lock:
+            q = self._queues.get(run_id)
+            if q is None:
+                q = self._queues[run_id] = RunEventQueue(run_id, self._handle_event)
+        if q.submit(record) is not None:
+            raise ApiError(409, "event_exists", f"event {envelope.event_id} was already submitted")
+        return 202, record.wire()
+
+    def get_event(self, token, event_id: str, wait: float) -> dict:
+        q = self._queues.get(token.run)
+        record = q.get(event_id) if q is not None else None
+        if record is None:
+            raise ApiError(404, "event_not_found", f"event {event_id} not found for run {token.run}")
+        record.done.wait(max(0.0, min(wait, self.config.long_poll_seconds)))
+        return record.wire()
+
+    def sample(self, token, rid: str, body: dict) -> dict:
+        from pytrio.protocol.actor.sampling_run.sample import SampleRequest
+
+        if token.kind != "sampling" or token.run != rid:
+            raise ApiError(403, "run_mismatch", f"this actor token does not grant access to sampling run {rid}")
+        run = self.registry.sampling_run(rid)
+        request = validate(SampleRequest, body, "invalid_sample_request")
+        params = dict(request.sampling_params)
+        unknown = sorted(set(params) - SAMPLING_PARAM_KEYS)
+        if unknown:
+            raise ApiError(400, "invalid_sampling_params", f"unsupported sampling params {unknown}")
+        prompt = prompt_tokens(request.prompt)
+        snapshot = None
+        if run.source_checkpoint_uri:
+            snapshot = self._snapshot(self.registry.checkpoint(run.source_checkpoint_uri), with_optimizer=False)
+        stop = params.get("stop")
+        stop = [stop] if isinstance(stop, str) else stop
+        try:
+            results = self.engine.sample(
+                snapshot,
+                prompt,
+                num_samples=request.num_samples,
+                max_tokens=int(params["max_tokens"]),
+                temperature=float(params.get("temperature", 1.0)),
+                top_k=int(params.get("top_k", -1)),
+                top_p=float(params.get("top_p", 1.0)),
+                seed=params.get("seed"),
+                stop=list(stop or []),
+                stop_token_ids=[int(t) for t in params.get("stop_token_ids") or []],
+                return_text=request.return_text,
+            )
+            prompt_logprobs, topk = None, None
+            if request.return_prompt_logprobs or request.topk_prompt_logprobs:
+                prompt_logprobs, topk = self.engine.prompt_logprobs(snapshot, prompt, request.topk_prompt_logprobs)
+        except EngineError as error:
+            raise ApiError(400, error.code, error.message) from None
+        except (TypeError, ValueError) as error:
+            raise ApiError(400, "invalid_sampling_params", str(error)) from None
+        return {
+            "request_id": request.request_id,
+            "sampling_run": rid,
+            "sequences": [
+                {
+                    "tokens": r.tokens,
+                    "text": r.text,
+                    "logprobs": r.logprobs if request.return_token_logprobs else [],
+                    "stop_reason": r.stop_reason,
+                }
+                for r in results
+            ],
+            "prompt_logprobs": prompt_logprobs if request.return_prompt_logprobs else None,
+            "topk_prompt_logprobs": topk,
+            "usage": {"input_tokens": len(prompt), "output_tokens": sum(len(r.tokens) for r in results)},
+        }

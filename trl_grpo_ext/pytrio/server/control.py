@@ -1,0 +1,324 @@
+"""Control API handlers (``<base>/api/...``): sessions, training and sampling runs, checkpoints.
+
+A mixin of `LocalPyTrioServer`: each handler takes ``(query, body, *path_groups)`` and returns the JSON answer.
+"""
+
+from __future__ import annotations
+
+import shutil
+import time
+
+from trl_grpo_ext.pytrio.server.engine import LoraSettings
+from trl_grpo_ext.pytrio.server.registry import (
+    ApiError,
+    CheckpointRecord,
+    SamplingRunRecord,
+    ServiceSession,
+    TrainingRunRecord,
+    iso,
+    new_id,
+)
+from trl_grpo_ext.pytrio.server.wire import USER, WORKSPACE, page, validate
+
+
+class ControlHandlers:
+    def verify(self, _q, _b) -> dict:
+        return {
+            "api_key_tid": "key_local",
+            "api_key_name": "local",
+            "user_cuid": USER,
+            "username": "local",
+            "display_name": "Local PyTRIO server",
+            "workspace_cuid": WORKSPACE,
+            "workspace_name": "local",
+            "workspace_type": "PERSONAL",
+            "expires_at": None,
+        }
+
+    def bootstrap(self, query, _b) -> dict:
+        version = (query.get("sdk_version") or ["unknown"])[0]
+        return {"compatibility": {"status": "compatible", "sdk_version": version}, "notices": []}
+
+    def models(self, query, _b) -> dict:
+        created = iso(self.started)
+        item = {
+            "cuid": "model_local",
+            "alias": self.model_alias,
+            "model_id": self.model_id,
+            "display_name": self.model_alias,
+            "context_length": self.engine.max_seq_len,
+            "train_available": True,
+            "sample_available": True,
+            "trainer": self._caps(True),
+            "sampler": self._caps(False),
+            "created_at": created,
+            "updated_at": created,
+        }
+        offset = int((query.get("offset") or ["0"])[0])
+        return {"items": [item][offset:], "total": 1, "limit": 100, "offset": offset}
+
+    def create_session(self, _q, body) -> dict:
+        from pytrio.protocol.control.service_session.create import ServiceSessionCreateRequest
+
+        request = validate(ServiceSessionCreateRequest, body, "invalid_request")
+        session = ServiceSession(new_id("ss"), request.sdk_version)
+        with self.registry.lock:
+            self.registry.sessions[session.cuid] = session
+        return self._session_view(session, brief=True)
+
+    def _session_view(self, s: ServiceSession, brief=False) -> dict:
+        view = {
+            "service_session_cuid": s.cuid,
+            "workspace_cuid": WORKSPACE,
+            "status": s.status,
+            "sdk_version": s.sdk_version,
+            "created_at": iso(s.created),
+            "updated_at": iso(s.updated),
+        }
+        if not brief:
+            view["training_run_cuids"] = list(s.training_runs)
+            view["sampling_run_cuids"] = list(s.sampling_runs)
+        return view
+
+    def get_session(self, _q, _b, sid) -> dict:
+        session = self.registry.sessions.get(sid)
+        if session is None:
+            raise ApiError(404, "service_session_not_found", f"service session {sid} not found")
+        return self._session_view(session)
+
+    def list_sessions(self, query, _b) -> dict:
+        with self.registry.lock:
+            items = [self._session_view(s, brief=True) for s in self.registry.sessions.values()]
+        return page(items, query, "service_sessions")
+
+    def renew_session(self, _q, _b, sid) -> dict:
+        session = self.registry.session(sid)
+        session.updated = time.time()
+        return {"service_session_cuid": sid, "workspace_cuid": WORKSPACE, "status": session.status,
+                "updated_at": iso(session.updated)}  # fmt: skip
+
+    def close_session(self, _q, body, sid) -> dict:
+        from pytrio.protocol.control.service_session.close import ServiceSessionCloseRequest
+
+        request = validate(ServiceSessionCloseRequest, body, "invalid_request")
+        with self.registry.lock:
+            session = self.registry.sessions.get(sid)
+            if session is None:
+                raise ApiError(404, "service_session_not_found", f"service session {sid} not found")
+            session.status, session.updated = request.status, time.time()
+            runs = list(session.training_runs)
+        for run in runs:
+            self._end_run(run, request.status)
+        return {}
+
+    def _end_run(self, run_cuid: str, status: str = "ENDED") -> None:
+        record = self.registry.training_runs.get(run_cuid)
+        if record is not None and record.status not in ("ENDED", "CANCELLED"):
+            record.status, record.updated = status, time.time()
+        q = self._queues.pop(run_cuid, None)
+        if q is not None:
+            q.close()
+        self.engine.drop_run(run_cuid)
+
+    def create_training_run(self, _q, body, sid) -> dict:
+        from pytrio.protocol.control.training_run.create import TrainingRunCreateRequest
+
+        request = validate(TrainingRunCreateRequest, body, "invalid_request")
+        if not 1 <= request.lora_rank <= 256:
+            raise ApiError(400, "invalid_lora_rank", f"lora_rank must be in [1, 256], got {request.lora_rank}")
+        lora = LoraSettings(
+            request.lora_rank, request.seed, request.train_mlp, request.train_attn, request.train_unembed
+        )
+        if request.source_checkpoint_uri:
+            source = self.registry.checkpoint(request.source_checkpoint_uri)
+            lora = source.lora if not request.base_model else lora
+        elif not request.base_model:
+            raise ApiError(400, "invalid_request", "base_model is required without source_checkpoint_uri")
+        if request.base_model:
+            self._resolve_base_model(request.base_model)
+        with self.registry.lock:
+            session = self.registry.session(sid)
+            run = TrainingRunRecord(
+                new_id("tr"),
+                sid,
+                len(session.training_runs),
+                lora,
+                request.source_checkpoint_uri,
+                request.restore_optimizer,
+            )
+            self.registry.training_runs[run.cuid] = run
+            session.training_runs.append(run.cuid)
+        return self._created_reply("training", run)
+
+    def _created_reply(self, kind: str, run: TrainingRunRecord | SamplingRunRecord) -> dict:
+        """Reply to a create request: the new run, the model, and the actor token for its data-plane calls."""
+        training = kind == "training"
+        return {
+            f"{kind}_run_cuid": run.cuid,
+            "service_session_cuid": run.session,
+            "workspace_cuid": WORKSPACE,
+            "status": run.status,
+            "run_index": run.index,
+            "model_spec_cuid": "model_local",
+            "model_alias": self.model_alias,
+            "model_id": self.model_id,
+            "trainer" if training else "sampler": self._caps(training),
+            "actor": self._actor(),
+            "actor_jwt": self._jwt(kind, run.cuid),
+            "created_at": iso(run.created),
+        }
+
+    def update_training_run(self, _q, body, sid, rid) -> dict:
+        from pytrio.protocol.control.training_run.update import TrainingRunUpdateRequest
+
+        request = validate(TrainingRunUpdateRequest, body, "invalid_request")
+        run = self.registry.training_run(rid)
+        if run.session != sid:
+            raise ApiError(404, "training_run_not_found", f"training run {rid} is not in session {sid}")
+        if rid in self.engine.runs:
+            raise ApiError(409, "run_already_initialized", "the trainer is initialized; load state before training")
+        source = self.registry.checkpoint(request.source_checkpoint_uri)
+        if source.lora.shape_key != run.lora.shape_key:
+            raise ApiError(409, "checkpoint_mismatch", f"checkpoint LoRA {source.lora} does not match {run.lora}")
+        run.source_checkpoint_uri, run.restore_optimizer = request.source_checkpoint_uri, request.restore_optimizer
+        return {
+            "source_checkpoint_uri": run.source_checkpoint_uri,
+            "restore_optimizer": run.restore_optimizer,
+            "trainer": self._caps(True),
+            "actor": self._actor(),
+            "actor_jwt": self._jwt("training", rid),
+        }
+
+    def _run_view(self, run: TrainingRunRecord) -> dict:
+        lora = run.lora
+        return {
+            "training_run_cuid": run.cuid,
+            "base_model": self.model_id,
+            "service_session_cuid": run.session,
+            "workspace_cuid": WORKSPACE,
+            "status": run.status,
+            "run_index": run.index,
+            "model_spec_cuid": "model_local",
+            "is_lora": True,
+            "source_checkpoint_uri": run.source_checkpoint_uri or None,
+            "restore_optimizer": run.restore_optimizer,
+            "lora_rank": lora.rank,
+            "seed": lora.seed,
+            "train_mlp": lora.train_mlp,
+            "train_attn": lora.train_attn,
+            "train_unembed": lora.train_unembed,
+            "corrupted": False,
+            "training_params": {
+                "restore_optimizer": run.restore_optimizer,
+                "lora_rank": lora.rank,
+                "seed": lora.seed,
+                "train_mlp": lora.train_mlp,
+                "train_attn": lora.train_attn,
+                "train_unembed": lora.train_unembed,
+            },
+            "created_at": iso(run.created),
+            "started_at": iso(run.started),
+            "updated_at": iso(run.updated),
+        }
+
+    def get_training_run(self, _q, _b, rid) -> dict:
+        return self._run_view(self.registry.training_run(rid))
+
+    def list_training_runs(self, query, _b) -> dict:
+        with self.registry.lock:
+            items = [self._run_view(r) for r in self.registry.training_runs.values()]
+        return page(items, query, "training_runs")
+
+    def renew_training_run(self, _q, _b, rid) -> dict:
+        run = self.registry.training_run(rid)
+        return {"training_run_cuid": rid, "service_session_cuid": run.session, "workspace_cuid": WORKSPACE,
+                "actor": self._actor(), "actor_jwt": self._jwt("training", rid)}  # fmt: skip
+
+    def find_by_checkpoint(self, query, _b) -> dict:
+        uri = (query.get("checkpoint_uri") or [""])[0]
+        record = self.registry.checkpoint(uri)
+        lora = record.lora
+        return {"base_model": self.model_id, "lora_rank": lora.rank, "seed": lora.seed, "train_mlp": lora.train_mlp,
+                "train_attn": lora.train_attn, "train_unembed": lora.train_unembed}  # fmt: skip
+
+    def _checkpoint_view(self, c: CheckpointRecord) -> dict:
+        run = self.registry.training_runs.get(c.run)
+        return {
+            "cuid": c.cuid,
+            "checkpoint_cuid": c.cuid,
+            "training_run_cuid": c.run,
+            "workspace_cuid": WORKSPACE,
+            "name": c.name,
+            "checkpoint_type": "TRAINING" if c.kind == "state" else "SAMPLER",
+            "status": "READY",
+            "checkpoint_uri": c.uri,
+            "model": self.model_alias,
+            "base_model": self.model_id,
+            "model_spec_cuid": "model_local",
+            "task_id": c.run,
+            "task_created_at": iso(run.created if run else c.created),
+            "task_status": run.status if run else "ENDED",
+            "step": c.step,
+            "path": str(c.path),
+            "created_at": iso(c.created),
+            "uploaded_at": None,
+            "size_bytes": c.size,
+            "lora_rank": c.lora.rank,
+            "is_uploaded": False,
+            "expired_at": iso(c.expires),
+        }
+
+    def list_run_checkpoints(self, query, _b, rid) -> dict:
+        with self.registry.lock:
+            items = [self._checkpoint_view(c) for c in self.registry.checkpoints.values() if c.run == rid]
+        if not items:  # a run of an earlier process is known through its checkpoints only
+            self.registry.training_run(rid)
+        return page(items, query, "checkpoints")
+
+    def list_checkpoints(self, query, _b) -> dict:
+        with self.registry.lock:
+            items = [self._checkpoint_view(c) for c in self.registry.checkpoints.values()]
+        return page(items, query, "checkpoints")
+
+    def delete_checkpoint(self, _q, _b, cid) -> dict:
+        record = self.registry.checkpoint_by_cuid(cid)
+        self.registry.forget_checkpoint(record.uri)
+        shutil.rmtree(record.path, ignore_errors=True)
+        return {}
+
+    def checkpoint_download(self, _q, _b, cid) -> dict:
+        record = self.registry.checkpoint_by_cuid(cid)
+        raise ApiError(
+            501, "not_implemented", f"downloads are not served locally; the checkpoint folder is {record.path}"
+        )
+
+    def create_sampling_run(self, _q, body, sid) -> dict:
+        from pytrio.protocol.control.sampling_run.create import SamplingRunCreateRequest
+
+        request = validate(SamplingRunCreateRequest, body, "invalid_request")
+        self._resolve_base_model(request.base_model)
+        if request.source_checkpoint_uri:
+            self._snapshot(self.registry.checkpoint(request.source_checkpoint_uri), with_optimizer=False)
+        with self.registry.lock:
+            session = self.registry.session(sid)
+            run = SamplingRunRecord(new_id("sr"), sid, len(session.sampling_runs), request.source_checkpoint_uri)
+            self.registry.sampling_runs[run.cuid] = run
+            session.sampling_runs.append(run.cuid)
+        return self._created_reply("sampling", run)
+
+    def get_sampling_run(self, _q, _b, rid) -> dict:
+        run = self.registry.sampling_run(rid)
+        return {"sampling_run_cuid": rid, "service_session_cuid": run.session, "workspace_cuid": WORKSPACE,
+                "status": run.status, "base_model": self.model_id, "model_id": self.model_id,
+                "alias": self.model_alias, "source_checkpoint_uri": run.source_checkpoint_uri or None,
+                "created_at": iso(run.created), "updated_at": iso(run.created)}  # fmt: skip
+
+    def renew_sampling_run(self, _q, _b, rid) -> dict:
+        run = self.registry.sampling_run(rid)
+        return {"sampling_run_cuid": rid, "service_session_cuid": run.session, "workspace_cuid": WORKSPACE,
+                "actor": self._actor(), "actor_jwt": self._jwt("sampling", rid)}  # fmt: skip
+
+    def telemetry(self, _q, _b) -> dict:
+        with self.registry.lock:
+            self.registry.telemetry_events += 1
+        return {"accepted": True}

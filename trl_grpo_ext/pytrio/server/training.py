@@ -1,0 +1,158 @@
+"""Training event handlers (``trainer.*``), run in order by each training run's worker thread.
+
+A mixin of `LocalPyTrioServer`; every handler takes the `EventRecord` and returns the event's result map.
+"""
+
+from __future__ import annotations
+
+import shutil
+import time
+from collections.abc import Callable
+
+from trl_grpo_ext.pytrio.server.engine import EngineError, ForwardDatum, LoraSettings
+from trl_grpo_ext.pytrio.server.events import EventFailure, EventRecord
+from trl_grpo_ext.pytrio.server.losses import LossConfigError, parse_loss
+from trl_grpo_ext.pytrio.server.registry import ApiError, CheckpointRecord, checkpoint_uri, new_id, safe_name
+from trl_grpo_ext.pytrio.server.wire import prompt_tokens, validation_message, wire_tensor
+
+
+class TrainingHandlers:
+    def _handle_event(self, record: EventRecord) -> dict:
+        handler: Callable[[EventRecord], dict] = {
+            "trainer.init_run": self._ev_init,
+            "trainer.forward": self._ev_forward,
+            "trainer.forward_backward": self._ev_forward,
+            "trainer.optimize_step": self._ev_optim,
+            "trainer.save_state": self._ev_save,
+            "trainer.save_weights": self._ev_save,
+            "trainer.end_run": self._ev_end,
+        }[record.type]
+        try:
+            return handler(record)
+        except EngineError as error:
+            raise EventFailure(error.code, error.message) from None
+        except ApiError as error:
+            raise EventFailure(error.code, error.message) from None
+
+    def _payload(self, model, record: EventRecord):
+        from pydantic import ValidationError
+
+        try:
+            return model.model_validate(record.payload)
+        except ValidationError as error:
+            raise EventFailure("invalid_payload", f"{record.type}: {validation_message(error)}") from None
+
+    def _ev_init(self, record: EventRecord) -> dict:
+        from pytrio.protocol.actor.events.trainer.init_run import TrainerInitRunPayload
+
+        payload = self._payload(TrainerInitRunPayload, record)
+        if payload.base_model not in self.aliases:
+            raise EventFailure("model_not_found", f"base model {payload.base_model!r} is not served here")
+        run = self.registry.training_run(record.run)
+        c = payload.lora_config
+        lora = LoraSettings(c.rank, c.seed, c.train_mlp, c.train_attn, c.train_unembed)
+        source = None
+        if payload.checkpoint_uri:
+            source = self._snapshot(self.registry.checkpoint(payload.checkpoint_uri), payload.load_optimizer)
+        self.engine.create_run(record.run, lora, source, load_optimizer=payload.load_optimizer)
+        run.status, run.started, run.updated = "RUNNING", time.time(), time.time()
+        return {"training_run_cuid": record.run, "step": self.engine.runs[record.run].step}
+
+    def _ev_forward(self, record: EventRecord) -> dict:
+        from pytrio.protocol.actor.events.trainer.forward import TrainerForwardBackwardPayload
+
+        payload = self._payload(TrainerForwardBackwardPayload, record)
+        try:
+            spec = parse_loss(payload.loss.type, payload.loss.config)
+        except LossConfigError as error:
+            raise EventFailure("invalid_loss_config", str(error)) from None
+        data = []
+        for i, d in enumerate(payload.data):
+            tokens = prompt_tokens(d.model_input, event=True)
+            n = len(tokens)
+            fields = {"target_ids": d.target_ids}
+            if spec.name == "cross_entropy":
+                fields["weights"] = d.weights if d.weights is not None else [1.0] * n
+            else:
+                if d.logprobs is None or d.advantages is None:
+                    raise EventFailure("invalid_payload", f"data[{i}]: {spec.name} needs logprobs and advantages")
+                fields["logprobs"], fields["advantages"] = d.logprobs, d.advantages
+            for name, values in fields.items():
+                if len(values) != n:
+                    raise EventFailure("invalid_payload", f"data[{i}].{name} has {len(values)} values for {n} tokens")
+            data.append(
+                ForwardDatum(
+                    tokens, d.target_ids, fields.get("weights"), fields.get("logprobs"), fields.get("advantages")
+                )
+            )
+        backward = record.type == "trainer.forward_backward"
+        outputs, metrics = self.engine.forward(
+            record.run, data, spec, backward=backward, auto_shift=payload.auto_shift
+        )
+        count = metrics["token_count"]
+        record.usage = {
+            "input_tokens": sum(len(d.tokens) for d in data),
+            "output_tokens": 0,
+            "train_tokens": count if backward else 0,
+        }
+        return {
+            "loss_fn_outputs": [{k: wire_tensor(v) for k, v in out.items()} for out in outputs],
+            "metrics": {
+                "loss_sum": metrics["loss_sum"],
+                "loss_mean": metrics["loss_sum"] / count if count else 0.0,
+                "token_count": count,
+            },
+        }
+
+    def _ev_optim(self, record: EventRecord) -> dict:
+        from pytrio.protocol.actor.events.trainer.optimize_step import TrainerOptimizeStepPayload
+
+        payload = self._payload(TrainerOptimizeStepPayload, record)
+        adam = payload.adam_params.model_dump()
+        if adam["learning_rate"] < 0 or not (0 <= adam["beta1"] < 1 and 0 <= adam["beta2"] < 1) or adam["eps"] <= 0:
+            raise EventFailure("invalid_adam_params", f"invalid AdamW parameters {adam}")
+        return {"metrics": self.engine.optim_step(record.run, adam)}
+
+    def _ev_save(self, record: EventRecord) -> dict:
+        from pytrio.protocol.actor.events.trainer.save import TrainerSavePayload
+
+        payload = self._payload(TrainerSavePayload, record)
+        kind = "state" if record.type == "trainer.save_state" else "sampler"
+        if not safe_name(payload.name):
+            raise EventFailure(
+                "invalid_checkpoint_name", f"checkpoint name {payload.name!r}: use letters, digits, '_', '-', '.'"
+            )
+        uri = checkpoint_uri(record.run, kind, payload.name)
+        with self.registry.lock:
+            existing = self.registry.checkpoints.get(uri)
+        if existing is not None and not payload.overwrite:
+            raise EventFailure("checkpoint_exists", f"{uri} exists; pass overwrite=True or choose another name")
+        snapshot = self.engine.snapshot(record.run, with_optimizer=kind == "state")
+        folder = self.storage / record.run / ("weights" if kind == "state" else "sampler_weights") / payload.name
+        shutil.rmtree(folder, ignore_errors=True)
+        size = snapshot.save(folder, self.model_id, self.engine.peft_config(snapshot.lora))
+        checkpoint = CheckpointRecord(
+            new_id("ckpt"), uri, record.run, payload.name, kind, folder, snapshot.lora, size, payload.visibility,
+            snapshot.step, snapshot_uid=snapshot.uid,
+            expires=time.time() + payload.ttl_seconds if payload.ttl_seconds else None,
+        )  # fmt: skip
+        self.registry.add_checkpoint(checkpoint)
+        self._remember(uri, snapshot)
+        if payload.visibility == "TEMPORARY":
+            self._prune_temporary(record.run)
+        return {
+            "checkpoint": {
+                "uri": uri,
+                "model_id": self.model_id,
+                "size_bytes": size,
+                "checkpoint_cuid": checkpoint.cuid,
+                "name": payload.name,
+                "path": str(folder),
+            }
+        }
+
+    def _ev_end(self, record: EventRecord) -> dict:
+        self.engine.drop_run(record.run)
+        run = self.registry.training_run(record.run)
+        run.status, run.updated = "ENDED", time.time()
+        return {}

@@ -1,0 +1,55 @@
+"""Protocol helpers shared by the handlers: request validation with pytrio's models, wire tensors, pages."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from trl_grpo_ext.pytrio.server.events import EventFailure
+from trl_grpo_ext.pytrio.server.registry import ApiError
+
+WORKSPACE = "ws_local"
+USER = "user_local"
+ACTOR_CUID = "actor_local"
+
+
+def wire_tensor(array: np.ndarray) -> dict:
+    data = np.ascontiguousarray(array, dtype="<f4")
+    return {"dtype": "<f4", "shape": list(data.shape), "encoding": "raw_le", "data": data.tobytes()}
+
+
+def validation_message(error: Exception) -> str:
+    errors = getattr(error, "errors", None)
+    if callable(errors):
+        parts = []
+        for item in errors(include_url=False, include_input=False):
+            loc = ".".join(str(p) for p in item["loc"])
+            parts.append(f"{loc}: {item['msg']}" if loc else item["msg"])
+        return "; ".join(parts)
+    return str(error)
+
+
+def validate(model, data: object, code: str, status: int = 400):
+    from pydantic import ValidationError
+
+    try:
+        return model.model_validate(data)
+    except ValidationError as error:
+        raise ApiError(status, code, validation_message(error)) from None
+
+
+def prompt_tokens(model_input, event: bool = False) -> list[int]:
+    tokens: list[int] = []
+    for chunk in model_input.chunks:
+        if getattr(chunk, "type", "") != "encoded_text":
+            message = "image chunks are not supported by the local server (text models only)"
+            if event:
+                raise EventFailure("unsupported_input", message)
+            raise ApiError(400, "unsupported_input", message)
+        tokens.extend(chunk.tokens)
+    return tokens
+
+
+def page(items: list, query: dict, key: str) -> dict:
+    offset = int((query.get("offset") or ["0"])[0])
+    limit = int((query.get("limit") or ["100"])[0])
+    return {key: items[offset : offset + limit], "cursor": {"offset": offset, "limit": limit, "total": len(items)}}
