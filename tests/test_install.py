@@ -1,0 +1,146 @@
+"""Installs that fit a user's environment: pyproject's torch range keeps an installed torch, the extras follow TRL
+1.16's, and `make` pins this machine's CPU build through constraints/cpu.txt on every resolving pip install."""
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import sysconfig
+from importlib import metadata
+from pathlib import Path
+
+import pytest
+from packaging.requirements import Requirement
+
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python 3.10
+    import tomli as tomllib
+
+ROOT = Path(__file__).resolve().parents[1]
+PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())
+
+
+def _requirements(names_and_specs):
+    return {Requirement(r).name: Requirement(r) for r in names_and_specs}
+
+
+def _fake_torch_venv(tmp_path, torch_version):
+    """A throwaway venv that sees this venv's packages (a .pth file), except torch, which is `torch_version`.
+
+    Only metadata is faked: pip's resolver reads installed distributions from their dist-info folders.
+    """
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
+    python = venv / "bin" / "python"
+    site = Path(
+        subprocess.run(
+            [str(python), "-c", "import sysconfig; print(sysconfig.get_path('purelib'))"],
+            check=True,
+            capture_output=True,
+            text=True,
+        ).stdout.strip()
+    )
+    dist_info = site / f"torch-{torch_version}.dist-info"
+    dist_info.mkdir(parents=True)
+    (dist_info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: torch\nVersion: {torch_version}\n")
+    (dist_info / "INSTALLER").write_text("pip\n")
+    (dist_info / "RECORD").write_text("")
+    # Earlier on sys.path than the .pth entry, so this torch shadows the real one.
+    (site / "zz_project_venv.pth").write_text(sysconfig.get_path("purelib") + "\n")
+    return python
+
+
+def _dry_run_install(python, tmp_path):
+    """`pip install --dry-run <a copy of this project's metadata>`, offline and free of this machine's pip config."""
+    project = tmp_path / "project"
+    (project / "trl_grpo_ext").mkdir(parents=True)
+    shutil.copy(ROOT / "pyproject.toml", project)
+    shutil.copy(ROOT / "README.md", project)
+    (project / "trl_grpo_ext" / "__init__.py").write_text("")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PIP_")}
+    env["PIP_CONFIG_FILE"] = os.devnull  # no machine-wide constraints or find-links
+    report = tmp_path / "report.json"
+    cmd = [str(python), "-m", "pip", "install", "--dry-run", "--no-index", "--no-build-isolation",
+           "--report", str(report), "--quiet", str(project)]  # fmt: skip
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=120)
+    installs = None
+    if proc.returncode == 0:
+        installs = {
+            item["metadata"]["name"]: item["metadata"]["version"] for item in json.loads(report.read_text())["install"]
+        }
+    return proc, installs
+
+
+@pytest.mark.parametrize("torch_version", ["2.11.0+cu130", "2.6.0"])
+def test_pip_install_keeps_a_torch_the_range_accepts(tmp_path, torch_version):
+    """A CUDA user's torch (the GPU box's image has 2.11.0+cu130) stays: pip would install our package and nothing else."""
+    python = _fake_torch_venv(tmp_path, torch_version)
+    proc, installs = _dry_run_install(python, tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert installs == {"trl-grpo-ext": PYPROJECT["project"]["version"]}, installs
+
+
+def test_pip_install_would_replace_a_torch_below_the_range(tmp_path):
+    """The control: the same dry run with a torch the range refuses wants another torch (none offline: it fails)."""
+    python = _fake_torch_venv(tmp_path, "2.5.1+cu124")
+    proc, _ = _dry_run_install(python, tmp_path)
+    assert proc.returncode != 0
+    assert "torch" in proc.stderr and "2.6" in proc.stderr, proc.stderr[-3000:]
+
+
+def test_torch_is_a_range_not_a_pin():
+    torch = _requirements(PYPROJECT["project"]["dependencies"])["torch"]
+    assert not any(spec.operator in ("==", "===", "~=") for spec in torch.specifier), torch
+    assert torch.specifier.contains("2.6.0") and torch.specifier.contains("2.11.0") and torch.specifier.contains("3.0")
+    assert not torch.specifier.contains("2.5.1")
+
+
+def _trl_extra(extra):
+    reqs = []
+    for line in metadata.requires("trl") or []:
+        req = Requirement(line)
+        if req.marker is not None and req.marker.evaluate({"extra": extra}) and not req.marker.evaluate({"extra": ""}):
+            req.marker = None
+            reqs.append(req)
+    return {r.name: r for r in reqs}
+
+
+@pytest.mark.parametrize("extra", ["vllm", "deepspeed"])
+def test_extras_follow_trl(extra):
+    ours = _requirements(PYPROJECT["project"]["optional-dependencies"][extra])
+    trl = _trl_extra(extra)
+    assert trl, f"trl {metadata.version('trl')} declares no '{extra}' extra"
+    for name, req in trl.items():
+        assert name in ours, f"{extra}: TRL needs {req}"
+        assert ours[name].specifier == req.specifier, f"{extra}: ours {ours[name]}, TRL {req}"
+
+
+def test_constraints_pin_the_installed_cpu_torch():
+    pins = [
+        Requirement(line)
+        for line in (ROOT / "constraints" / "cpu.txt").read_text().splitlines()
+        if line and not line.startswith("#")
+    ]
+    torch = next(r for r in pins if r.name == "torch")
+    (spec,) = torch.specifier
+    assert spec.operator == "==" and spec.version.endswith("+cpu"), (
+        "a local +cpu version: PyPI's CUDA builds can't match"
+    )
+    assert spec.version == metadata.version("torch"), "make installed the pinned build"
+    assert _requirements(PYPROJECT["project"]["dependencies"])["torch"].specifier.contains(spec.version)
+
+
+def test_every_resolving_pip_install_in_the_makefile_uses_the_constraints():
+    """`make -n -B install` lists the install recipe; each pip install that resolves dependencies pins torch."""
+    out = subprocess.run(["make", "-n", "-B", "install"], cwd=ROOT, capture_output=True, text=True, check=True).stdout
+    installs = [
+        line for line in out.splitlines() if re.search(r"\bpip install\b", line) and not line.lstrip().startswith("#")
+    ]
+    assert any("deepspeed" in line and "dev" in line for line in installs), "make test installs what the tests need"
+    for line in installs:
+        if "--no-deps" in line or "--upgrade pip" in line:
+            continue
+        assert "-c constraints/cpu.txt" in line, line
