@@ -1,0 +1,469 @@
+"""Shared-prefix computation: every prompt token encoded once per micro-batch, in training and in generation.
+
+A GRPO batch repeats each prompt ``num_generations`` times, and all prompts usually start with the same tokens (chat
+template, system prompt, one-shot example). Two sharing levels (after Prefix Grouper, arXiv 2506.05433, which has
+the second one only):
+
+- level 1: the longest token prefix common to every row of the batch;
+- level 2: the rest of each *distinct* prompt (rows with the same prompt form a group; they need not be adjacent).
+
+Training (`shared_prefix_logps_and_entropies`, `shared_prefix_logits`) packs a batch into one sequence per "bin"::
+
+    [level-1 prefix][rest of prompt g1][rest of prompt g2]...[row 1: last prompt token + completion][row 2: ...]...
+
+with explicit ``position_ids`` (each token keeps the position it has in its own row) and a 4D attention mask under
+which a row's tokens see the level-1 prefix, their own prompt's rest and their own earlier tokens only. That is the
+attention each row has in the plain forward, so outputs equal the plain forward's to float rounding; gradients flow
+through the shared encodings as sums over the rows that read them. One ordinary forward: gradient checkpointing, LoRA
+and TRL's fused LM head work unchanged. The last prompt token is part of each row's segment because its hidden state
+scores the first completion token.
+
+Generation (`shared_prefix_generate`) encodes the level-1 prefix once, each distinct prompt's rest once on top of it,
+expands the `DynamicCache` to the rows and hands it to ``model.generate``, which decodes as usual (greedy, sampling,
+logits processors, stopping criteria are all its own).
+
+Sharing applies only where it is exact (`sharing_unsupported_reason`); elsewhere callers use the plain path.
+`docs/prefix_sharing.md` lists the conditions.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+# Attention implementations that take a custom 4D mask as given (bool for sdpa, additive float for eager).
+SUPPORTED_ATTENTION = ("sdpa", "eager")
+# Decoder families with standard RoPE on explicit position_ids and one full-attention mask for every layer.
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral", "granite", "olmo2", "phi3", "smollm3")
+# Packed sequence length above which rows go to another bin: attention over a packed row costs T^2, so very long
+# packed rows would spend on attention what sharing saves in the feed-forward layers.
+DEFAULT_MAX_PACKED_TOKENS = 4096
+
+_LOGGED: set[str] = set()
+
+
+def log_fallback_once(reason: str) -> None:
+    """Log (once per process and reason) why the plain path is used."""
+    if reason not in _LOGGED:
+        _LOGGED.add(reason)
+        logger.warning("prompt-prefix sharing not applied, plain forward used: %s", reason)
+
+
+# ---------------------------------------------------------------------------------------------------------- plan
+@dataclass(frozen=True)
+class PrefixPlan:
+    """Which prompt tokens a batch shares.
+
+    Attributes:
+        prompts: each row's prompt tokens (no padding).
+        prefix_length: level 1, the number of leading tokens all rows share; at most ``min(len(p)) - 1`` so that
+            every row keeps its last prompt token (whose hidden state scores the first completion token).
+        groups: level 2, row indices of each distinct prompt, in order of first appearance.
+        row_group: the group index of each row.
+    """
+
+    prompts: tuple[tuple[int, ...], ...]
+    prefix_length: int
+    groups: tuple[tuple[int, ...], ...]
+    row_group: tuple[int, ...]
+
+    def remainder(self, group: int) -> tuple[int, ...]:
+        """Tokens of a group's prompt after the level-1 prefix, without its last token."""
+        prompt = self.prompts[self.groups[group][0]]
+        return prompt[self.prefix_length : len(prompt) - 1]
+
+    @property
+    def plain_prompt_tokens(self) -> int:
+        return sum(len(p) for p in self.prompts)
+
+    @property
+    def shared_prompt_tokens(self) -> int:
+        """Prompt tokens encoded with sharing: the prefix once, each group's rest once, each row's last token."""
+        return self.prefix_length + sum(len(self.remainder(g)) for g in range(len(self.groups))) + len(self.prompts)
+
+    @property
+    def shares(self) -> bool:
+        """Whether any prompt token is encoded fewer times than in the plain forward."""
+        return self.shared_prompt_tokens < self.plain_prompt_tokens
+
+
+def plan_prefix(prompts: Sequence[Sequence[int]]) -> PrefixPlan:
+    """Level-1 prefix and level-2 groups of `prompts` (token id lists, each non-empty)."""
+    prompts = tuple(tuple(int(t) for t in p) for p in prompts)
+    if not prompts or any(len(p) == 0 for p in prompts):
+        raise ValueError("plan_prefix needs at least one row and a non-empty prompt in every row")
+    limit = min(len(p) for p in prompts) - 1
+    first = prompts[0]
+    length = 0
+    while length < limit and all(p[length] == first[length] for p in prompts):
+        length += 1
+    index: dict[tuple[int, ...], int] = {}
+    members: list[list[int]] = []
+    row_group = []
+    for row, prompt in enumerate(prompts):
+        if prompt not in index:
+            index[prompt] = len(members)
+            members.append([])
+        members[index[prompt]].append(row)
+        row_group.append(index[prompt])
+    return PrefixPlan(prompts, length, tuple(tuple(m) for m in members), tuple(row_group))
+
+
+def prompts_from_left_padded(input_ids: torch.Tensor, attention_mask: torch.Tensor, prompt_length: int):
+    """Each row's prompt tokens from TRL's layout (prompts left-padded to `prompt_length`), or ``None`` if a row's
+    prompt mask is not ``0...0 1...1`` with at least one token (then the plain forward's positions can't be
+    reproduced)."""
+    mask = attention_mask[:, :prompt_length].bool()
+    lengths = mask.sum(dim=1)
+    expected = torch.arange(prompt_length, device=mask.device).unsqueeze(0) >= (prompt_length - lengths).unsqueeze(1)
+    if bool((lengths == 0).any()) or not torch.equal(mask, expected):
+        return None
+    ids = input_ids[:, :prompt_length].tolist()
+    return [row[prompt_length - n :] for row, n in zip(ids, lengths.tolist(), strict=True)]
+
+
+# ---------------------------------------------------------------------------------------------------------- support
+def _config_of(model):
+    """The text config of a (possibly PEFT- or DDP-wrapped) model."""
+    inner = model
+    for _ in range(4):  # DDP/accelerate wrapper -> PeftModel -> LoraModel -> PreTrainedModel
+        if hasattr(inner, "module") and not hasattr(inner, "config"):
+            inner = inner.module
+    config = getattr(inner, "config", None)
+    if config is None:
+        return None
+    return config.get_text_config() if hasattr(config, "get_text_config") else config
+
+
+def sharing_unsupported_reason(model) -> str | None:
+    """Why a packed/shared forward would not reproduce `model`'s plain forward exactly, or ``None`` if it would."""
+    config = _config_of(model)
+    if config is None:
+        return f"{type(model).__name__} has no config"
+    model_type = getattr(config, "model_type", None)
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        return f"model_type {model_type!r} is not one of {', '.join(SUPPORTED_MODEL_TYPES)}"
+    attn = getattr(config, "_attn_implementation", None)
+    if attn not in SUPPORTED_ATTENTION:
+        return f"attention implementation {attn!r} does not take a custom 4D mask (use sdpa or eager)"
+    layer_types = getattr(config, "layer_types", None)
+    sliding = getattr(config, "sliding_window", None) if getattr(config, "use_sliding_window", True) else None
+    if (layer_types and any(t != "full_attention" for t in layer_types)) or sliding is not None:
+        return "sliding-window layers need their own mask"
+    rope = getattr(config, "rope_scaling", None) or getattr(config, "rope_parameters", None) or {}
+    if isinstance(rope, dict) and rope.get("rope_type", rope.get("type", "default")) not in ("default", "linear"):
+        return f"RoPE type {rope.get('rope_type', rope.get('type'))!r} depends on sequence length"
+    return None
+
+
+# ---------------------------------------------------------------------------------------------------------- packing
+@dataclass
+class PackedBatch:
+    """A batch packed for one forward: ``input_ids``, ``position_ids``, ``labels`` (the token at each slot when it
+    is scored, else -100) and ``visible`` (bins, 1, T, T) bool; ``row_slots[r]`` = (bin, first slot of row r's
+    segment, number of scored positions)."""
+
+    input_ids: torch.Tensor
+    position_ids: torch.Tensor
+    labels: torch.Tensor
+    visible: torch.Tensor
+    row_slots: list[tuple[int, int, int]]
+
+    def attention_mask(self, attn_implementation: str, dtype: torch.dtype) -> torch.Tensor:
+        if attn_implementation == "eager":
+            zero = torch.zeros((), dtype=dtype, device=self.visible.device)
+            return torch.where(self.visible, zero, torch.finfo(dtype).min)
+        return self.visible
+
+
+def pack_rows(
+    plan: PrefixPlan,
+    completions: Sequence[Sequence[int]],
+    completion_masks: Sequence[Sequence[bool]] | None = None,
+    max_packed_tokens: int = DEFAULT_MAX_PACKED_TOKENS,
+    pad_token_id: int = 0,
+    device=None,
+) -> PackedBatch:
+    """Pack `plan`'s rows and their `completions` (scored tokens after each prompt) into bins of shared layout.
+
+    ``completion_masks[r][j]`` false marks a completion slot as padding: no token attends to it and it is not scored,
+    as TRL's attention mask does. A bin holds the level-1 prefix, then rows in group order, each group's rest of
+    prompt once before its first row; a new bin starts when the next row would push the bin past `max_packed_tokens`.
+    """
+    n_rows = len(plan.prompts)
+    if len(completions) != n_rows:
+        raise ValueError(f"{len(completions)} completions for {n_rows} prompts")
+    prefix = list(plan.prompts[0][: plan.prefix_length])
+    # one bin: lists of (token, position, group, row, key_valid, label) per slot
+    bins: list[list[tuple[int, int, int, int, bool, int]]] = []
+    row_slots: list[tuple[int, int, int] | None] = [None] * n_rows
+    current: list | None = None
+    in_bin: set[int] = set()
+
+    def new_bin():
+        slots = [(tok, pos, -1, -1, True, -100) for pos, tok in enumerate(prefix)]
+        bins.append(slots)
+        in_bin.clear()
+        return slots
+
+    for group, rows in enumerate(plan.groups):
+        rest = plan.remainder(group)
+        for row in rows:
+            prompt = plan.prompts[row]
+            completion = [int(t) for t in completions[row]]
+            mask = [True] * len(completion) if completion_masks is None else [bool(m) for m in completion_masks[row]]
+            cost = 1 + len(completion) + (0 if group in in_bin else len(rest))
+            if current is None or (len(current) > len(prefix) and len(current) + cost > max_packed_tokens):
+                current = new_bin()
+            if group not in in_bin:
+                start = plan.prefix_length
+                current.extend((tok, start + i, group, -1, True, -100) for i, tok in enumerate(rest))
+                in_bin.add(group)
+            first = len(current)
+            base = len(prompt) - 1
+            current.append((prompt[-1], base, group, row, True, -100))
+            for j, (tok, valid) in enumerate(zip(completion, mask, strict=True)):
+                current.append((tok, base + 1 + j, group, row, valid, tok if valid else -100))
+            row_slots[row] = (len(bins) - 1, first, len(completion))
+
+    length = max(len(b) for b in bins)
+    n_bins = len(bins)
+    ids = torch.full((n_bins, length), pad_token_id, dtype=torch.long)
+    pos = torch.zeros((n_bins, length), dtype=torch.long)
+    group_of = torch.full((n_bins, length), -2, dtype=torch.long)
+    row_of = torch.full((n_bins, length), -2, dtype=torch.long)
+    valid = torch.zeros((n_bins, length), dtype=torch.bool)
+    labels = torch.full((n_bins, length), -100, dtype=torch.long)
+    for b, slots in enumerate(bins):
+        if not slots:
+            continue
+        tok, p, g, r, v, lab = zip(*slots, strict=True)
+        n = len(slots)
+        ids[b, :n] = torch.tensor(tok)
+        pos[b, :n] = torch.tensor(p)
+        group_of[b, :n] = torch.tensor(g)
+        row_of[b, :n] = torch.tensor(r)
+        valid[b, :n] = torch.tensor(v)
+        labels[b, :n] = torch.tensor(lab)
+    # query q sees key k iff k <= q, k is not padding, and k is the shared prefix, or k is q's prompt rest, or k is
+    # in q's own row
+    gq, gk = group_of.unsqueeze(2), group_of.unsqueeze(1)
+    rq, rk = row_of.unsqueeze(2), row_of.unsqueeze(1)
+    causal = torch.ones(length, length, dtype=torch.bool).tril()
+    same = (gk == -1) | ((gk == gq) & ((rk == -1) | (rk == rq)))
+    visible = causal & same & valid.unsqueeze(1)
+    # unused tail slots of shorter bins see themselves only (a query with no key would give NaN)
+    visible |= torch.eye(length, dtype=torch.bool) & (group_of == -2).unsqueeze(2)
+    return PackedBatch(
+        input_ids=ids.to(device),
+        position_ids=pos.to(device),
+        labels=labels.to(device),
+        visible=visible.unsqueeze(1).to(device),
+        row_slots=row_slots,
+    )
+
+
+def _packed_forward_kwargs(model, packed: PackedBatch) -> dict:
+    config = _config_of(model)
+    dtype = next(model.parameters()).dtype
+    return {
+        "input_ids": packed.input_ids,
+        "position_ids": packed.position_ids,
+        "attention_mask": packed.attention_mask(config._attn_implementation, dtype),
+    }
+
+
+def _unpack(values: torch.Tensor, packed: PackedBatch, width: int) -> torch.Tensor:
+    """(bins, T) per-slot values -> (rows, width): row r's value predicting its j-th completion token at [r, j]
+    (zero past the row's completion), from the slot before that token."""
+    index = torch.zeros((len(packed.row_slots), width), dtype=torch.long, device=values.device)
+    keep = torch.zeros((len(packed.row_slots), width), dtype=torch.bool, device=values.device)
+    bin_of = torch.zeros(len(packed.row_slots), dtype=torch.long, device=values.device)
+    for row, (b, first, n) in enumerate(packed.row_slots):
+        n = min(n, width)
+        index[row, :n] = torch.arange(first, first + n)
+        keep[row, :n] = True
+        bin_of[row] = b
+    gathered = values[bin_of.unsqueeze(1), index]
+    return gathered.masked_fill(~keep, 0)
+
+
+# ---------------------------------------------------------------------------------------------------------- training
+def shared_prefix_logps_and_entropies(
+    model,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    logits_to_keep: int,
+    compute_entropy: bool = False,
+    max_packed_tokens: int = DEFAULT_MAX_PACKED_TOKENS,
+    pad_token_id: int = 0,
+    plan: PrefixPlan | None = None,
+):
+    """Per-token log-probs (and entropies) of the last `logits_to_keep` tokens, TRL's layout, from one shared encoding.
+
+    Same inputs and outputs as TRL 1.16's ``GRPOTrainer._get_per_token_logps_and_entropies`` for one chunk:
+    ``input_ids``/``attention_mask`` are left-padded prompts followed by completions (mask 0 after EOS), and the
+    model carries TRL's fused LM head (`trl.trainer.utils.add_fused_lm_head`), which applies the temperature. Tokens
+    whose attention mask is 0 score 0, as in TRL. Returns ``(logps, entropies or None)`` of shape
+    (rows, logits_to_keep), or ``None`` when the rows share nothing or the layout isn't TRL's (the caller then runs
+    the plain forward).
+    """
+    prompt_length = input_ids.size(1) - logits_to_keep
+    if plan is None:
+        prompts = prompts_from_left_padded(input_ids, attention_mask, prompt_length)
+        if prompts is None:
+            log_fallback_once("a prompt is empty or not left-padded")
+            return None
+        plan = plan_prefix(prompts)
+    if not plan.shares:
+        return None
+    completion_mask = attention_mask[:, prompt_length:].bool()
+    # trailing padding is never attended to nor scored: leave it out of the packed rows
+    kept = torch.where(completion_mask.any(1), completion_mask.size(1) - completion_mask.flip(1).int().argmax(1), 0)
+    ids, masks = input_ids[:, prompt_length:].tolist(), completion_mask.tolist()
+    completions = [row[:n] for row, n in zip(ids, kept.tolist(), strict=True)]
+    completion_masks = [row[:n] for row, n in zip(masks, kept.tolist(), strict=True)]
+    packed = pack_rows(plan, completions, completion_masks, max_packed_tokens, pad_token_id, input_ids.device)
+    outputs = model(**_packed_forward_kwargs(model, packed), labels=packed.labels, fused_lm_head=True)
+    # the fused head scores slot t + 1 from hidden state t: shift back one so a row's segment start lines up
+    logps = _unpack(outputs.log_probs, packed, logits_to_keep)
+    entropies = _unpack(outputs.entropy, packed, logits_to_keep) if compute_entropy else None
+    return logps, entropies
+
+
+def shared_prefix_logits(
+    model,
+    prompts: Sequence[Sequence[int]],
+    completions: Sequence[Sequence[int]],
+    max_packed_tokens: int = DEFAULT_MAX_PACKED_TOKENS,
+    pad_token_id: int = 0,
+) -> list[torch.Tensor]:
+    """Next-token logits for each row's completion from one shared encoding of the rows' prompts.
+
+    ``result[r][j]`` (vocab,) are the logits that score ``completions[r][j]`` given ``prompts[r] +
+    completions[r][:j]``, as ``model(prompts[r] + completions[r]).logits[len(prompts[r]) - 1 + j]`` would give
+    them. Rows need not be padded or grouped; gradients flow to the model. Raises ``ValueError`` where
+    `sharing_unsupported_reason` gives a reason (check it first to fall back).
+    """
+    reason = sharing_unsupported_reason(model)
+    if reason is not None:
+        raise ValueError(f"shared_prefix_logits: {reason}")
+    plan = plan_prefix(prompts)
+    device = next(model.parameters()).device
+    packed = pack_rows(plan, completions, None, max_packed_tokens, pad_token_id, device)
+    logits = model(**_packed_forward_kwargs(model, packed)).logits
+    return [logits[b, first : first + n] for b, first, n in packed.row_slots]
+
+
+# ---------------------------------------------------------------------------------------------------------- generation
+def _left_pad(prompts: Sequence[Sequence[int]], pad_token_id: int, pad_to_multiple_of: int | None, device):
+    length = max(len(p) for p in prompts)
+    if pad_to_multiple_of:
+        length = -(-length // pad_to_multiple_of) * pad_to_multiple_of
+    ids = torch.full((len(prompts), length), pad_token_id, dtype=torch.long)
+    mask = torch.zeros((len(prompts), length), dtype=torch.long)
+    for i, p in enumerate(prompts):
+        if p:
+            ids[i, length - len(p) :] = torch.tensor(list(p))
+            mask[i, length - len(p) :] = 1
+    return ids.to(device), mask.to(device)
+
+
+def generation_unsupported_reason(model, generation_config=None) -> str | None:
+    """Why `shared_prefix_generate` would not decode what ``model.generate`` decodes, or ``None``."""
+    reason = sharing_unsupported_reason(model)
+    if reason is not None:
+        return reason
+    config = generation_config if generation_config is not None else getattr(model, "generation_config", None)
+    if config is not None:
+        if (getattr(config, "num_beams", 1) or 1) != 1 or (getattr(config, "num_return_sequences", 1) or 1) != 1:
+            return "beam search / num_return_sequences > 1 expand the batch inside generate"
+        if getattr(config, "prompt_lookup_num_tokens", None) or getattr(config, "assistant_model", None):
+            return "assisted decoding re-encodes the prompt"
+        if getattr(config, "cache_implementation", None) not in (None, "dynamic"):
+            return f"cache_implementation {config.cache_implementation!r} is not a DynamicCache"
+    return None
+
+
+@torch.no_grad()
+def shared_prefix_generate(
+    model,
+    prompts: Sequence[Sequence[int]],
+    pad_token_id: int,
+    generation_config=None,
+    pad_to_multiple_of: int | None = None,
+    **generate_kwargs,
+) -> torch.Tensor:
+    """``model.generate`` of `prompts` (token id lists) with each shared prompt token encoded once.
+
+    Returns what ``model.generate(input_ids=left_padded, attention_mask=...)`` returns: (rows, P + new) with the
+    prompts left-padded to P (a multiple of `pad_to_multiple_of` if given) and the generated tokens after them (as
+    ``.sequences`` with ``return_dict_in_generate``; its scores/logits are per step, as generate's).
+    The level-1 prefix is encoded once, each distinct prompt's rest once on top of it, the cache is expanded to the
+    rows, and ``generate`` continues from the last prompt token with its own decoding loop, so greedy decoding
+    gives the same tokens and sampling the same per-step logits (to float rounding) for the same seed. Falls back to
+    the plain ``generate`` (logging why once) where that would not hold or nothing is shared.
+    """
+    from transformers import DynamicCache
+
+    device = next(model.parameters()).device
+    padded, padded_mask = _left_pad(prompts, pad_token_id, pad_to_multiple_of, device)
+    kwargs = dict(generate_kwargs)
+    if generation_config is not None:
+        kwargs["generation_config"] = generation_config
+    reason = generation_unsupported_reason(model, generation_config)
+    plan = plan_prefix(prompts) if all(len(p) > 0 for p in prompts) else None
+    if reason is None and plan is None:
+        reason = "an empty prompt"
+    if (
+        reason is None
+        and plan.prefix_length == 0
+        and any(len(plan.remainder(g)) == 0 for g in range(len(plan.groups)))
+    ):
+        reason = "one-token prompts with no common prefix"  # their rest-of-prompt rows would have no key at all
+    if reason is not None:
+        log_fallback_once(reason)
+    if reason is not None or not plan.shares:
+        return model.generate(input_ids=padded, attention_mask=padded_mask, **kwargs)
+
+    cache = DynamicCache(config=_config_of(model))
+    length = plan.prefix_length
+    if length:
+        prefix = torch.tensor([list(plan.prompts[0][:length])], device=device)
+        model(input_ids=prefix, position_ids=torch.arange(length, device=device)[None], cache=cache, use_cache=True,
+              logits_to_keep=1)  # fmt: skip
+    rests = [plan.remainder(g) for g in range(len(plan.groups))]
+    width = max(len(r) for r in rests)
+    rest_ids = torch.full((len(rests), width), pad_token_id, dtype=torch.long, device=device)
+    rest_mask = torch.zeros((len(rests), width), dtype=torch.long, device=device)
+    for g, rest in enumerate(rests):
+        rest_ids[g, : len(rest)] = torch.tensor(rest, dtype=torch.long)
+        rest_mask[g, : len(rest)] = 1
+    if width:
+        if length:
+            cache.reorder_cache(torch.zeros(len(rests), dtype=torch.long, device=device))
+        mask = torch.cat([torch.ones(len(rests), length, dtype=torch.long, device=device), rest_mask], dim=1)
+        positions = (length + torch.arange(width, device=device)).expand(len(rests), -1)
+        model(input_ids=rest_ids, attention_mask=mask, position_ids=positions, cache=cache, use_cache=True,
+              logits_to_keep=1)  # fmt: skip
+        cache.reorder_cache(torch.tensor(plan.row_group, dtype=torch.long, device=device))
+    else:
+        cache.reorder_cache(torch.zeros(len(plan.prompts), dtype=torch.long, device=device))
+    # generate's inputs: the cached slots (holes where a prompt's rest is shorter than the longest) then the last
+    # prompt token; generate derives positions from the mask's cumulative sum, i.e. each row's own positions
+    rows = torch.tensor(plan.row_group, dtype=torch.long, device=device)
+    last = torch.tensor([[p[-1]] for p in plan.prompts], dtype=torch.long, device=device)
+    head = torch.tensor([list(plan.prompts[0][:length])] * len(plan.prompts), dtype=torch.long, device=device)
+    head = head.reshape(len(plan.prompts), length)
+    ids = torch.cat([head, rest_ids[rows], last], dim=1)
+    mask = torch.cat([torch.ones_like(head), rest_mask[rows], torch.ones_like(last)], dim=1)
+    out = model.generate(input_ids=ids, attention_mask=mask, cache=cache, **kwargs)
+    if isinstance(out, torch.Tensor):
+        return torch.cat([padded, out[:, ids.size(1) :]], dim=1)
+    out.sequences = torch.cat([padded, out.sequences[:, ids.size(1) :]], dim=1)  # return_dict_in_generate
+    return out
