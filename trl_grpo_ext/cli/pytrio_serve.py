@@ -6,53 +6,116 @@ import argparse
 import logging
 import os
 import signal
+import sys
 import threading
 
-API_KEY_ENV = "TRL_GRPO_EXT_PYTRIO_API_KEY"
+from trl_grpo_ext.pytrio.server.config import API_KEY_ENV, MIB, ServerConfig, read_api_key_file
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    defaults = ServerConfig(model="embedded")
     parser.add_argument("--model", required=True, help="model folder, hub id, or 'embedded' (SmolLM2-135M-Instruct)")
     parser.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1: this machine only)")
     parser.add_argument("--port", type=int, default=8710, help="port (0 picks a free one)")
-    parser.add_argument(
+    key = parser.add_mutually_exclusive_group()
+    key.add_argument(
+        "--api-key-file",
+        default=None,
+        help="file holding the bearer token clients must send (safest: the key never shows in `ps`); "
+        f"else ${API_KEY_ENV}, else a random key printed once at start",
+    )
+    key.add_argument(
         "--api-key",
         default=None,
-        help=f"bearer token clients must send; default ${API_KEY_ENV}, else a random key printed once at start",
+        help=f"the key itself (visible in `ps` to other users: prefer --api-key-file or ${API_KEY_ENV})",
     )
-    parser.add_argument("--model-name", default=None, help="alias clients may pass as base_model")
-    parser.add_argument("--storage-dir", default=None, help="checkpoint folder, kept across restarts (default: $TRL_GRPO_EXT_CACHE/pytrio-server or ~/.cache/trl_grpo_ext/pytrio-server)")
+    parser.add_argument(
+        "--served-name",
+        action="append",
+        default=[],
+        metavar="NAME",
+        help="a name clients may pass as base_model for this model, e.g. Qwen/Qwen3-4B-Instruct-2507 so scripts "
+        "written for the hosted service run unmodified (repeatable; the first is the reported alias)",
+    )
+    parser.add_argument("--storage-dir", default=None, help="checkpoint folder, kept across restarts (default: $TRL_GRPO_EXT_CACHE/pytrio-server or ~/.cache/trl_grpo_ext/pytrio-server)")  # fmt: skip
+    parser.add_argument(
+        "--keep-checkpoints",
+        type=int,
+        default=defaults.keep_checkpoints,
+        help="per training run, keep the newest N save_state and N sampler checkpoints, delete older ones "
+        f"(0 keeps all; default {defaults.keep_checkpoints})",
+    )
     parser.add_argument("--device", default=None, help="torch device (default cuda if available, else cpu)")
     parser.add_argument("--dtype", default="float32", help="model dtype: float32, bfloat16, float16")
     parser.add_argument("--max-batch-size", type=int, default=None, help="per-event batch cap advertised to clients")
+    parser.add_argument(
+        "--max-request-mb",
+        type=float,
+        default=defaults.max_request_bytes / MIB,
+        help=f"largest request body accepted, MiB (default {defaults.max_request_bytes // MIB}); larger ones get 413",
+    )
+    parser.add_argument(
+        "--max-num-samples",
+        type=int,
+        default=defaults.max_num_samples,
+        help=f"most sequences one sample request may ask for (default {defaults.max_num_samples})",
+    )
+    parser.add_argument(
+        "--idle-timeout",
+        type=float,
+        default=defaults.idle_timeout_seconds,
+        help=f"seconds a connection may stay silent before it is closed (default {defaults.idle_timeout_seconds:g})",
+    )
     parser.add_argument("--log-level", default="INFO", help="logging level")
 
 
-def run(args: argparse.Namespace) -> int:
-    from trl_grpo_ext.pytrio.server import LocalPyTrioServer, ServerConfig
-
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    if args.host not in ("127.0.0.1", "localhost", "::1"):
-        logging.warning("binding %s exposes the server beyond this machine; anyone with the key can train", args.host)
-    api_key = args.api_key or os.environ.get(API_KEY_ENV) or None
+def _config(args: argparse.Namespace) -> tuple[ServerConfig, bool]:
+    """The server config from the command line; also whether the key was chosen by the user. ValueError if bad."""
+    if args.api_key_file:
+        api_key = read_api_key_file(args.api_key_file)
+    else:
+        api_key = args.api_key or os.environ.get(API_KEY_ENV) or None
     config = ServerConfig(
         model=args.model,
         host=args.host,
         port=args.port,
         api_key=api_key,
-        model_name=args.model_name,
+        served_names=tuple(args.served_name),
         storage_dir=args.storage_dir,
+        keep_checkpoints=args.keep_checkpoints,
         device=args.device,
         dtype=args.dtype,
         max_batch_size=args.max_batch_size,
+        max_request_bytes=int(args.max_request_mb * MIB),
+        max_num_samples=args.max_num_samples,
+        idle_timeout_seconds=args.idle_timeout,
     )
+    return config, api_key is not None
+
+
+def run(args: argparse.Namespace) -> int:
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:  # every option is checked before the model loads
+        config, chosen_key = _config(args)
+    except ValueError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    if args.api_key:
+        logging.warning("--api-key is visible to other users in `ps`; prefer --api-key-file or $%s", API_KEY_ENV)
+    if args.host not in ("127.0.0.1", "localhost", "::1"):
+        logging.warning("binding %s exposes the server beyond this machine; anyone with the key can train", args.host)
+
+    from trl_grpo_ext.pytrio.server import LocalPyTrioServer
+
     stop = threading.Event()
     # installed before the address is printed: a supervisor may send SIGTERM as soon as it reads it
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     server = LocalPyTrioServer(config).start()
+    names = ", ".join(sorted(server.aliases))
     print(f"PyTRIO local server: {server.base_url}  model: {server.model_alias} ({server.model_id})", flush=True)
+    print(f"  base_model may be any of: {names}", flush=True)
     print(f"  export PYTRIO_BASE_URL={server.base_url}", flush=True)
-    if api_key is None:  # a generated key is shown once so the user can copy it; a chosen key is never echoed
+    if not chosen_key:  # a generated key is shown once so the user can copy it; a chosen key is never echoed
         print(f"  export PYTRIO_API_KEY={server.api_key}", flush=True)
     else:
         print("  export PYTRIO_API_KEY=<the key you configured>", flush=True)

@@ -72,6 +72,13 @@ class ActorHandlers:
             raise ApiError(403, "run_mismatch", f"this actor token does not grant access to sampling run {rid}")
         run = self.registry.sampling_run(rid)
         request = validate(SampleRequest, body, "invalid_sample_request")
+        if request.num_samples > self.config.max_num_samples:
+            raise ApiError(
+                400,
+                "too_many_samples",
+                f"num_samples {request.num_samples} exceeds this server's limit of {self.config.max_num_samples} "
+                "(ServerConfig.max_num_samples, pytrio-serve --max-num-samples); split the request",
+            )
         params = dict(request.sampling_params)
         unknown = sorted(set(params) - SAMPLING_PARAM_KEYS)
         if unknown:

@@ -57,8 +57,10 @@ class LocalPyTrioServer(ControlHandlers, ActorHandlers, TrainingHandlers, Checkp
             max_batch_tokens=config.max_batch_tokens,
         )
         self.model_id = self.engine.model_path
-        self.model_alias = config.model_name or _default_alias(config.model, self.model_id)
-        self.aliases = {self.model_id, self.model_alias, str(config.model)}
+        # what a client may pass as base_model: the served names (the first is reported), path, default alias
+        self.served_names = tuple(dict.fromkeys(config.served_names))
+        self.model_alias = self.served_names[0] if self.served_names else _default_alias(config.model, self.model_id)
+        self.aliases = {self.model_id, self.model_alias, str(config.model), *self.served_names}
         self.faults = FaultInjector()
         self._queues: dict[str, RunEventQueue] = {}
         self._snapshot_cache: OrderedDict[str, LoraSnapshot] = OrderedDict()
@@ -182,9 +184,14 @@ class LocalPyTrioServer(ControlHandlers, ActorHandlers, TrainingHandlers, Checkp
 
     def _resolve_base_model(self, name: str) -> None:
         if name not in self.aliases:
-            raise ApiError(
-                404, "model_not_found", f"model {name!r} is not served here; use one of {sorted(self.aliases)}"
-            )
+            raise ApiError(404, "model_not_found", self.not_served_message(name))
+
+    def not_served_message(self, name: str) -> str:
+        """The "model not served" error: the names served, and the option that adds one."""
+        return (
+            f"model {name!r} is not served here; served names: {sorted(self.aliases)}. To serve this model under "
+            f"that name start the server with --served-name {name!r} (ServerConfig(served_names=...))"
+        )
 
 
 def _resolve_model(model: str) -> str:

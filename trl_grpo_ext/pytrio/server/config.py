@@ -2,19 +2,29 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from pathlib import Path
+
+API_KEY_ENV = "TRL_GRPO_EXT_PYTRIO_API_KEY"  # read by `trl-grpo-ext pytrio-serve`: keeps the key out of `ps`
+MIB = 1024 * 1024
 
 
 @dataclass
 class ServerConfig:
-    """How to start a `LocalPyTrioServer`; every field has a safe default except ``model``."""
+    """How to start a `LocalPyTrioServer`; every field has a safe default except ``model``.
+
+    Invalid values raise `ValueError` with one line naming the field, before any model loads.
+    """
 
     model: str
     host: str = "127.0.0.1"
     port: int = 0  # 0: a free port chosen by the OS
     api_key: str | None = None  # None: a random key, read it from `server.api_key`
-    model_name: str | None = None  # alias the client may pass as base_model (besides the path)
+    # Names a client may pass as ``base_model`` for the served model, besides its path and default alias
+    # (e.g. "Qwen/Qwen3-4B-Instruct-2507", so a script written for the hosted service runs unmodified).
+    # The first one is the alias the server reports (`models`, run views).
+    served_names: tuple[str, ...] = ()
     # Checkpoints and their records; None: `default_storage_dir()`, a stable folder, so a restarted server can
     # load_state from an earlier process's checkpoints. ephemeral_storage: a temporary folder removed on stop.
     storage_dir: str | None = None
@@ -27,7 +37,57 @@ class ServerConfig:
     long_poll_seconds: float = 20.0  # below the client's 65 s read timeout for event polls
     snapshot_cache_size: int = 8  # adapter snapshots kept in memory; older ones reload from disk
     max_temporary_checkpoints: int = 8  # per run: save_weights_and_get_sampling_client hand-offs kept
+    # Per training run: the newest `keep_checkpoints` durable checkpoints of each kind (save_state,
+    # save_weights_for_sampler) are kept, older ones deleted; 0 keeps all. At least 2, so the checkpoint a
+    # loop's state file names survives until the loop has recorded the next one.
+    keep_checkpoints: int = 3
     heartbeat_ms: int = 60_000
+    # Hardening: a request body above `max_request_bytes` answers 413 unread; a sample request asks for at most
+    # `max_num_samples` sequences; a connection that sends nothing for `idle_timeout_seconds` is closed.
+    max_request_bytes: int = 64 * MIB
+    max_num_samples: int = 128
+    idle_timeout_seconds: float = 120.0
+
+    def __post_init__(self):
+        if isinstance(self.served_names, str):
+            self.served_names = (self.served_names,)
+        self.served_names = tuple(self.served_names)
+        problems = []
+        if not str(self.model).strip():
+            problems.append("model must be a model folder, a hub id or 'embedded'")
+        if any(not isinstance(n, str) or not n.strip() for n in self.served_names):
+            problems.append(f"served_names must be non-empty strings, got {list(self.served_names)}")
+        for name in ("max_batch_tokens", "snapshot_cache_size", "max_temporary_checkpoints", "max_request_bytes",
+                     "max_num_samples"):  # fmt: skip
+            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
+                problems.append(f"{name} must be an integer >= 1, got {getattr(self, name)!r}")
+        for name in ("max_batch_size", "max_tokens_per_request"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or value < 1):
+                problems.append(f"{name} must be None or an integer >= 1, got {value!r}")
+        if not isinstance(self.keep_checkpoints, int) or self.keep_checkpoints == 1 or self.keep_checkpoints < 0:
+            problems.append(f"keep_checkpoints must be 0 (keep all) or >= 2, got {self.keep_checkpoints!r}")
+        for name in ("long_poll_seconds", "idle_timeout_seconds"):
+            if not getattr(self, name) > 0:
+                problems.append(f"{name} must be > 0, got {getattr(self, name)!r}")
+        if not isinstance(self.port, int) or not 0 <= self.port <= 65535:
+            problems.append(f"port must be in [0, 65535], got {self.port!r}")
+        if self.api_key is not None and (not self.api_key.strip() or any(c.isspace() for c in self.api_key)):
+            problems.append("api_key must be a non-empty string without whitespace")
+        if problems:
+            raise ValueError("invalid local PyTRIO server config: " + "; ".join(problems))
+
+
+def read_api_key_file(path: str | os.PathLike) -> str:
+    """The key stored in `path` (surrounding whitespace stripped); a one-line `ValueError` when unusable."""
+    file = Path(path).expanduser()
+    try:
+        key = file.read_text(encoding="utf-8").strip()
+    except (OSError, UnicodeDecodeError) as error:
+        raise ValueError(f"cannot read the API key file {file}: {error}") from None
+    if not key or any(c.isspace() for c in key):
+        raise ValueError(f"the API key file {file} must hold one key (non-empty, no whitespace inside)")
+    return key
 
 
 def default_storage_dir() -> Path:

@@ -18,7 +18,7 @@ from trl_grpo_ext.pytrio.server.registry import (
     iso,
     new_id,
 )
-from trl_grpo_ext.pytrio.server.wire import USER, WORKSPACE, page, validate
+from trl_grpo_ext.pytrio.server.wire import USER, WORKSPACE, page, query_int, validate
 
 
 class ControlHandlers:
@@ -40,22 +40,26 @@ class ControlHandlers:
         return {"compatibility": {"status": "compatible", "sdk_version": version}, "notices": []}
 
     def models(self, query, _b) -> dict:
+        """The served model under its path, then once under each served name (what `get_supported_models` lists)."""
         created = iso(self.started)
-        item = {
-            "cuid": "model_local",
-            "alias": self.model_alias,
-            "model_id": self.model_id,
-            "display_name": self.model_alias,
-            "context_length": self.engine.max_seq_len,
-            "train_available": True,
-            "sample_available": True,
-            "trainer": self._caps(True),
-            "sampler": self._caps(False),
-            "created_at": created,
-            "updated_at": created,
-        }
-        offset = int((query.get("offset") or ["0"])[0])
-        return {"items": [item][offset:], "total": 1, "limit": 100, "offset": offset}
+        items = [
+            {
+                "cuid": f"model_local_{i}" if i else "model_local",
+                "alias": self.model_alias,
+                "model_id": model_id,
+                "display_name": self.model_alias,
+                "context_length": self.engine.max_seq_len,
+                "train_available": True,
+                "sample_available": True,
+                "trainer": self._caps(True),
+                "sampler": self._caps(False),
+                "created_at": created,
+                "updated_at": created,
+            }
+            for i, model_id in enumerate(dict.fromkeys([self.model_id, *self.served_names]))
+        ]
+        offset = query_int(query, "offset", 0)
+        return {"items": items[offset:], "total": len(items), "limit": 100, "offset": offset}
 
     def create_session(self, _q, body) -> dict:
         from pytrio.protocol.control.service_session.create import ServiceSessionCreateRequest

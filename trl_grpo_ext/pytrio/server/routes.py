@@ -60,12 +60,35 @@ def make_handler(server: LocalPyTrioServer) -> type[BaseHTTPRequestHandler]:
     class Handler(BaseHTTPRequestHandler):
         protocol_version = "HTTP/1.1"
         server_version = "trl-grpo-ext-pytrio/0.1"
+        # socket timeout (StreamRequestHandler): a connection that sends nothing for this long - an idle keep-alive
+        # one or a half-sent request - is closed, so slow or stuck clients cannot hold threads forever
+        timeout = server.config.idle_timeout_seconds
 
         def log_message(self, fmt, *args):  # request lines only: tokens travel in headers, never logged
             logger.debug("%s %s", self.address_string(), fmt % args)
 
+        def _declared_length(self) -> int:
+            if "chunked" in self.headers.get("Transfer-Encoding", "").lower():
+                raise ApiError(
+                    411, "length_required", "send the request body with a Content-Length (no chunked bodies)"
+                )
+            value = (self.headers.get("Content-Length") or "0").strip()
+            if not value.isdigit():
+                raise ApiError(400, "invalid_content_length", f"Content-Length must be a byte count, got {value!r}")
+            return int(value)
+
         def _body(self) -> bytes:
-            length = int(self.headers.get("Content-Length") or 0)
+            """The request body, read only after the caller checked the credentials; 413 above the size cap."""
+            length = self._declared_length()
+            limit = server.config.max_request_bytes
+            if length > limit:
+                raise ApiError(
+                    413,
+                    "request_too_large",
+                    f"request body of {length} bytes exceeds this server's limit of {limit} bytes "
+                    "(ServerConfig.max_request_bytes, pytrio-serve --max-request-mb); send smaller batches",
+                )
+            self._body_read = True
             return self.rfile.read(length) if length else b""
 
         def _send(self, status: int, body: object, msgpack_body: bool = False) -> None:
@@ -77,6 +100,8 @@ def make_handler(server: LocalPyTrioServer) -> type[BaseHTTPRequestHandler]:
             self.send_header("Content-Type", ctype)
             self.send_header("Content-Length", str(len(payload)))
             self.send_header("X-Request-Id", secrets.token_hex(6))
+            if self.close_connection:
+                self.send_header("Connection", "close")
             self.end_headers()
             self.wfile.write(payload)
 
@@ -85,24 +110,26 @@ def make_handler(server: LocalPyTrioServer) -> type[BaseHTTPRequestHandler]:
             return value[7:].strip() if value.startswith("Bearer ") else None
 
         def _dispatch(self, method: str) -> None:
-            raw = self._body()
             url = urlsplit(self.path)
             path, query = url.path.rstrip("/") or "/", parse_qs(url.query)
             wants_msgpack = "msgpack" in self.headers.get("Accept", "") and path.startswith("/actor/v1/events")
+            self._body_read = False
             try:
                 fault = server.faults.take(method, path)
                 if fault is not None:
                     raise ApiError(fault.status, "injected_fault", f"injected HTTP {fault.status} for tests")
                 if path.startswith("/api/"):
-                    self._control(method, path, query, raw)
+                    self._control(method, path, query)
                 elif path.startswith("/actor/"):
-                    self._actor(method, path, raw)
+                    self._actor(method, path)
                 else:
                     raise ApiError(404, "not_found", f"no route {method} {path}")
             except (BrokenPipeError, ConnectionResetError):  # the client gave up on this request
                 logger.debug("client closed the connection during %s %s", method, path)
                 self.close_connection = True
             except ApiError as error:
+                if not self._body_read and self.headers.get("Content-Length", "0").strip() not in ("", "0"):
+                    self.close_connection = True  # an unread body is still in the socket: no keep-alive
                 self._send(error.status, {"code": error.code, "message": error.message}, wants_msgpack)
             except Exception as error:  # noqa: BLE001 - 4xx, not 5xx: the client would retry a 500 for minutes
                 logger.exception("request %s %s failed", method, path)
@@ -110,13 +137,14 @@ def make_handler(server: LocalPyTrioServer) -> type[BaseHTTPRequestHandler]:
                     422, {"code": "internal_error", "message": f"{type(error).__name__}: {error}"}, wants_msgpack
                 )
 
-        def _control(self, method: str, path: str, query: dict, raw: bytes) -> None:
-            key = self._bearer() or self.headers.get("X-API-Key")
+        def _control(self, method: str, path: str, query: dict) -> None:
+            key = self._bearer() or self.headers.get("X-API-Key")  # checked before the body is read
             if not key or not secrets.compare_digest(key.encode(), server.api_key.encode()):
                 raise ApiError(401, "unauthorized", "invalid API key for this local PyTRIO server")
             for route_method, pattern, name in CONTROL_ROUTES:
                 match = pattern.match(path)
                 if match and route_method == method:
+                    raw = self._body()
                     body = {}
                     if raw and name != "telemetry":
                         try:
@@ -128,20 +156,21 @@ def make_handler(server: LocalPyTrioServer) -> type[BaseHTTPRequestHandler]:
                     return
             raise ApiError(404, "not_found", f"no route {method} {path}")
 
-        def _actor(self, method: str, path: str, raw: bytes) -> None:
-            token = server.registry.check_token(self._bearer())
+        def _actor(self, method: str, path: str) -> None:
+            token = server.registry.check_token(self._bearer())  # checked before the body is read
             if method == "POST" and path == "/actor/v1/events":
-                status, body = server.submit_event(token, raw)
+                status, body = server.submit_event(token, self._body())
                 self._send(status, body, msgpack_body=True)
             elif method == "GET" and (match := _EVENT_GET.match(path)):
                 wait = _WAIT.search(self.headers.get("Prefer", ""))
                 body = server.get_event(token, match.group(1), float(wait.group(1)) if wait else 0.0)
                 self._send(200, body, msgpack_body=True)
             elif method == "POST" and path == "/actor/v1/client/heartbeat":
+                self._body()
                 self._send(200, {"heartbeat_ms": server.config.heartbeat_ms})
             elif method == "POST" and (match := _SAMPLE.match(path)):
                 try:
-                    body = json.loads(raw or b"{}")
+                    body = json.loads(self._body() or b"{}")
                 except ValueError as error:
                     raise ApiError(400, "invalid_json", f"request body is not JSON: {error}") from None
                 self._send(200, server.sample(token, match.group(1), body))

@@ -47,7 +47,7 @@ class TrainingHandlers:
 
         payload = self._payload(TrainerInitRunPayload, record)
         if payload.base_model not in self.aliases:
-            raise EventFailure("model_not_found", f"base model {payload.base_model!r} is not served here")
+            raise EventFailure("model_not_found", self.not_served_message(payload.base_model))
         run = self.registry.training_run(record.run)
         c = payload.lora_config
         lora = LoraSettings(c.rank, c.seed, c.train_mlp, c.train_attn, c.train_unembed)
@@ -140,6 +140,8 @@ class TrainingHandlers:
         self._remember(uri, snapshot)
         if payload.visibility == "TEMPORARY":
             self._prune_temporary(record.run)
+        else:
+            self._prune_durable(record.run, kind)
         return {
             "checkpoint": {
                 "uri": uri,

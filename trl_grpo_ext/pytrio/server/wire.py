@@ -50,6 +50,13 @@ def prompt_tokens(model_input, event: bool = False) -> list[int]:
 
 
 def page(items: list, query: dict, key: str) -> dict:
-    offset = int((query.get("offset") or ["0"])[0])
-    limit = int((query.get("limit") or ["100"])[0])
+    offset, limit = query_int(query, "offset", 0), query_int(query, "limit", 100)
     return {key: items[offset : offset + limit], "cursor": {"offset": offset, "limit": limit, "total": len(items)}}
+
+
+def query_int(query: dict, key: str, default: int) -> int:
+    """A non-negative integer query parameter; 400 when it is not one."""
+    value = (query.get(key) or [str(default)])[0]
+    if not value.isdigit():
+        raise ApiError(400, "invalid_query", f"query parameter {key} must be a non-negative integer, got {value!r}")
+    return int(value)

@@ -1,0 +1,232 @@
+"""Local PyTRIO server: request hardening, served model names, checkpoint retention, the CLI's key sources.
+
+Raw sockets where the point is what the server does before it reads a body; the real pytrio client otherwise.
+All servers of this module share one `ModelEngine` on the tiny model.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import socket
+import time
+
+import pytest
+
+trio = pytest.importorskip("pytrio")
+
+from pytrio.errors.control import ControlAPIError  # noqa: E402
+
+from trl_grpo_ext.pytrio.server import LocalPyTrioServer, ServerConfig  # noqa: E402
+from trl_grpo_ext.pytrio.server.engine import ModelEngine  # noqa: E402
+
+VERIFY = "/api/openapi/v1/api-key/verify"
+DEMO_NAME = "Qwen/Qwen3-4B-Instruct-2507"  # what the hosted service's demo scripts pass as base_model
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_model_path):
+    return ModelEngine(tiny_model_path)
+
+
+@pytest.fixture
+def make_server(engine, tiny_model_path, tmp_path):
+    started = []
+
+    def make(**options) -> LocalPyTrioServer:
+        options.setdefault("storage_dir", str(tmp_path / "storage"))
+        server = LocalPyTrioServer(ServerConfig(model=tiny_model_path, **options), engine=engine).start()
+        server.configure_client(home=str(tmp_path / "trio-home"), retry_initial_delay_seconds=0.05)
+        started.append(server)
+        return server
+
+    yield make
+    for server in started:
+        server.stop()
+
+
+def _raw(server: LocalPyTrioServer, head: str, body: bytes = b"", wait: float = 10.0) -> tuple[int, dict, bytes]:
+    """Send `head` (request line + headers) and `body`; return (status, json answer, what followed)."""
+    with socket.create_connection(("127.0.0.1", server.port), timeout=wait) as sock:
+        sock.sendall(head.encode() + b"\r\n\r\n" + body)
+        data = b""
+        while b"\r\n\r\n" not in data:
+            chunk = sock.recv(65536)
+            if not chunk:
+                break
+            data += chunk
+        header, _, rest = data.partition(b"\r\n\r\n")
+        length = int(next(h.split(b":")[1] for h in header.split(b"\r\n") if h.lower().startswith(b"content-length")))
+        while len(rest) < length:
+            rest += sock.recv(65536)
+    return int(header.split()[1]), json.loads(rest[:length]), header
+
+
+def test_key_is_checked_before_the_body_is_read(make_server):
+    server = make_server(api_key="right-key")
+    # a body of 50 MB is announced and never sent: the 401 can only come back if the server did not wait for it
+    status, answer, header = _raw(
+        server, f"POST /api/openapi/v1/service-sessions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer wrong\r\n"
+        f"Content-Length: {50 * 1024 * 1024}", wait=10,
+    )  # fmt: skip
+    assert status == 401 and answer["code"] == "unauthorized"
+    assert b"connection: close" in header.lower()  # the unread body makes the connection unusable
+    status, answer, _ = _raw(server, f"POST /actor/v1/events HTTP/1.1\r\nHost: x\r\nContent-Length: {10**8}")
+    assert status == 401 and "actor token" in answer["message"]
+
+
+def test_body_size_is_capped_with_a_clear_413(make_server):
+    server = make_server(api_key="k", max_request_bytes=2048)
+    body = b"{" + b" " * 4000 + b"}"
+    status, answer, _ = _raw(
+        server, f"POST /api/openapi/v1/service-sessions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer k\r\n"
+        f"Content-Length: {len(body)}", body,
+    )  # fmt: skip
+    assert status == 413 and answer["code"] == "request_too_large"
+    assert (
+        "4002 bytes" in answer["message"] and "2048" in answer["message"] and "max_request_bytes" in answer["message"]
+    )
+    ok, _, _ = _raw(server, f"GET {VERIFY} HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer k")
+    assert ok == 200
+    chunked, answer, _ = _raw(
+        server,
+        "POST /api/telemetry/event HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer k\r\nTransfer-Encoding: chunked",
+    )
+    assert chunked == 411 and answer["code"] == "length_required"
+
+
+def test_idle_and_half_sent_connections_are_closed(make_server):
+    server = make_server(api_key="k", idle_timeout_seconds=0.5)
+    for opening in (b"", b"GET /api/openapi/v1/api-key/verify HTTP/1.1\r\nHost: x\r\n"):  # silent; slowloris
+        with socket.create_connection(("127.0.0.1", server.port), timeout=30) as sock:
+            sock.sendall(opening)
+            start = time.monotonic()
+            assert sock.recv(1024) == b""  # closed by the server, not by our 30 s timeout
+            assert time.monotonic() - start < 20
+    # a client that keeps talking is unaffected
+    assert _raw(server, f"GET {VERIFY} HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer k")[0] == 200
+
+
+def test_num_samples_is_capped(make_server):
+    server = make_server(max_num_samples=4)
+    service = trio.ServiceClient()
+    try:
+        sampler = service.create_sampling_client(base_model=server.model_alias)
+        prompt = trio.ModelInput.from_ints([1, 2, 3])
+        params = trio.SamplingParams(max_tokens=2, seed=0)
+        assert len(sampler.sample(prompt, num_samples=4, sampling_params=params).result().sequences) == 4
+        from pytrio.errors.actor import ActorAPIError
+
+        with pytest.raises(ActorAPIError) as error:
+            sampler.sample(prompt, num_samples=5, sampling_params=params).result()
+        assert error.value.code == "too_many_samples" and "max_num_samples" in str(error.value)
+    finally:
+        service._runtime.shutdown()
+
+
+def test_served_names_let_hosted_demo_scripts_run_unmodified(make_server):
+    server = make_server(served_names=(DEMO_NAME,))
+    service = trio.ServiceClient()
+    try:
+        assert DEMO_NAME in service.get_supported_models() and server.model_alias == DEMO_NAME
+        tc = service.create_lora_training_client(base_model=DEMO_NAME, rank=4, seed=0)  # as the demo writes it
+        tokens = [1, 5, 9, 14, 3, 7]
+        datum = trio.Datum(model_input=trio.ModelInput.from_ints(tokens[:-1]),
+                           loss_fn_inputs={"target_tokens": tokens[1:]})  # fmt: skip
+        assert tc.forward_backward([datum], "cross_entropy").result().metrics["loss_sum"] > 0
+        with pytest.raises(ControlAPIError) as error:
+            service.create_lora_training_client(base_model="meta-llama/Llama-3.1-8B", rank=4)
+        message = str(error.value)
+        assert error.value.status_code == 404 and "--served-name" in message and DEMO_NAME in message
+    finally:
+        service._runtime.shutdown()
+
+
+def _save_states(tc, names):
+    tokens = [1, 5, 9, 14, 3, 7]
+    datum = trio.Datum(
+        model_input=trio.ModelInput.from_ints(tokens[:-1]), loss_fn_inputs={"target_tokens": tokens[1:]}
+    )
+    paths = []
+    for name in names:
+        tc.forward_backward([datum], "cross_entropy").result()
+        tc.optim_step(trio.AdamParams(learning_rate=1e-2)).result()
+        paths.append(tc.save_state(name).result().path)
+    return paths
+
+
+def test_retention_keeps_the_newest_and_every_referenced_checkpoint(make_server, tmp_path):
+    from trl_grpo_ext.pytrio.checkpoint import LoopState, save_loop_state
+
+    run_dir = tmp_path / "run"  # the recipe's layout: <output_dir>/pytrio-server beside the loop state file
+    server = make_server(storage_dir=str(run_dir / "pytrio-server"), keep_checkpoints=2)
+    service = trio.ServiceClient()
+    try:
+        tc = service.create_lora_training_client(base_model=server.model_alias, rank=4, seed=3)
+        first = _save_states(tc, ["s1"])[0]
+        save_loop_state(run_dir, LoopState(step=1, state_path=first))  # a saved loop state resumes from s1
+        second = _save_states(tc, ["s2"])[0]
+        sampler_src = second
+        service.create_sampling_client(server.model_alias, model_path=sampler_src)  # a live sampler reads s2
+        later = _save_states(tc, ["s3", "s4", "s5", "s6"])
+        on_disk = {c.uri for c in server.registry.checkpoints.values() if c.run == tc.training_run_cuid}
+        assert on_disk == {first, second, *later[-2:]}
+        for uri in (*later[:2],):
+            folder = run_dir / "pytrio-server" / tc.training_run_cuid / "weights" / uri.rsplit("/", 1)[1]
+            assert not folder.exists()
+        # the referenced ones still load
+        assert service.create_training_client_from_state(first).training_run_cuid
+    finally:
+        service._runtime.shutdown()
+    # another run's checkpoints are never touched by this run's retention; 0 keeps everything
+    keep_all = make_server(storage_dir=str(tmp_path / "all"), keep_checkpoints=0)
+    service = trio.ServiceClient()
+    try:
+        tc = service.create_lora_training_client(base_model=keep_all.model_alias, rank=4, seed=3)
+        assert len(set(_save_states(tc, ["a", "b", "c", "d"])) & set(keep_all.registry.checkpoints)) == 4
+    finally:
+        service._runtime.shutdown()
+
+
+@pytest.mark.parametrize(
+    "options, fragment",
+    [
+        ({"keep_checkpoints": 1}, "keep_checkpoints"),
+        ({"max_request_bytes": 0}, "max_request_bytes"),
+        ({"max_num_samples": -2}, "max_num_samples"),
+        ({"served_names": ("",)}, "served_names"),
+        ({"idle_timeout_seconds": 0}, "idle_timeout_seconds"),
+        ({"api_key": "has space"}, "api_key"),
+    ],
+)
+def test_bad_server_config_is_one_line_error(options, fragment):
+    with pytest.raises(ValueError, match=fragment) as error:
+        ServerConfig(model="embedded", **options)
+    assert "\n" not in str(error.value)
+
+
+def _cli_args(*argv):
+    from trl_grpo_ext.cli import pytrio_serve
+
+    parser = argparse.ArgumentParser()
+    pytrio_serve.add_arguments(parser)
+    return pytrio_serve, parser.parse_args(["--model", "embedded", *argv])
+
+
+def test_cli_key_from_file_or_environment_and_bad_options_fail_before_loading(tmp_path, monkeypatch, capsys):
+    module, args = _cli_args("--api-key-file", str(tmp_path / "missing"))
+    assert module.run(args) == 2  # before any model loads: "embedded" would take seconds to convert
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: cannot read the API key file") and "\n" not in err
+    key_file = tmp_path / "key"
+    key_file.write_text("file-secret-123\n")
+    module, args = _cli_args("--api-key-file", str(key_file), "--served-name", DEMO_NAME, "--served-name", "x")
+    config, chosen = module._config(args)
+    assert config.api_key == "file-secret-123" and chosen and config.served_names == (DEMO_NAME, "x")
+    monkeypatch.setenv("TRL_GRPO_EXT_PYTRIO_API_KEY", "env-secret")
+    config, chosen = module._config(_cli_args()[1])
+    assert config.api_key == "env-secret" and chosen
+    module, args = _cli_args("--keep-checkpoints", "1")
+    assert module.run(args) == 2 and "keep_checkpoints" in capsys.readouterr().err
+    with pytest.raises(SystemExit):  # one key source at a time
+        _cli_args("--api-key", "a", "--api-key-file", str(key_file))
