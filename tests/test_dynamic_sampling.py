@@ -1,0 +1,289 @@
+"""Dynamic sampling (DAPO's group filter): the shared decision, the batch merge and the TRL trainer on a tiny model."""
+
+import math
+import re
+import zlib
+
+import pytest
+import torch
+from datasets import Dataset
+
+from trl_grpo_ext.config import GRPOConfig
+from trl_grpo_ext.dynamic_sampling import GroupFilter, GroupRef
+from trl_grpo_ext.trainer import GRPOTrainer
+from trl_grpo_ext.trl_sampling import merge_groups
+
+# --------------------------------------------------------------------------------------------- the decision
+
+
+def test_filter_keeps_informative_groups_in_order_until_full():
+    filt = GroupFilter(groups_needed=4, max_generation_batches=5)
+    filt.add([True, False, True, True])
+    assert not filt.done and filt.informative_kept == 1
+    filt.add([False, False, True, False])
+    assert filt.done and filt.full
+    assert filt.selection() == [GroupRef(0, 1), GroupRef(1, 0), GroupRef(1, 1), GroupRef(1, 3)]
+    assert filt.metrics() == {
+        "generation_batches": 2.0,
+        "frac_degenerate_before_filter": 4 / 8,
+        "frac_degenerate": 0.0,
+    }
+    with pytest.raises(RuntimeError):
+        filt.add([False] * 4)
+
+
+def test_filter_budget_pads_with_degenerate_groups():
+    filt = GroupFilter(groups_needed=3, max_generation_batches=2)
+    filt.add([True, True, False])
+    assert not filt.done
+    filt.add([True, True, True])
+    assert filt.done and not filt.full
+    assert filt.selection() == [GroupRef(0, 2), GroupRef(0, 0, padding=True), GroupRef(0, 1, padding=True)]
+    metrics = filt.metrics()
+    assert metrics["generation_batches"] == 2.0
+    assert metrics["frac_degenerate_before_filter"] == pytest.approx(5 / 6)
+    assert metrics["frac_degenerate"] == pytest.approx(2 / 3)
+
+
+def test_filter_one_batch_budget_is_plain_grpo():
+    filt = GroupFilter(groups_needed=2, max_generation_batches=1)
+    filt.add([True, False])
+    assert filt.done
+    assert filt.selection() == [GroupRef(0, 1), GroupRef(0, 0, padding=True)]
+    assert filt.metrics()["frac_degenerate"] == filt.metrics()["frac_degenerate_before_filter"] == 0.5
+
+
+def test_filter_partitions_fill_from_their_own_groups_and_decide_together():
+    # two processes, two groups each: process 1 is full after batch 0, process 0 only after batch 1
+    filt = GroupFilter(groups_needed=4, max_generation_batches=3, num_partitions=2)
+    filt.add([True, False, False, False])
+    assert not filt.done  # every process keeps generating until all are full
+    filt.add([False, True, True, True])
+    assert filt.done
+    assert filt.selection(0) == [GroupRef(0, 1), GroupRef(1, 0)]
+    assert filt.selection(1) == [GroupRef(0, 0), GroupRef(0, 1)]  # its own first two, batch 1's are surplus
+    assert filt.metrics()["frac_degenerate"] == 0.0
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        dict(groups_needed=0, max_generation_batches=1),
+        dict(groups_needed=3, max_generation_batches=0),
+        dict(groups_needed=3, max_generation_batches=1, num_partitions=2),
+    ],
+)
+def test_filter_rejects_bad_sizes(kwargs):
+    with pytest.raises(ValueError):
+        GroupFilter(**kwargs)
+
+
+def test_filter_rejects_wrong_batch_size():
+    with pytest.raises(ValueError, match="groups"):
+        GroupFilter(groups_needed=2, max_generation_batches=2).add([True])
+
+
+# --------------------------------------------------------------------------------------------- merging batches
+
+
+def _batch(prompt_width, completion_width, n_rows, offset):
+    ids = torch.arange(n_rows * prompt_width).reshape(n_rows, prompt_width) + offset
+    comp = torch.arange(n_rows * completion_width).reshape(n_rows, completion_width) + offset + 1000
+    return {
+        "prompt_ids": ids,
+        "prompt_mask": torch.ones_like(ids),
+        "completion_ids": comp,
+        "completion_mask": torch.ones_like(comp),
+        "old_per_token_logps": torch.full((n_rows, completion_width), -1.0),
+        "advantages": torch.arange(n_rows, dtype=torch.float32) + offset,
+        "num_items_in_batch": torch.tensor(n_rows * completion_width),
+    }
+
+
+def test_merge_repads_prompts_left_completions_right_and_masks_padding():
+    a, b = _batch(3, 2, 4, 0), _batch(5, 4, 4, 100)  # two groups of 2 per batch, different widths
+    merged = merge_groups([a, b], [GroupRef(1, 1), GroupRef(0, 0, padding=True)], 2, pad_token_id=-7)
+    assert merged["prompt_ids"].shape == (4, 5) and merged["completion_ids"].shape == (4, 4)
+    assert torch.equal(merged["prompt_ids"][:2], b["prompt_ids"][2:])
+    assert (
+        torch.equal(merged["prompt_ids"][2:, 2:], a["prompt_ids"][:2]) and (merged["prompt_ids"][2:, :2] == -7).all()
+    )
+    assert (merged["prompt_mask"][2:, :2] == 0).all() and (merged["prompt_mask"][2:, 2:] == 1).all()
+    assert torch.equal(merged["completion_ids"][2:, :2], a["completion_ids"][:2])
+    assert (merged["completion_ids"][2:, 2:] == -7).all()
+    assert (merged["old_per_token_logps"][2:, 2:] == 0).all()
+    assert torch.equal(merged["completion_mask"][:2], torch.ones(2, 4, dtype=torch.long))
+    assert (merged["completion_mask"][2:] == 0).all()  # the padding group trains on nothing
+    assert merged["advantages"].tolist() == [102.0, 103.0, 0.0, 0.0]
+    assert "num_items_in_batch" not in merged
+
+
+def test_merge_refuses_fields_it_cannot_pad():
+    a = _batch(2, 2, 2, 0)
+    a["pixel_values"] = torch.zeros(2, 3)
+    with pytest.raises(ValueError, match="pixel_values"):
+        merge_groups([a], [GroupRef(0, 0)], 2, 0)
+
+
+# --------------------------------------------------------------------------------------------- the trainer
+
+N_PROMPTS = 16
+COMMON = dict(
+    report_to="none",
+    use_cpu=True,
+    bf16=False,
+    num_generations=4,
+    max_completion_length=6,
+    logging_steps=1,
+    save_strategy="no",
+    disable_tqdm=True,
+    seed=0,
+    learning_rate=1e-2,
+    dynamic_sampling=True,
+)
+
+
+def flat_or_varied(completions, flat, **kwargs):
+    """Prompts marked `flat` score 0.5 whatever the completion (a degenerate group); the others a hash of the
+    completion text, which differs between sampled completions."""
+    out = []
+    for completion, is_flat in zip(completions, flat, strict=True):
+        text = completion[0]["content"]
+        out.append(0.5 if is_flat else (zlib.crc32(text.encode()) % 997) / 997)
+    return out
+
+
+def make_dataset(flat_ids):
+    prompts = [[{"role": "user", "content": f"What is {i} + 4?"}] for i in range(N_PROMPTS)]
+    return Dataset.from_dict({"prompt": prompts, "flat": [i in flat_ids for i in range(N_PROMPTS)]})
+
+
+class RecordingTrainer(GRPOTrainer):
+    """Records each generation batch's degenerate flags and the rows every loss call trains on."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.generated = []  # (optimizer step, degenerate flags)
+        self.trained = []  # (optimizer step, prompt index of each row with a completion token, all rows)
+
+    def _generate_and_score_completions(self, inputs):
+        output = super()._generate_and_score_completions(inputs)
+        self.generated.append((self.state.global_step, self._last_degenerate_groups.tolist()))
+        return output
+
+    def _compute_loss(self, model, inputs):
+        texts = self.processing_class.batch_decode(inputs["prompt_ids"], skip_special_tokens=True)
+        ids = [int(re.findall(r"What is (\d+) \+ 4", t)[-1]) for t in texts]
+        active = inputs["completion_mask"].sum(1) > 0
+        self.trained.append(
+            (self.state.global_step, [i for i, a in zip(ids, active.tolist(), strict=True) if a], len(ids))
+        )
+        return super()._compute_loss(model, inputs)
+
+
+def train(path, tmp_path, flat_ids, **kwargs):
+    args = GRPOConfig(output_dir=str(tmp_path / "out"), **{**COMMON, **kwargs})
+    trainer = RecordingTrainer(path, [flat_or_varied], args=args, train_dataset=make_dataset(flat_ids))
+    trainer.train()
+    logs = [h for h in trainer.state.log_history if "loss" in h]
+    return trainer, logs
+
+
+def batches_per_step(trainer):
+    steps = {}
+    for step, flags in trainer.generated:
+        steps.setdefault(step, []).append(flags)
+    return [steps[s] for s in sorted(steps)]
+
+
+@pytest.mark.slow
+def test_degenerate_groups_are_replaced_until_the_step_is_full(tiny_model_path, tmp_path):
+    flat = set(range(0, N_PROMPTS, 2))  # half the prompts always give a degenerate group
+    trainer, logs = train(
+        tiny_model_path, tmp_path, flat, per_device_train_batch_size=8, max_steps=3, max_generation_batches=6
+    )
+    steps = batches_per_step(trainer)
+    assert len(steps) == len(logs) == 3
+    for batches, entry in zip(steps, logs, strict=True):
+        informative = sum(not d for flags in batches for d in flags)
+        seen = sum(len(flags) for flags in batches)
+        assert informative >= 2  # the step filled up
+        assert entry["generation_batches"] == len(batches)
+        assert entry["frac_degenerate_before_filter"] == pytest.approx((seen - informative) / seen)
+        assert entry["frac_degenerate"] == 0.0
+        assert math.isfinite(entry["loss"]) and entry["train_tokens"] > 0
+    assert any(len(b) > 1 for b in steps), "no step needed a second generation batch; the test shows nothing"
+    # every row trained on comes from an informative prompt, and each step trains on a full batch of 8 rows
+    for _step, active, total in trainer.trained:
+        assert total == 8 and len(active) == 8
+        assert not set(active) & flat
+
+
+@pytest.mark.slow
+def test_budget_reached_trains_on_what_there_is(tiny_model_path, tmp_path):
+    flat = set(range(N_PROMPTS)) - {3}  # one informative prompt in sixteen
+    trainer, logs = train(
+        tiny_model_path, tmp_path, flat, per_device_train_batch_size=8, max_steps=2, max_generation_batches=2
+    )
+    steps = batches_per_step(trainer)
+    for batches, entry, (_s, active, total) in zip(steps, logs, trainer.trained, strict=True):
+        informative = sum(not d for flags in batches for d in flags)
+        assert entry["generation_batches"] == (len(batches))
+        assert len(batches) == 2 or informative >= 2
+        kept = min(informative, 2)
+        assert entry["frac_degenerate"] == pytest.approx(1 - kept / 2)
+        assert total == 8 and len(active) == 4 * kept and set(active) <= {3}
+        if kept == 0:
+            assert entry["train_tokens"] == 0
+    assert any(entry["frac_degenerate"] > 0 for entry in logs), "the budget never ran out; the test shows nothing"
+
+
+@pytest.mark.slow
+def test_all_degenerate_budget_moves_no_weight(tiny_model_path, tmp_path):
+    args = GRPOConfig(
+        output_dir=str(tmp_path / "out"),
+        **{**COMMON, "per_device_train_batch_size": 8, "max_steps": 1},
+        max_generation_batches=2,
+    )
+    trainer = RecordingTrainer(tiny_model_path, [flat_or_varied], args=args, train_dataset=make_dataset(range(99)))
+    before = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+    trainer.train()
+    (entry,) = [h for h in trainer.state.log_history if "loss" in h]
+    assert entry["generation_batches"] == 2 and entry["frac_degenerate"] == 1.0
+    assert entry["frac_degenerate_before_filter"] == 1.0 and entry["train_tokens"] == 0
+    assert all(torch.equal(p, before[n]) for n, p in trainer.model.named_parameters())
+
+
+@pytest.mark.slow
+def test_gradient_accumulation_and_two_iterations(tiny_model_path, tmp_path):
+    # 2 micro-batches of 4 rows per optimizer step, each generation reused for 2 optimizer steps
+    flat = set(range(0, N_PROMPTS, 2))
+    trainer, logs = train(
+        tiny_model_path,
+        tmp_path,
+        flat,
+        per_device_train_batch_size=4,
+        gradient_accumulation_steps=2,
+        num_iterations=2,
+        max_steps=4,
+        max_generation_batches=6,
+    )
+    assert len(logs) == 4
+    generated_steps = sorted({step for step, _ in trainer.generated})
+    assert generated_steps == [0, 2]  # a new generation every num_iterations optimizer steps
+    with_generation = [entry for entry in logs if "generation_batches" in entry]
+    assert len(with_generation) == 2 and all(entry["frac_degenerate"] == 0.0 for entry in with_generation)
+    assert [t for _s, _a, t in trainer.trained] == [4] * 8
+    assert all(not set(active) & flat and len(active) == 4 for _s, active, _t in trainer.trained)
+    # the reused generation's rows: the same 8 prompts trained in iterations 1 and 2, ratios moved off 1
+    first = sorted(i for s, a, _t in trainer.trained if s == 0 for i in a)
+    second = sorted(i for s, a, _t in trainer.trained if s == 1 for i in a)
+    assert first == second
+    assert any(abs(entry["ratio_mean"] - 1.0) > 1e-7 for entry in logs)
+
+
+def test_config_checks_dynamic_sampling_fields(tmp_path):
+    with pytest.raises(ValueError, match="max_generation_batches"):
+        GRPOConfig(output_dir=str(tmp_path), max_generation_batches=0, use_cpu=True)
+    with pytest.raises(ValueError, match="max_generation_batches"):
+        GRPOConfig(output_dir=str(tmp_path), max_generation_batches=True, use_cpu=True)
