@@ -87,11 +87,73 @@ class GRPOConfig(trl.GRPOConfig):
         },
     )
 
+    # Dynamic sampling and the curriculum: `trl_grpo_ext.trl_sampling` (docs/recipes.md, "Dynamic sampling").
+    dynamic_sampling: bool = field(
+        default=False,
+        metadata={
+            "help": "DAPO's group filter: drop degenerate prompt groups (degenerate_tol / degenerate_reward) and "
+            "generate more prompts until the generation batch has its full number of informative groups, or "
+            "max_generation_batches is reached (then the missing groups are padding that trains on nothing). Logs "
+            "generation_batches, frac_degenerate_before_filter and frac_degenerate (after the filter)."
+        },
+    )
+    max_generation_batches: int = field(
+        default=4,
+        metadata={"help": "With dynamic_sampling: generation batches one step may use, the first included (>= 1)."},
+    )
+    curriculum: bool = field(
+        default=False,
+        metadata={
+            "help": "Adaptive task curriculum (needs a `task` column, e.g. dataset_name: synthetic): each task's "
+            "sampling weight is base_share * (p * (1 - p) + curriculum_floor), p its running pass rate. Logs "
+            "curriculum/<task>/weight and curriculum/<task>/pass_rate."
+        },
+    )
+    curriculum_ema: float = field(
+        default=0.3,
+        metadata={"help": "Weight of the newest generation batch in each task's running pass rate, in (0, 1]."},
+    )
+    curriculum_floor: float = field(
+        default=0.05, metadata={"help": "Added to p * (1 - p) so no task's weight reaches 0 (> 0)."}
+    )
+    curriculum_reward: str | None = field(
+        default=None,
+        metadata={
+            "help": "Reward function whose value decides a pass (e.g. 'boxed_reward'); None: degenerate_reward if "
+            "set, else the weighted total reward."
+        },
+    )
+    curriculum_pass_threshold: float = field(
+        default=1.0, metadata={"help": "A completion passes when that reward is >= this (boxed/hybrid: 1.0)."}
+    )
+
     def __post_init__(self):
         if isinstance(self.scale_rewards, str) and self.scale_rewards.lower() in ("true", "false"):
             self.scale_rewards = self.scale_rewards.lower() == "true"  # CLI / YAML strings
         super().__post_init__()
         self._validate_extensions()
+        self._validate_sampling()
+
+    def _validate_sampling(self):
+        from trl_grpo_ext.data.curriculum import check_curriculum_settings
+
+        if isinstance(self.max_generation_batches, bool) or not (
+            isinstance(self.max_generation_batches, int) and self.max_generation_batches >= 1
+        ):
+            raise ValueError(f"max_generation_batches={self.max_generation_batches!r} must be an integer >= 1")
+        local = self.per_device_train_batch_size * self.steps_per_generation
+        if self.dynamic_sampling and local % self.num_generations:
+            raise ValueError(
+                f"dynamic_sampling keeps each process's groups on that process, so per_device_train_batch_size x "
+                f"steps_per_generation ({local}) must be a multiple of num_generations ({self.num_generations})"
+            )
+        check_curriculum_settings(self.curriculum_ema, self.curriculum_floor, 0.5)
+        if not math.isfinite(self.curriculum_pass_threshold):
+            raise ValueError(f"curriculum_pass_threshold={self.curriculum_pass_threshold!r} must be finite")
+        if self.curriculum_reward is not None and (
+            not isinstance(self.curriculum_reward, str) or not self.curriculum_reward.strip()
+        ):
+            raise ValueError(f"curriculum_reward={self.curriculum_reward!r} must be a reward function name or None")
 
     def _validate_extensions(self):
         if self.loss_type not in VALID_LOSS_TYPES:

@@ -21,6 +21,7 @@ from trl.trainer.utils import get_config_model_id
 
 from trl_grpo_ext.config import EXTRA_LOSS_TYPES, GRPOConfig, trl_loss_type
 from trl_grpo_ext.losses import degenerate_groups, policy_loss_from_log_ratio, ratio_metrics, token_level_mean
+from trl_grpo_ext.trl_sampling import CurriculumMixin, DynamicSamplingMixin
 
 # Inputs that `_get_per_token_logps_and_entropies` takes for multimodal models, forwarded as TRL does.
 _MODEL_INPUT_KEYS = (
@@ -44,7 +45,7 @@ def _on_policy_ratio_metrics(clip_low, clip_high) -> dict[str, float]:
     return {name: value.item() for name, value in ratio_metrics(torch.ones(1), None, clip_low, clip_high).items()}
 
 
-class GRPOTrainer(trl.GRPOTrainer):
+class GRPOTrainer(DynamicSamplingMixin, CurriculumMixin, trl.GRPOTrainer):
     """TRL's `GRPOTrainer` plus ``loss_type`` ``importance_sampling`` / ``cispo`` (two-sided) / ``ppo``, degenerate groups.
 
     Takes the same arguments as `trl.GRPOTrainer`. With a `trl_grpo_ext.GRPOConfig` the names of
@@ -112,6 +113,7 @@ class GRPOTrainer(trl.GRPOTrainer):
         num_generations = self.num_generations if mode == "train" else self.num_generations_eval
         degenerate = self._degenerate_group_mask(rewards_per_func, num_generations)
         self._metrics[mode]["frac_degenerate"].append(degenerate.float().mean().item())
+        self._last_degenerate_groups = degenerate  # dynamic sampling (`trl_grpo_ext.trl_sampling`) filters on it
         if self.zero_degenerate_advantages and bool(degenerate.any()):
             zero = degenerate.repeat_interleave(num_generations).to(output["advantages"].device)
             num_local = output["advantages"].shape[0]
