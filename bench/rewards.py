@@ -24,6 +24,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from trl_grpo_ext import answers  # noqa: E402
+from trl_grpo_ext.answers.verifier import VERIFIER  # noqa: E402
 from trl_grpo_ext.rewards import boxed_reward  # noqa: E402
 
 DATA = ROOT.parent / "shared" / "data" / "gsm8k" / "train.jsonl"
@@ -117,9 +118,7 @@ def math_verify_reward(completions, answer, **kwargs):
 
 
 def clear_caches():
-    for cached in (answers._fast_match, answers._normalize_cached, answers._parse_ground_truth_text):
-        cached.cache_clear()
-    answers._VERIFIER._results.clear()
+    answers.clear_caches()
 
 
 def timed(func, completions, truths):
@@ -185,7 +184,7 @@ def main():
             f"{accuracy(scores, labels):>9.1%}"
         )
     print(f"\nboxed_reward speed-up over math-verify alone: {results['math-verify alone'][1] / ours:.1f}x")
-    print(f"math-verify worker calls during the run: {answers._VERIFIER.stats}")
+    print(f"math-verify worker calls during the run: {VERIFIER.stats}")
 
     print("\nAccuracy by answer format (boxed_reward / math-verify alone / seed regex):")
     for fmt, _, _ in FORMATS:

@@ -1,4 +1,4 @@
-"""Reward functions: TRL's contract, boxed/format/hybrid rules, registry, threads and the time bound."""
+"""Reward functions: TRL's contract, boxed/format/hybrid rules, registry, threads and the size bounds."""
 
 import asyncio
 import time
@@ -7,8 +7,9 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from trl_grpo_ext import REWARD_REGISTRY, answers, boxed_reward, format_reward, get_reward_funcs, make_hybrid_reward
+from trl_grpo_ext import REWARD_REGISTRY, boxed_reward, format_reward, get_reward_funcs, make_hybrid_reward
 from trl_grpo_ext.answers import answers_match, warm_up_verifier
+from trl_grpo_ext.answers.verifier import VERIFIER
 from trl_grpo_ext.rewards import has_repetition_loop, hybrid_reward, make_format_reward, register_reward
 
 GSM8K = "Natalia sold 48/2 = <<48/2=24>>24 clips in May.\nAltogether 1,080 clips.\n#### 1,080"
@@ -87,6 +88,17 @@ def test_unparseable_ground_truth_scores_none_with_one_warning():
     assert scores == [None, None, 1.0]
     ours = [w for w in caught if "ground truths could not be parsed" in str(w.message)]
     assert len(ours) == 1 and "2 of 3" in str(ours[0].message)
+
+
+def test_prose_ground_truth_scores_none_with_one_warning():
+    completions = ["\\boxed{12}", "\\boxed{Natalia sold 24 clips}", "\\boxed{1080}", "\\boxed{7}"]
+    truths = ["The answer is twelve", "Natalia sold 24 clips", "#### 1,080", "7"]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        scores = boxed_reward(completions, answer=truths)
+    assert scores == [None, None, 1.0, 1.0]
+    ours = [w for w in caught if "ground truths could not be parsed" in str(w.message)]
+    assert len(ours) == 1 and "2 of 4" in str(ours[0].message) and "The answer is twelve" in str(ours[0].message)
 
 
 # (completion, format_reward, require_think variant, partial-credit variant)
@@ -306,14 +318,8 @@ def test_every_completion_scores_within_50ms(case):
     _check_within_50ms(ADVERSARIAL[case], "#### 18")
 
 
-@pytest.fixture
-def fresh_verifier():
-    """A ready math-verify worker; killed afterwards, as the sympy case leaves it busy for seconds."""
-    warm_up_verifier()
-    yield
-    answers._VERIFIER.close()  # the next comparison that needs it starts a fresh one
-
-
-def test_symbolic_answer_slow_in_sympy_scores_within_50ms(fresh_verifier):
-    # Passes the guards, so it reaches the math-verify worker, where sympy needs seconds.
+def test_symbolic_answer_past_the_limits_scores_within_50ms_without_math_verify():
+    # sympy would need seconds to expand this; the exponent limit refuses it before any worker call.
+    calls = VERIFIER.stats["calls"]
     _check_within_50ms("\\boxed{(x+1)^{99}-(x+2)^{98}}", "x^2+1")
+    assert VERIFIER.stats["calls"] == calls

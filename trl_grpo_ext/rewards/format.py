@@ -16,7 +16,7 @@ from __future__ import annotations
 import re
 import unicodedata
 
-from ..answers import _box_spans, _scan_region, completion_text, same_answer
+from ..answers import box_contents, box_spans, boxes_disagree, completion_text
 from ._batch import as_list, safe_score
 from .registry import register_reward
 
@@ -52,13 +52,11 @@ def format_checks(completion, require_think: bool = False) -> dict[str, bool]:
     checks: dict[str, bool] = {}
     if require_think:
         checks["think"], text = _think_split(text)
-    region = _scan_region(text)
-    spans = _box_spans(region) if ("\\boxed" in region or "\\fbox" in region) else []
+    spans = box_spans(text)
     checks["box"] = bool(spans)
     if spans:
-        answers = [region[s:e] for _, s, e in spans]
-        checks["single_answer"] = all(same_answer(a, answers[-1]) for a in set(answers[:-1]))
-        checks["clean_end"] = _is_clean_tail(region[spans[-1][2] + 1 :])
+        checks["single_answer"] = not boxes_disagree(box_contents(text, spans))
+        checks["clean_end"] = _is_clean_tail(text[spans[-1].end : spans[-1].end + MAX_TAIL_CHARS + 1])
     else:
         checks["single_answer"] = checks["clean_end"] = False
     return checks

@@ -7,7 +7,7 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Callable
 
-from ..answers import extract_all_boxed, same_answer
+from ..answers import boxes_disagree, extract_all_boxed
 
 VETOES: dict[str, Callable[..., bool]] = {}
 
@@ -29,8 +29,7 @@ def no_box(text: str, **_) -> bool:
 @_veto("conflicting_boxes")
 def conflicting_boxes(text: str, **_) -> bool:
     """Boxes that state different answers (`\\boxed{17} ... \\boxed{18}`)."""
-    boxes = extract_all_boxed(text)
-    return any(not same_answer(b, boxes[-1]) for b in set(boxes[:-1]))
+    return boxes_disagree(extract_all_boxed(text))
 
 
 REPETITION_TAIL_CHARS = 8_000
