@@ -9,6 +9,15 @@ import json
 import sys
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # runnable from a checkout without an install
+
+from trl_grpo_ext.run_files import (  # noqa: E402
+    EVAL_BEFORE_AFTER_FILENAME,
+    METRICS_FILENAME,
+    REWARD_CURVE_FILENAME,
+    read_metrics_file,
+)
+
 
 def _series(rows, key):
     points = [(r["step"], r[key]) for r in rows if isinstance(r.get(key), (int, float))]
@@ -31,14 +40,10 @@ def plot_reward_curve(run_dir, out=None, window=5) -> Path:
     import matplotlib.pyplot as plt
 
     run_dir = Path(run_dir)
-    rows = []
-    for line in (run_dir / "metrics.jsonl").read_text().splitlines():
-        try:
-            rows.append(json.loads(line))
-        except json.JSONDecodeError:
-            continue
+    rows, _ = read_metrics_file(run_dir / METRICS_FILENAME)
+    rows = [r for r in rows if isinstance(r.get("step"), (int, float))]
     if not rows:
-        raise ValueError(f"{run_dir / 'metrics.jsonl'} has no rows")
+        raise ValueError(f"{run_dir / METRICS_FILENAME} has no rows")
     fig, (top, bottom) = plt.subplots(2, 1, figsize=(7, 5.5), sharex=True, gridspec_kw={"height_ratios": [3, 1]})
     steps, reward = _series(rows, "reward")
     top.plot(steps, reward, color="tab:blue", alpha=0.35, label="reward (per step)")
@@ -59,7 +64,7 @@ def plot_reward_curve(run_dir, out=None, window=5) -> Path:
     bottom.set_xlabel("optimizer step")
     bottom.grid(alpha=0.3)
     title = run_dir.name
-    eval_path = run_dir / "eval_before_after.json"
+    eval_path = run_dir / EVAL_BEFORE_AFTER_FILENAME
     if eval_path.exists():
         evals = json.loads(eval_path.read_text())
         if "before" in evals and "after" in evals:
@@ -69,7 +74,7 @@ def plot_reward_curve(run_dir, out=None, window=5) -> Path:
             )
     top.set_title(title, fontsize=9)
     fig.tight_layout()
-    out = Path(out) if out else run_dir / "reward_curve.png"
+    out = Path(out) if out else run_dir / REWARD_CURVE_FILENAME
     fig.savefig(out, dpi=110)
     plt.close(fig)
     return out

@@ -5,8 +5,12 @@ import json
 import pytest
 from transformers import TrainerControl, TrainerState, TrainingArguments
 
-from trl_grpo_ext.callbacks import EVAL_METRICS_FILENAME, MetricsJsonlCallback, greedy_accuracy, swanlab_mode
-from trl_grpo_ext.metrics_log import METRICS_FILENAME, read_metrics, read_metrics_counting_skipped, truncate_metrics
+from trl_grpo_ext.callbacks import MetricsJsonlCallback, greedy_accuracy, swanlab_mode
+from trl_grpo_ext.run_files import EVAL_METRICS_FILENAME, METRICS_FILENAME, read_metrics_file
+
+
+def _rows(path):
+    return read_metrics_file(path)[0]
 
 
 @pytest.fixture
@@ -28,13 +32,13 @@ def test_one_row_per_logged_step_with_trl_keys(args, tmp_path):
     _log(cb, args, state, 2, reward=float("nan"), loss=0.1)
     cb.on_log(args, state, TrainerControl(), logs={"train_runtime": 3.0, "train_loss": 0.1})  # end summary: skipped
     cb.on_log(args, state, TrainerControl(), logs={"eval_reward": 0.7, "epoch": 1.0})  # eval goes elsewhere
-    rows = read_metrics(tmp_path / METRICS_FILENAME)
+    rows = _rows(tmp_path / METRICS_FILENAME)
     assert [r["step"] for r in rows] == [1, 2]
     assert rows[0]["reward"] == 0.5 and rows[0]["rewards/boxed_reward/mean"] == 0.5
     assert rows[0]["frac_reward_zero_std"] == 0.25
     assert rows[1]["reward"] is None  # NaN is not JSON
     assert all(isinstance(r["step_time"], float) and r["step_time"] >= 0 for r in rows)
-    assert read_metrics(tmp_path / EVAL_METRICS_FILENAME)[0]["eval_reward"] == 0.7
+    assert _rows(tmp_path / EVAL_METRICS_FILENAME)[0]["eval_reward"] == 0.7
 
 
 def test_fresh_run_replaces_an_old_file(args, tmp_path):
@@ -42,29 +46,21 @@ def test_fresh_run_replaces_an_old_file(args, tmp_path):
     cb, state = MetricsJsonlCallback(), TrainerState()
     cb.on_train_begin(args, state, TrainerControl())
     _log(cb, args, state, 1, reward=0.0)
-    assert [r["step"] for r in read_metrics(tmp_path / METRICS_FILENAME)] == [1]
+    assert [r["step"] for r in _rows(tmp_path / METRICS_FILENAME)] == [1]
 
 
 def test_resume_drops_rows_after_the_checkpoint_and_a_torn_line(args, tmp_path):
     path = tmp_path / METRICS_FILENAME
-    path.write_text("".join(json.dumps({"step": s, "reward": s / 10}) + "\n" for s in range(1, 6)) + '{"step": 6, "rew')
+    path.write_text(
+        "".join(json.dumps({"step": s, "reward": s / 10}) + "\n" for s in range(1, 6)) + '{"step": 6, "rew'
+    )
     cb, state = MetricsJsonlCallback(), TrainerState()
     state.global_step = 3  # resumed from checkpoint-3: steps 4-5 run again
     cb.on_train_begin(args, state, TrainerControl())
-    assert [r["step"] for r in read_metrics(path)] == [1, 2, 3]
+    assert [r["step"] for r in _rows(path)] == [1, 2, 3]
     for step in (4, 5, 6):
         _log(cb, args, state, step, reward=1.0)
-    assert [r["step"] for r in read_metrics(path)] == [1, 2, 3, 4, 5, 6]
-
-
-def test_reader_skips_torn_and_non_object_lines_and_counts_them(tmp_path):
-    path = tmp_path / METRICS_FILENAME
-    path.write_bytes(b'{"step": 1}\n[1, 2]\n\n"text"\n{"step": 2, "note": "\xff"}\n{"step": 3, "rew')
-    rows, skipped = read_metrics_counting_skipped(path)
-    assert [r["step"] for r in rows] == [1, 2] and skipped == 3
-    assert truncate_metrics(path, 1) == 1  # a list row must not break truncation
-    assert read_metrics(path) == [{"step": 1}]
-    assert read_metrics_counting_skipped(tmp_path / "missing.jsonl") == ([], 0)
+    assert [r["step"] for r in _rows(path)] == [1, 2, 3, 4, 5, 6]
 
 
 def test_only_the_main_process_writes(args, tmp_path):

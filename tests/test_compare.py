@@ -11,8 +11,8 @@ from trl_grpo_ext.compare import (
     identical_curves,
     load_run,
     load_runs,
+    metrics_by_step,
     normalized_auc,
-    read_metrics,
     smooth,
     summarize,
 )
@@ -67,11 +67,11 @@ def runs(tmp_path):
     return a, b
 
 
-def test_read_metrics_dedupes_steps_and_skips_torn_lines(runs):
-    rows, notes = read_metrics(runs[0] / "metrics.jsonl")
+def test_metrics_by_step_dedupes_steps_and_skips_torn_lines(runs):
+    rows, notes = metrics_by_step(runs[0] / "metrics.jsonl")
     assert [r["step"] for r in rows] == [1, 2, 3]
     assert any("unreadable" in n for n in notes)
-    rows, _ = read_metrics(runs[1] / "metrics.jsonl")
+    rows, _ = metrics_by_step(runs[1] / "metrics.jsonl")
     assert [(r["step"], r["reward"]) for r in rows] == [(2, 0.2), (4, 0.6)]  # the later row of step 4 wins
     assert rows[1]["completions/mean_length"] == 50
 

@@ -81,3 +81,25 @@ def test_yaml_recipe_parses(tmp_path):
     bad.write_text("output_dir: out\nloss_type: cispo\ncispo_clip_low: 3\ncispo_clip_high: 1\nuse_cpu: true\n")
     with pytest.raises(ValueError, match="cispo_clip_low"):
         trl.TrlParser((GRPOConfig,)).parse_args_and_config(["--config", str(bad)])
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"beta": -0.01}, "beta=-0.01 is not valid"),
+        ({"temperature": 0.0}, "temperature=0.0 is not valid; it must be a finite number > 0"),
+        ({"temperature": -1.0}, "temperature=-1.0"),
+        ({"temperature": float("nan")}, "temperature=nan"),
+        ({"max_completion_length": 0}, "max_completion_length=0 is not valid"),
+        ({"max_completion_length": -8}, "max_completion_length=-8"),
+        ({"learning_rate": -1e-5}, "learning_rate=-1e-05"),
+    ],
+)
+def test_generation_numbers_are_checked_at_config_time(kwargs, message):
+    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        make(**kwargs)
+
+
+def test_generation_numbers_edge_values_are_accepted():
+    config = make(beta=0.0, temperature=1e-3, max_completion_length=1, learning_rate=0.0)
+    assert (config.beta, config.temperature, config.max_completion_length) == (0.0, 1e-3, 1)

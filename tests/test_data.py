@@ -109,7 +109,10 @@ def _write_jsonl(path, rows):
 
 
 GOOD = [
-    {"question": "Natalia sold 48 clips in April and half as many in May. How many in total?", "answer": "48/2 = 24\n#### 72"},
+    {
+        "question": "Natalia sold 48 clips in April and half as many in May. How many in total?",
+        "answer": "48/2 = 24\n#### 72",
+    },
     {"question": "What is 1,000 + 80?", "answer": "#### 1,080"},
 ]
 
@@ -163,3 +166,24 @@ def test_hub_source_offline_gives_actionable_error(monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     with pytest.raises(FileNotFoundError, match="local JSONL"):
         load_gsm8k_rows("openai/this-dataset-does-not-exist-xyz", "train")
+
+
+@pytest.mark.parametrize(
+    "content, message",
+    [
+        (b'{"question": "q", "answer": "#### 1"}\n\x89PNG\r\n\x1a\n\x00\x00', r"rows\.jsonl: a binary file"),
+        ('{"question": "caf\u00e9", "answer": "#### 1"}\n'.encode("latin-1"), r"rows\.jsonl:1: not UTF-8 text"),
+        (b"", r"rows\.jsonl: no rows"),
+    ],
+)
+def test_binary_non_utf8_and_empty_files_name_the_file(tmp_path, content, message):
+    path = tmp_path / "rows.jsonl"
+    path.write_bytes(content)
+    with pytest.raises(ValueError, match=message):
+        load_gsm8k_rows(str(path))
+
+
+def test_utf8_with_bom_reads(tmp_path):
+    path = tmp_path / "rows.jsonl"
+    path.write_bytes('\ufeff{"question": "caf\u00e9?", "answer": "#### 1"}\n'.encode())
+    assert load_gsm8k_rows(str(path))[0]["question"] == "caf\u00e9?"

@@ -18,9 +18,75 @@ def embedded_model_dir():
     return Path(resolve_model("embedded"))
 
 
-@pytest.mark.parametrize("name", ["Qwen/Qwen2.5-0.5B-Instruct", "/some/local/path", "./relative"])
-def test_other_names_pass_through(name):
+@pytest.mark.parametrize("name", ["Qwen/Qwen2.5-0.5B-Instruct", "gpt2"])
+def test_hub_ids_pass_through(name):
     assert resolve_model(name) == name
+
+
+@pytest.mark.parametrize("name", ["/some/local/path", "./relative", "../up/model", "~/models/x", "a/b/c"])
+def test_missing_local_path_says_so(name):
+    with pytest.raises(FileNotFoundError, match="does not exist.*not a hub id"):
+        resolve_model(name)
+
+
+def test_local_folder_must_hold_a_model(tiny_model_path, tmp_path):
+    assert resolve_model(tiny_model_path) == tiny_model_path
+    with pytest.raises(FileNotFoundError, match="holds no config.json"):
+        resolve_model(str(tmp_path))
+    (tmp_path / "model.safetensors").write_bytes(b"x")
+    with pytest.raises(FileNotFoundError, match="is a file"):
+        resolve_model(str(tmp_path / "model.safetensors"))
+
+
+def _fake_cache(folder, tiny_model_path):
+    """A complete cache folder: the tiny model's real files (safetensors weights, tokenizer.json, ...)."""
+    import shutil
+
+    shutil.copytree(tiny_model_path, folder)
+    return folder
+
+
+def test_cache_problem_finds_truncated_weights_bad_json_and_missing_tokenizer(tiny_model_path, tmp_path):
+    folder = _fake_cache(tmp_path / EMBEDDED_DIRNAME, tiny_model_path)
+    assert models.cache_problem(folder) is None
+    weights = folder / "model.safetensors"
+    data = weights.read_bytes()
+    weights.write_bytes(data[: len(data) - 100])  # a kill or a full disk while saving
+    assert "model.safetensors" in models.cache_problem(folder) and "header describes" in models.cache_problem(folder)
+    weights.write_bytes(data[:4])
+    assert "unreadable header" in models.cache_problem(folder)
+    weights.write_bytes(data)
+    (folder / "config.json").write_text('{"model_type": ')
+    assert models.cache_problem(folder) == "config.json is not valid JSON"
+    (folder / "tokenizer.json").unlink()
+    assert models.cache_problem(folder) == "missing tokenizer.json"
+
+
+def test_damaged_cache_is_rebuilt(monkeypatch, tiny_model_path, tmp_path):
+    target = _fake_cache(tmp_path / EMBEDDED_DIRNAME, tiny_model_path)
+    monkeypatch.setenv("TRL_GRPO_EXT_CACHE", str(tmp_path))
+    calls = []
+    monkeypatch.setattr(models, "convert_gguf", lambda gguf, dest: calls.append(dest) or dest)
+    assert resolve_model("embedded") == str(target) and calls == []  # a whole cache is used as is
+    weights = target / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:-1])
+    assert resolve_model("embedded") == str(target)
+    assert calls == [target] and not target.exists()  # removed, then handed to the converter
+
+
+def test_undeletable_damaged_cache_names_the_folder(monkeypatch, tmp_path):
+    import shutil
+
+    target = tmp_path / EMBEDDED_DIRNAME
+    target.mkdir()
+    monkeypatch.setenv("TRL_GRPO_EXT_CACHE", str(tmp_path))
+
+    def refuse(path, *args, **kwargs):
+        raise PermissionError("read-only")
+
+    monkeypatch.setattr(shutil, "rmtree", refuse)
+    with pytest.raises(RuntimeError, match=f"{target}.*delete that folder"):
+        resolve_model("embedded")
 
 
 @pytest.mark.parametrize("name", ["", "   ", None])
@@ -83,6 +149,10 @@ def test_embedded_conversion_is_cached_and_trainable(embedded_model_dir):
     assert not getattr(model, "is_quantized", False) and getattr(model, "hf_quantizer", None) is None
     assert sum(p.numel() for p in model.parameters()) == pytest.approx(134.5e6, rel=0.01)
     assert tokenizer.chat_template and tokenizer.pad_token is not None
-    assert model.generation_config.eos_token_id == tokenizer.eos_token_id == tokenizer.convert_tokens_to_ids("<|im_end|>")
-    text = tokenizer.apply_chat_template([{"role": "user", "content": "2+2?"}], tokenize=False, add_generation_prompt=True)
+    assert (
+        model.generation_config.eos_token_id == tokenizer.eos_token_id == tokenizer.convert_tokens_to_ids("<|im_end|>")
+    )
+    text = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "2+2?"}], tokenize=False, add_generation_prompt=True
+    )
     assert text.endswith("<|im_start|>assistant\n")

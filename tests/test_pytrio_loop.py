@@ -17,9 +17,7 @@ from trl_grpo_ext.pytrio.checkpoint import (
     check_resumable,
     load_loop_state,
     pinned_settings,
-    read_metrics,
     save_loop_state,
-    truncate_metrics,
 )
 from trl_grpo_ext.pytrio.config import PyTrioGRPOConfig
 from trl_grpo_ext.pytrio.connection import redact
@@ -35,6 +33,7 @@ from trl_grpo_ext.pytrio.loop import (
     reward_metrics,
     rollouts_from_response,
 )
+from trl_grpo_ext.run_files import METRICS_FILENAME, run_metrics, truncate_metrics
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -302,8 +301,8 @@ def test_loop_state_roundtrip_truncation_and_pinning(tmp_path):
     with pytest.raises(ValueError, match="lora_rank: 32 -> 8"):
         check_resumable(loaded, cfg(output_dir=str(tmp_path), lora_rank=8))
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps({"step": s}) + "\n" for s in range(1, 7)) + '{"st')
-    assert truncate_metrics(tmp_path, 4) == 2
-    assert [r["step"] for r in read_metrics(tmp_path)] == [1, 2, 3, 4]
+    assert truncate_metrics(tmp_path / METRICS_FILENAME, 4) == 2
+    assert [r["step"] for r in run_metrics(tmp_path)] == [1, 2, 3, 4]
     (tmp_path / "pytrio_state.json").write_text("{broken")
     with pytest.raises(ValueError, match="not valid JSON"):
         load_loop_state(tmp_path)
@@ -392,7 +391,7 @@ def test_full_grpo_loop_on_local_server(pytrio_client, tiny_model_path, tmp_path
     c = loop_config(tmp_path, base_model=tiny_model_path, loss_type=loss_type, mode=mode)
     summary = run_loop(c)
     assert summary["steps"] == 2 and summary["sampler_path"] and summary["state_path"]
-    rows = read_metrics(c.output_dir)
+    rows = run_metrics(c.output_dir)
     assert [r["step"] for r in rows] == [1, 2]
     for row in rows:
         for key in ("reward", "reward_std", f"rewards/{_digits_reward.__name__}/mean", "rewards/boxed_reward/mean",
@@ -449,13 +448,13 @@ def test_stop_after_checkpoint_then_resume(pytrio_client, tiny_model_path, tmp_p
     c = loop_config(tmp_path, base_model=tiny_model_path, max_steps=4, save_every=2, mode="async")
     stopped = run_loop(c, stop_after=3)  # steps 1, 2 (checkpoint), 3, then the process "dies"
     assert stopped["stopped_at"] == 3
-    assert [r["step"] for r in read_metrics(c.output_dir)] == [1, 2, 3]
+    assert [r["step"] for r in run_metrics(c.output_dir)] == [1, 2, 3]
     assert load_loop_state(c.output_dir).step == 2
     resumed_config = loop_config(tmp_path, base_model=tiny_model_path, max_steps=4, save_every=2, mode="async",
                                  resume=True)
     summary = run_loop(resumed_config)
     assert summary["steps"] == 4
-    steps = [r["step"] for r in read_metrics(c.output_dir)]
+    steps = [r["step"] for r in run_metrics(c.output_dir)]
     assert steps == [1, 2, 3, 4]  # step 3 re-run once, its stale row dropped
     state = load_loop_state(c.output_dir)
     assert state.data_position == 4 * c.prompts_per_step
@@ -509,7 +508,7 @@ def test_service_failure_is_a_clear_error_and_keeps_the_checkpoint(pytrio_client
         trio.configure(retry_max_attempts=3, sampling_retry_timeout_seconds=900, retry_initial_delay_seconds=1.0)
     state = load_loop_state(c.output_dir)
     assert state.step == 1 and state.state_path  # nothing lost: the next resume starts from the checkpoint
-    assert [r["step"] for r in read_metrics(c.output_dir)] == [1]
+    assert [r["step"] for r in run_metrics(c.output_dir)] == [1]
 
 
 def load_recipe():
@@ -539,13 +538,13 @@ def test_recipe_runs_end_to_end_offline_from_one_command(pytrio_client, tiny_mod
     captured = capfd.readouterr()
     summary = json.loads(captured.out[captured.out.index("{"):])
     assert summary["steps"] == 2 and summary["sampler_path"].startswith("trio://")
-    assert [r["step"] for r in read_metrics(out)] == [1, 2]
+    assert [r["step"] for r in run_metrics(out)] == [1, 2]
     assert "step 2/2" in caplog.text
     # the server's random key
     assert not re.search(r"trio-local-[A-Za-z0-9_\-]{8,}", captured.out + captured.err + caplog.text)
     # resume with a new local server (its checkpoint records come from disk under the run's output_dir)
     assert load_recipe().main([*args, "--max_steps", "3", "--resume", "true"]) == 0
-    assert [r["step"] for r in read_metrics(out)] == [1, 2, 3]
+    assert [r["step"] for r in run_metrics(out)] == [1, 2, 3]
     assert "resumed at step 2" in caplog.text
 
 

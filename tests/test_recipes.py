@@ -101,7 +101,9 @@ def test_unknown_cli_flag_and_bad_values_fail_early(tmp_path):
 
 
 def test_cli_overrides_yaml_and_no_config_means_embedded():
-    script_args, training_args, model_args = _parse(["--max_steps", "3", "--learning_rate", "0.5", "--reward_funcs", "boxed"])
+    script_args, training_args, model_args = _parse(
+        ["--max_steps", "3", "--learning_rate", "0.5", "--reward_funcs", "boxed"]
+    )
     assert model_args.model_name_or_path == "embedded" and script_args.dataset_name == "synthetic"
     assert training_args.max_steps == 3 and training_args.learning_rate == 0.5
     assert script_args.reward_funcs == ["boxed"]
@@ -142,7 +144,9 @@ def test_deepspeed_configs_build_a_plugin(stem):
     pytest.importorskip("deepspeed")  # only this part needs deepspeed installed
     from accelerate.utils import DeepSpeedPlugin
 
-    plugin = DeepSpeedPlugin(**{k: v for k, v in config.deepspeed_config.items() if k != "deepspeed_multinode_launcher"})
+    plugin = DeepSpeedPlugin(
+        **{k: v for k, v in config.deepspeed_config.items() if k != "deepspeed_multinode_launcher"}
+    )
     assert plugin.zero_stage == int(stem[-1])
 
 
@@ -158,7 +162,9 @@ def _tiny_argv(model, out, *extra):
 def test_tiny_run_end_to_end_with_swanlab_offline(tiny_model_path, tmp_path, monkeypatch):
     monkeypatch.delenv("SWANLAB_MODE", raising=False)
     out = tmp_path / "run"
-    _recipe_main()(_tiny_argv(tiny_model_path, out, "--max_steps", "2", "--report_to", "swanlab", "--swanlab_mode", "offline"))
+    _recipe_main()(
+        _tiny_argv(tiny_model_path, out, "--max_steps", "2", "--report_to", "swanlab", "--swanlab_mode", "offline")
+    )
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2]
     for key in ("reward", "frac_reward_zero_std", "rewards/hybrid_reward/mean", "entropy", "step_time", "loss"):
@@ -235,3 +241,89 @@ def test_embedded_default_runs_for_real(tmp_path):
     summary = json.loads((out / "run_summary.json").read_text())
     assert set(summary["eval"]) == {"before", "after"}
     assert (out / "model.safetensors").exists() and (out / "tokenizer_config.json").exists()
+
+
+def test_yaml_value_of_the_wrong_type_names_key_and_file(tmp_path):
+    path = tmp_path / "bad_type.yaml"
+    path.write_text("model_name_or_path: embedded\nlearning_rate: fast\n")
+    with pytest.raises(ValueError, match=f"{path}: learning_rate: expected float, got str 'fast'"):
+        _parse(["--config", str(path)])
+    path.write_text("max_steps: [1, 2]\n")
+    with pytest.raises(ValueError, match="max_steps: expected int, got list"):
+        _parse(["--config", str(path)])
+    path.write_text(
+        "learning_rate: 4e-5\nreport_to: none\nmax_completion_length: 16\nuse_cpu: true\nbf16: false\n"
+    )  # YAML 1.1 strings argparse takes
+    assert _parse(["--config", str(path)])[1].learning_rate == 4e-5
+
+
+def test_malformed_yaml_names_the_file(tmp_path):
+    path = tmp_path / "broken.yaml"
+    path.write_text("max_steps: 3\nreward_funcs: [boxed\n")
+    with pytest.raises(ValueError, match=f"{path} is not valid YAML"):
+        _parse(["--config", str(path)])
+
+
+def _recipe_module():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("gsm8k_grpo_checks", ROOT / "recipes" / "gsm8k_grpo.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        (["--temperature", "0"], "temperature=0.0 is not valid"),
+        (["--beta", "-0.1"], "beta=-0.1 is not valid"),
+        (["--max_completion_length", "0"], "max_completion_length=0 is not valid"),
+        (["--reward_funcs", "boxd"], "boxd"),
+        (["--dataset_name", "{data}"], "not UTF-8 text"),
+        (["--model_name_or_path", "./no/such/model"], "does not exist"),
+        (["--resume_from_checkpoint", "{out}/checkpoint-4"], "checkpoint-4 is incomplete"),
+    ],
+    ids=["temperature", "beta", "length", "reward", "data", "model", "checkpoint"],
+)
+def test_failing_rerun_prints_one_error_exits_2_and_keeps_the_previous_files(
+    tiny_model_path, tmp_path, monkeypatch, capsys, extra, message
+):
+    out = tmp_path / "run"
+    (out / "checkpoint-4").mkdir(parents=True)  # a save killed before trainer_state.json
+    previous = {"metrics.jsonl": '{"step": 1, "reward": 0.5}\n', "eval_before_after.json": '{"before": {}}\n'}
+    previous["config.yaml"] = "max_steps: 1\n"
+    for name, text in previous.items():
+        (out / name).write_text(text)
+    data = tmp_path / "latin1.jsonl"
+    data.write_bytes('{"question": "caf\u00e9", "answer": "#### 1"}\n'.encode("latin-1"))
+    module = _recipe_module()
+
+    def no_model(*args, **kwargs):
+        raise AssertionError("the model loaded before the inputs were checked")
+
+    monkeypatch.setattr(module, "load_model", no_model)
+    extra = [e.format(data=data, out=out) for e in extra]
+    argv = _tiny_argv(tiny_model_path, out, "--max_steps", "2", "--report_to", "none", *extra)
+    assert module.main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: ") and message in err[0], err
+    assert {p.name: p.read_text() for p in out.iterdir() if p.is_file()} == previous
+    assert sorted(p.name for p in out.iterdir()) == sorted([*previous, "checkpoint-4"])
+
+
+def test_cpu_threads_after_accelerate_launch():
+    from trl_grpo_ext.recipe import cpu_threads_to_set
+
+    child = {"ACCELERATE_DYNAMO_BACKEND": "NO", "OMP_NUM_THREADS": "1"}
+    launcher = ({"PATH": "/usr/bin"}, ["python", "/venv/bin/accelerate", "launch", "recipes/gsm8k_grpo.py"])
+    assert cpu_threads_to_set(child, launcher, 8, on_cpu=True) == 8  # accelerate chose 1: use the cores
+    assert cpu_threads_to_set(child, launcher, 8, on_cpu=False) is None  # a GPU run keeps it
+    assert cpu_threads_to_set({"OMP_NUM_THREADS": "1"}, None, 8, on_cpu=True) is None  # plain python: the user's
+    assert cpu_threads_to_set(child, None, 8, on_cpu=True) is None  # launcher unknown: keep what is set
+    user_env = ({"OMP_NUM_THREADS": "1"}, launcher[1])
+    assert cpu_threads_to_set(child, user_env, 8, on_cpu=True) is None  # the user exported it
+    for flag in (["--num_cpu_threads_per_process", "3"], ["--num_cpu_threads_per_process=3"]):
+        assert cpu_threads_to_set(child, (launcher[0], [*launcher[1][:3], *flag]), 8, on_cpu=True) is None
+    two = {**child, "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2"}
+    assert cpu_threads_to_set(two, launcher, 8, on_cpu=True) is None  # processes share the cores

@@ -15,9 +15,15 @@ from pathlib import Path
 
 from transformers import TrainerCallback
 
-from trl_grpo_ext.metrics_log import EVAL_BEFORE_AFTER_FILENAME, METRICS_FILENAME, truncate_metrics
+from trl_grpo_ext.run_files import (
+    EVAL_BEFORE_AFTER_FILENAME,
+    EVAL_METRICS_FILENAME,
+    METRICS_FILENAME,
+    append_jsonl_row,
+    maybe_kill,
+    truncate_metrics,
+)
 
-EVAL_METRICS_FILENAME = "eval_metrics.jsonl"
 # Keys of the end-of-training summary log (not a step's metrics).
 _SUMMARY_KEYS = {"train_runtime", "train_samples_per_second", "train_steps_per_second", "total_flos", "train_loss"}
 
@@ -59,6 +65,8 @@ class MetricsJsonlCallback(TrainerCallback):
         if self._step_start is not None:
             self._step_times.append(time.perf_counter() - self._step_start)
             self._step_start = None
+        # Test-only kill point: the optimizer step is done but neither logged nor checkpointed.
+        maybe_kill("step", int(state.global_step))
 
     def on_log(self, args, state, control, logs=None, **kwargs):
         if not state.is_world_process_zero or not logs:
@@ -74,10 +82,7 @@ class MetricsJsonlCallback(TrainerCallback):
         if filename == self.filename and self._step_times:
             row.setdefault("step_time", sum(self._step_times) / len(self._step_times))
             self._step_times = []
-        path = Path(self.output_dir or args.output_dir) / filename
-        with open(path, "a") as handle:
-            handle.write(json.dumps(row) + "\n")
-            handle.flush()
+        append_jsonl_row(Path(self.output_dir or args.output_dir) / filename, row)
 
 
 # ------------------------------------------------------------------------------------------- SwanLab

@@ -16,8 +16,7 @@ from typing import Any
 
 import yaml
 
-from trl_grpo_ext.metrics_log import EVAL_BEFORE_AFTER_FILENAME, read_metrics_counting_skipped
-from trl_grpo_ext.metrics_log import METRICS_FILENAME as METRICS_FILE
+from trl_grpo_ext.run_files import EVAL_BEFORE_AFTER_FILENAME, METRICS_FILENAME, read_metrics_file
 
 # Where a run's config may lie, best first: the sweep's marker and config, then what recipes save.
 CONFIG_CANDIDATES = (
@@ -83,11 +82,11 @@ def _is_number(v: Any) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
 
 
-def read_metrics(path: Path) -> tuple[list[dict], list[str]]:
+def metrics_by_step(path: Path) -> tuple[list[dict], list[str]]:
     """Rows of a metrics.jsonl merged by step (a resumed run logs some steps twice: the later row wins)."""
     notes: list[str] = []
     by_step: dict[int, dict] = {}
-    rows, bad = read_metrics_counting_skipped(path)
+    rows, bad = read_metrics_file(path)
     no_step = 0
     for row in rows:
         step = row.get("step", row.get("global_step"))
@@ -126,7 +125,7 @@ def read_config(run_dir: Path) -> tuple[dict, str | None, dict | None]:
 
 
 def looks_like_run(path: Path) -> bool:
-    return (path / METRICS_FILE).is_file() or any((path / n).is_file() for n in CONFIG_CANDIDATES)
+    return (path / METRICS_FILENAME).is_file() or any((path / n).is_file() for n in CONFIG_CANDIDATES)
 
 
 def expand_run_dirs(paths: list[str | os.PathLike]) -> list[Path]:
@@ -141,7 +140,7 @@ def expand_run_dirs(paths: list[str | os.PathLike]) -> list[Path]:
             continue
         children = _sweep_children(p)
         if not children:
-            raise FileNotFoundError(f"{p} holds no {METRICS_FILE} or saved config, and no run folders under it")
+            raise FileNotFoundError(f"{p} holds no {METRICS_FILENAME} or saved config, and no run folders under it")
         out.extend(children)
     return out
 
@@ -161,15 +160,15 @@ def _sweep_children(root: Path) -> list[Path]:
 def load_run(path: Path, label: str | None = None) -> RunData:
     path = Path(path)
     notes: list[str] = []
-    metrics = path / METRICS_FILE
+    metrics = path / METRICS_FILENAME
     if metrics.is_file():
-        rows, more = read_metrics(metrics)
+        rows, more = metrics_by_step(metrics)
         notes += more
         if not rows:
-            notes.append(f"{METRICS_FILE} holds no step")
+            notes.append(f"{METRICS_FILENAME} holds no step")
     else:
         rows = []
-        notes.append(f"no {METRICS_FILE} in {path}")
+        notes.append(f"no {METRICS_FILENAME} in {path}")
     config, source, marker = read_config(path)
     if source is None:
         notes.append("no saved config found (looked for " + ", ".join(CONFIG_CANDIDATES) + ")")

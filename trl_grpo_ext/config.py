@@ -130,6 +130,7 @@ class GRPOConfig(trl.GRPOConfig):
     def __post_init__(self):
         if isinstance(self.scale_rewards, str) and self.scale_rewards.lower() in ("true", "false"):
             self.scale_rewards = self.scale_rewards.lower() == "true"  # CLI / YAML strings
+        self._validate_generation_numbers()  # before TRL's own setup, which would fail later and less clearly
         super().__post_init__()
         self._validate_extensions()
         self._validate_sampling()
@@ -154,6 +155,20 @@ class GRPOConfig(trl.GRPOConfig):
             not isinstance(self.curriculum_reward, str) or not self.curriculum_reward.strip()
         ):
             raise ValueError(f"curriculum_reward={self.curriculum_reward!r} must be a reward function name or None")
+
+    def _validate_generation_numbers(self):
+        """TRL leaves these to fail deep inside generation or the loss (or to train silently wrong, beta < 0)."""
+
+        def number(name, value, ok, rule):
+            numeric = isinstance(value, (int, float)) and not isinstance(value, bool)
+            if not numeric or not math.isfinite(value) or not ok(value):
+                raise ValueError(f"{name}={value!r} is not valid; it must be {rule}")
+
+        number("beta", self.beta, lambda v: v >= 0, "a finite number >= 0 (the KL coefficient; 0 disables it)")
+        number("temperature", self.temperature, lambda v: v > 0, "a finite number > 0 (sampling temperature)")
+        if self.max_completion_length is not None:
+            number("max_completion_length", self.max_completion_length, lambda v: v > 0 and v == int(v), "an int > 0")
+        number("learning_rate", self.learning_rate, lambda v: v >= 0, "a finite number >= 0")
 
     def _validate_extensions(self):
         if self.loss_type not in VALID_LOSS_TYPES:

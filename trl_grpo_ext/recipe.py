@@ -1,38 +1,142 @@
-"""Building blocks of `recipes/gsm8k_grpo.py`: model, datasets, rewards and the end-of-run report."""
+"""Building blocks of `recipes/gsm8k_grpo.py`: input checks, CPU threads, model, datasets, rewards, the run report.
+
+The recipe checks everything a user can get wrong (`prepare_run`: config, reward names, model path, resume
+checkpoint, tokenizer, data) before the model loads or any file of the run folder is written, so a failing rerun
+leaves the previous run's files as they were.
+"""
 
 from __future__ import annotations
 
 import json
+import os
 import resource
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
-from trl_grpo_ext.metrics_log import EVAL_BEFORE_AFTER_FILENAME, METRICS_FILENAME, read_metrics
+from trl_grpo_ext.run_files import (
+    EVAL_BEFORE_AFTER_FILENAME,
+    RUN_SUMMARY_FILENAME,
+    TEST_KILL_ENV,
+    atomic_write_json,
+    maybe_kill,
+    resolve_resume_checkpoint,
+    run_metrics,
+)
 
-RUN_SUMMARY_FILENAME = "run_summary.json"
 _START = time.time()
 
 
-def load_model_and_tokenizer(model_args, training_args):
-    """Model and tokenizer for `model_args.model_name_or_path` ('embedded', a hub id or a local path)."""
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+# ------------------------------------------------------------------------------------------ CPU threads
 
+
+def _launcher_process() -> tuple[dict, list[str]] | None:
+    """(environment at exec, argv) of the parent process when it is `accelerate launch`, else None (Linux /proc)."""
+    try:
+        parent = Path(f"/proc/{os.getppid()}")
+        argv = [a.decode(errors="replace") for a in (parent / "cmdline").read_bytes().split(b"\0") if a]
+        raw = (parent / "environ").read_bytes().split(b"\0")
+    except OSError:
+        return None
+    if not any("accelerate" in part for part in argv[:3]):
+        return None
+    env = dict(item.decode(errors="replace").split("=", 1) for item in raw if b"=" in item)
+    return env, argv
+
+
+def cpu_threads_to_set(env, launcher, cpu_count: int, on_cpu: bool) -> int | None:
+    """Torch threads for a single-process CPU run that `accelerate launch` started with OMP_NUM_THREADS it chose
+    itself (1 unless `use_cpu` and several physical cores), or None to keep the current setting.
+
+    `accelerate launch` always exports OMP_NUM_THREADS to the script, so the script cannot tell a user's value
+    from accelerate's; the launcher's own environment and arguments (`launcher`: (env, argv)) can: accelerate
+    only picks the value when neither OMP_NUM_THREADS nor --num_cpu_threads_per_process was given to it.
+    """
+    if not on_cpu or "ACCELERATE_DYNAMO_BACKEND" not in env or launcher is None:
+        return None  # not started by accelerate's launcher (a plain `python` run keeps torch's default)
+    if int(env.get("WORLD_SIZE") or 1) > 1 or int(env.get("LOCAL_WORLD_SIZE") or 1) > 1:
+        return None  # several processes share the cores
+    launcher_env, launcher_argv = launcher
+    if "OMP_NUM_THREADS" in launcher_env:
+        return None
+    if any(
+        a == "--num_cpu_threads_per_process" or a.startswith("--num_cpu_threads_per_process=") for a in launcher_argv
+    ):
+        return None
+    return cpu_count
+
+
+def configure_cpu_threads(training_args) -> int:
+    """Give a single-process CPU run every core `accelerate launch` held back (see `cpu_threads_to_set`); returns
+    the torch thread count in effect."""
+    import torch
+
+    cpu_count = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    on_cpu = bool(getattr(training_args, "use_cpu", False)) or not torch.cuda.is_available()
+    threads = cpu_threads_to_set(os.environ, _launcher_process(), cpu_count, on_cpu)
+    if threads is not None and threads != torch.get_num_threads():
+        torch.set_num_threads(threads)
+    return torch.get_num_threads()
+
+
+# ------------------------------------------------------------------------------------------ checks before loading
+
+
+@dataclass
+class PreparedRun:
+    """What `prepare_run` checked and built: everything the trainer needs except the model."""
+
+    model_path: str
+    tokenizer: object
+    reward_funcs: list
+    train_dataset: object
+    eval_problems: list
+    resume_from_checkpoint: str | None
+
+
+def prepare_run(script_args, training_args, model_args) -> PreparedRun:
+    """Check every user input and build all but the model; raises ValueError / FileNotFoundError with one line.
+
+    Nothing is written to the run folder and no model weights are loaded here.
+    """
     from trl_grpo_ext.models import resolve_model
 
+    reward_names = list(script_args.reward_funcs)
+    reward_functions(reward_names)  # unknown names fail before anything slow
+    resume = resolve_resume_checkpoint(training_args.resume_from_checkpoint, training_args.output_dir)
     if not model_args.model_name_or_path:
         raise ValueError("model_name_or_path is not set; use 'embedded', a hub id or a local path")
     path = resolve_model(model_args.model_name_or_path)
+    tokenizer = load_tokenizer(path, model_args, training_args)
+    train_dataset, eval_problems = build_datasets(script_args, training_args, tokenizer)
+    funcs = reward_functions(reward_names, training_args, tokenizer)
+    return PreparedRun(path, tokenizer, funcs, train_dataset, eval_problems, resume)
+
+
+def load_tokenizer(path: str, model_args, training_args):
+    from transformers import AutoTokenizer
+
+    trust_remote_code = getattr(training_args, "trust_remote_code", False)
+    tokenizer = AutoTokenizer.from_pretrained(
+        path, revision=model_args.model_revision, trust_remote_code=trust_remote_code
+    )
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
+def load_model(path: str, model_args, training_args):
+    """The causal LM at `path` (resolved by `prepare_run`) with the recipe's dtype and attention settings."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
     dtype = model_args.dtype
     if dtype not in (None, "auto"):
         dtype = getattr(torch, dtype)
     elif dtype is None:
         dtype = "auto"
     trust_remote_code = getattr(training_args, "trust_remote_code", False)
-    tokenizer = AutoTokenizer.from_pretrained(path, revision=model_args.model_revision, trust_remote_code=trust_remote_code)
-    if tokenizer.pad_token is None:
-        tokenizer.pad_token = tokenizer.eos_token
     model = AutoModelForCausalLM.from_pretrained(
         path,
         revision=model_args.model_revision,
@@ -42,7 +146,31 @@ def load_model_and_tokenizer(model_args, training_args):
     )
     if training_args.gradient_checkpointing:
         model.config.use_cache = False
-    return model, tokenizer
+    return model
+
+
+def load_model_and_tokenizer(model_args, training_args):
+    """Model and tokenizer for `model_args.model_name_or_path` ('embedded', a hub id or a local path)."""
+    from trl_grpo_ext.models import resolve_model
+
+    if not model_args.model_name_or_path:
+        raise ValueError("model_name_or_path is not set; use 'embedded', a hub id or a local path")
+    path = resolve_model(model_args.model_name_or_path)
+    return load_model(path, model_args, training_args), load_tokenizer(path, model_args, training_args)
+
+
+def arm_test_kill_points(trainer) -> None:
+    """Test-only ($TRL_GRPO_EXT_TEST_KILL="save:N"): die inside checkpoint-N's save, after the model and optimizer
+    are written and before trainer_state.json (`transformers.Trainer._save_checkpoint` saves the RNG state between)."""
+    if not os.environ.get(TEST_KILL_ENV):
+        return
+    save_rng_state = trainer._save_rng_state
+
+    def killing_save_rng_state(output_dir):
+        maybe_kill("save", int(trainer.state.global_step))
+        return save_rng_state(output_dir)
+
+    trainer._save_rng_state = killing_save_rng_state
 
 
 def _use_chat(script_args, tokenizer) -> bool:
@@ -113,7 +241,9 @@ def summarize_metrics(rows: list[dict], window: int = 10) -> dict:
         return {"logged_steps": len(rows)}
     window = max(1, min(window, len(rewards) // 2 or 1))
     first, last = rewards[:window], rewards[-window:]
-    zero_std = [row["frac_reward_zero_std"] for row in rows if isinstance(row.get("frac_reward_zero_std"), (int, float))]
+    zero_std = [
+        row["frac_reward_zero_std"] for row in rows if isinstance(row.get("frac_reward_zero_std"), (int, float))
+    ]
     out = {
         "logged_steps": len(rows),
         "window": window,
@@ -125,15 +255,37 @@ def summarize_metrics(rows: list[dict], window: int = 10) -> dict:
     return out
 
 
+def _eval_lines(evals: dict) -> list[str]:
+    """Held-out lines of the printed summary: each eval's figures, then the paired gains with their intervals."""
+    from trl_grpo_ext.evaluation import format_paired
+
+    lines = []
+    for label in ("before", "after"):
+        if isinstance(evals.get(label), dict) and "accuracy" in evals[label]:
+            r = evals[label]
+            any_format = r.get("accuracy_any_format")
+            lines.append(
+                f"  held-out {label} (n={r.get('n')}): boxed accuracy {r['accuracy']:.3f}"
+                + (f", format-independent accuracy {any_format:.3f}" if any_format is not None else "")
+                + f", boxed rate {r['boxed_rate']:.3f}"
+            )
+    if "paired" in evals:
+        lines.append("  held-out paired gains (95% paired-bootstrap interval, exact McNemar p):")
+        lines += format_paired(evals["paired"], indent="    ")
+    return lines
+
+
 def report_run(trainer, training_args) -> dict:
     """Write `<output_dir>/run_summary.json` (rewards first vs last, eval before/after, wall time, peak RSS) and print it."""
     if not trainer.is_world_process_zero():
         return {}
     out_dir = Path(training_args.output_dir)
-    summary = summarize_metrics(read_metrics(out_dir / METRICS_FILENAME))
+    summary = summarize_metrics(run_metrics(out_dir))
     eval_path = out_dir / EVAL_BEFORE_AFTER_FILENAME
     if eval_path.exists():
         summary["eval"] = json.loads(eval_path.read_text())
+        if "paired" in summary["eval"]:  # the paired held-out gains with their 95% intervals, at the top
+            summary["heldout_gain"] = summary["eval"]["paired"]["metrics"]
     import torch
 
     summary["torch_threads"] = torch.get_num_threads()
@@ -141,15 +293,14 @@ def report_run(trainer, training_args) -> dict:
     usage = resource.getrusage(resource.RUSAGE_SELF)
     summary["cpu_time_s"] = round(usage.ru_utime + usage.ru_stime, 1)
     summary["peak_rss_gb"] = round(peak_rss_gb(), 2)
-    (out_dir / RUN_SUMMARY_FILENAME).write_text(json.dumps(summary, indent=2) + "\n")
+    atomic_write_json(out_dir / RUN_SUMMARY_FILENAME, summary, indent=2)
     lines = [f"run summary ({out_dir / RUN_SUMMARY_FILENAME}):"]
     if "reward_first" in summary:
         lines.append(
             f"  mean reward, first {summary['window']} logged steps: {summary['reward_first']:.3f}; "
             f"last {summary['window']}: {summary['reward_last']:.3f}"
         )
-    for label, result in summary.get("eval", {}).items():
-        lines.append(f"  eval {label}: greedy accuracy {result['accuracy']:.3f}, boxed {result['boxed_rate']:.3f}")
+    lines += _eval_lines(summary.get("eval", {}))
     lines.append(
         f"  wall time {summary['wall_time_s']} s (CPU time {summary['cpu_time_s']} s, {summary['torch_threads']} torch "
         f"threads), peak RSS {summary['peak_rss_gb']} GB"

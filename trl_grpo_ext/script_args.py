@@ -6,8 +6,12 @@ ask for remaining strings. `parse_recipe_args` refuses it with the closest valid
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
+import enum
 import os
+import types
+import typing
 from dataclasses import dataclass, field
 
 import yaml
@@ -44,7 +48,9 @@ class ScriptArguments:
         default="error",
         metadata={"help": "Rows without question/answer or with an unparseable answer: 'error' or 'drop'."},
     )
-    one_shot: bool = field(default=True, metadata={"help": "Put one worked example (answer in \\boxed{}) in the prompt."})
+    one_shot: bool = field(
+        default=True, metadata={"help": "Put one worked example (answer in \\boxed{}) in the prompt."}
+    )
     prompt_format: str = field(
         default="auto",
         metadata={"help": "'chat' messages, plain 'text', or 'auto' (chat if the tokenizer has a chat template)."},
@@ -106,11 +112,91 @@ def check_config_keys(config: dict, known: set[str], path: str) -> None:
 
 
 def load_yaml_config(path: str) -> dict:
-    with open(path) as handle:
-        config = yaml.safe_load(handle) or {}
+    try:
+        with open(path, encoding="utf-8") as handle:
+            config = yaml.safe_load(handle) or {}
+    except UnicodeDecodeError as err:
+        raise ValueError(f"{path} is not UTF-8 text (byte {err.start}); a YAML recipe is expected") from None
+    except yaml.YAMLError as err:
+        where = getattr(err, "problem_mark", None)
+        at = f" (line {where.line + 1})" if where is not None else ""
+        raise ValueError(f"{path} is not valid YAML{at}: {getattr(err, 'problem', None) or err}") from None
     if not isinstance(config, dict):
         raise ValueError(f"{path} must hold a YAML mapping of option: value, got {type(config).__name__}")
     return config
+
+
+def _field_types(dataclass_types) -> dict:
+    """Resolved type of every field of `dataclass_types` (first definition wins, as in TrlParser)."""
+    out = {}
+    for cls in dataclass_types:
+        try:
+            hints = typing.get_type_hints(cls)
+        except Exception:  # an unresolvable annotation in a library class: skip that class's checks
+            continue
+        for f in dataclasses.fields(cls):
+            if f.init and f.name not in out and f.name in hints:
+                out[f.name] = hints[f.name]
+    return out
+
+
+def _accepts(tp, value) -> bool | None:
+    """Whether YAML `value` fits type `tp` the way argparse would take it; None when the type is not checked here."""
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        results = [_accepts(arg, value) for arg in typing.get_args(tp)]
+        if any(results):
+            return True
+        return None if None in results else False
+    if tp is type(None):
+        return value is None
+    if origin is typing.Literal:
+        return value in typing.get_args(tp)
+    if origin in (list, tuple):
+        args = [a for a in typing.get_args(tp) if a is not Ellipsis]
+        items = value if isinstance(value, (list, tuple)) else [value]  # argparse takes one value for a list too
+        if not args:
+            return True
+        checks = [_accepts(args[0], item) for item in items]
+        return None if None in checks else all(checks)
+    if tp is bool:
+        return isinstance(value, bool) or (isinstance(value, str) and value.lower() in ("true", "false", "yes", "no"))
+    if tp is int:
+        return _parses(int, value)
+    if tp is float:
+        return _parses(float, value)
+    if tp is str:
+        return not isinstance(value, (list, dict))
+    if isinstance(tp, type) and issubclass(tp, enum.Enum):
+        return value in {m.value for m in tp} or (isinstance(value, str) and value in tp.__members__)
+    return None
+
+
+def _parses(kind, value) -> bool:
+    if isinstance(value, bool) or isinstance(value, (list, dict)) or value is None:
+        return False
+    if kind is int and isinstance(value, float):
+        return value.is_integer()
+    try:
+        kind(value)  # YAML 1.1 reads 4e-5 as a string; argparse converts it
+    except (TypeError, ValueError):
+        return False
+    return True
+
+
+def _type_name(tp) -> str:
+    text = getattr(tp, "__name__", None) if typing.get_origin(tp) is None else None
+    return text or str(tp).replace("typing.", "")
+
+
+def check_config_types(config: dict, dataclass_types, path: str) -> None:
+    """Raise on the first YAML value whose type its field cannot take, naming the key and the file."""
+    hints = _field_types(dataclass_types)
+    for key, value in config.items():
+        tp = hints.get(key)
+        if tp is None or _accepts(tp, value) is not False:
+            continue
+        raise ValueError(f"{path}: {key}: expected {_type_name(tp)}, got {type(value).__name__} {value!r}")
 
 
 def parse_recipe_args(argv: list[str] | None = None, default_config: str | None = None, dataclass_types=None):
@@ -125,8 +211,8 @@ def parse_recipe_args(argv: list[str] | None = None, default_config: str | None 
     from trl_grpo_ext.config import GRPOConfig
 
     argv = list(sys.argv[1:] if argv is None else argv)
-    types = dataclass_types or (ScriptArguments, GRPOConfig, ModelConfig)
-    parser = TrlParser(types)
+    classes = dataclass_types or (ScriptArguments, GRPOConfig, ModelConfig)
+    parser = TrlParser(classes)
     if "--config" not in argv and default_config:
         argv = ["--config", str(default_config), *argv]
     if "--config" in argv:
@@ -136,5 +222,7 @@ def parse_recipe_args(argv: list[str] | None = None, default_config: str | None 
         path = argv[index + 1]
         if not os.path.isfile(path):
             raise FileNotFoundError(f"recipe not found: {path}")
-        check_config_keys(load_yaml_config(path), _known_keys(parser), path)
+        config = load_yaml_config(path)
+        check_config_keys(config, _known_keys(parser), path)
+        check_config_types(config, classes, path)
     return parser.parse_args_and_config(argv, fail_with_unknown_args=True)

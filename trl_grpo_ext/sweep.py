@@ -42,7 +42,7 @@ from typing import Any, Callable
 
 import yaml
 
-from trl_grpo_ext.atomic_write import atomic_write_text
+from trl_grpo_ext.run_files import METRICS_FILENAME, PYTRIO_STATE_FILENAME, atomic_write_text, latest_checkpoint
 
 DONE_MARKER = "sweep_done.json"
 RUN_CONFIG = "sweep_config.yaml"
@@ -52,7 +52,6 @@ EVAL_RESULTS = "eval.jsonl"
 EVAL_SUMMARY = "eval_summary.json"
 SUMMARY_FILE = "sweep_summary.json"
 SWEEP_LOG = "sweep.log"
-PYTRIO_STATE = "pytrio_state.json"
 LOG_TAIL_LINES = 40
 MAX_NAME_LEN = 150
 
@@ -76,19 +75,6 @@ class Backend:
     takes_run_name: bool = True
 
 
-def latest_checkpoint(run_dir: Path) -> Path | None:
-    """Newest complete HF Trainer `checkpoint-N` under `run_dir` (one whose trainer_state.json was written)."""
-    best, best_step = None, -1
-    if not run_dir.is_dir():
-        return None
-    for child in run_dir.iterdir():
-        m = re.fullmatch(r"checkpoint-(\d+)", child.name)
-        # trainer_state.json is written last, so a checkpoint killed while saving is passed over.
-        if m and child.is_dir() and (child / "trainer_state.json").is_file() and int(m.group(1)) > best_step:
-            best, best_step = child, int(m.group(1))
-    return best
-
-
 def _trl_resume_args(run_dir: Path) -> list[str]:
     ckpt = latest_checkpoint(run_dir)
     return ["--resume_from_checkpoint", str(ckpt)] if ckpt else []
@@ -96,7 +82,7 @@ def _trl_resume_args(run_dir: Path) -> list[str]:
 
 def _pytrio_resume_args(run_dir: Path) -> list[str]:
     # The PyTRIO loop records its last save_state in <output_dir>/pytrio_state.json and reloads it on --resume.
-    return ["--resume", "true"] if (run_dir / PYTRIO_STATE).is_file() else []
+    return ["--resume", "true"] if (run_dir / PYTRIO_STATE_FILENAME).is_file() else []
 
 
 BACKENDS: dict[str, Backend] = {
@@ -107,8 +93,8 @@ BACKENDS: dict[str, Backend] = {
 
 def _has_previous_attempt(run_dir: Path) -> bool:
     return (
-        (run_dir / "metrics.jsonl").is_file()
-        or (run_dir / PYTRIO_STATE).is_file()
+        (run_dir / METRICS_FILENAME).is_file()
+        or (run_dir / PYTRIO_STATE_FILENAME).is_file()
         or latest_checkpoint(run_dir) is not None
     )
 
@@ -538,7 +524,7 @@ def _run_logged(cmd: list[str], log_path: Path, env: dict, table: _ProcessTable,
 def _set_aside_stale_metrics(run_dir: Path) -> None:
     # A previous attempt died before its first checkpoint: the retry starts from step 0, so its old
     # metrics would interleave with the new ones. Kept under another name rather than deleted.
-    metrics = run_dir / "metrics.jsonl"
+    metrics = run_dir / METRICS_FILENAME
     if metrics.is_file():
         n = 1
         while (run_dir / f"metrics.attempt-{n}.jsonl").exists():

@@ -13,9 +13,21 @@ ON_MALFORMED = ("error", "drop")
 
 
 def read_jsonl(path) -> list[dict]:
+    """Rows of a JSONL dataset file; a file that is binary, not UTF-8 or not JSON lines fails naming file and line."""
     rows = []
-    with open(path, encoding="utf-8") as handle:
-        for lineno, line in enumerate(handle, 1):
+    with open(path, "rb") as handle:
+        if b"\0" in handle.read(8192):  # text never holds NUL; checked first, before a decode error hides it
+            raise ValueError(f"{path}: a binary file (NUL bytes), not JSONL text")
+        handle.seek(0)
+        for lineno, raw in enumerate(handle, 1):
+            if b"\0" in raw:
+                raise ValueError(f"{path}:{lineno}: a binary file (NUL bytes), not JSONL text")
+            try:
+                line = raw.decode("utf-8-sig" if lineno == 1 else "utf-8")  # a BOM is not part of the row
+            except UnicodeDecodeError as err:
+                raise ValueError(
+                    f"{path}:{lineno}: not UTF-8 text (byte {err.start} of the line); save it as UTF-8"
+                ) from None
             if not line.strip():
                 continue
             try:
@@ -23,6 +35,8 @@ def read_jsonl(path) -> list[dict]:
             except json.JSONDecodeError as err:
                 raise ValueError(f"{path}:{lineno}: not a JSON line ({err.msg})") from None
             rows.append(row)
+    if not rows:
+        raise ValueError(f"{path}: no rows (the file is empty)")
     return rows
 
 
@@ -77,7 +91,9 @@ def validate_rows(rows: list[dict], on_malformed: str = "error", source: str = "
             raise ValueError(f"{source}: row {index} {problem}; fix it or set on_malformed: drop")
         dropped.append(index)
     if dropped:
-        logger.warning("%s: dropped %d malformed row(s) of %d (first: row %d)", source, len(dropped), len(rows), dropped[0])
+        logger.warning(
+            "%s: dropped %d malformed row(s) of %d (first: row %d)", source, len(dropped), len(rows), dropped[0]
+        )
     if not kept:
         raise ValueError(f"{source}: no usable rows (all {len(rows)} malformed)")
     return kept

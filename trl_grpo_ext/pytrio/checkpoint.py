@@ -13,11 +13,8 @@ import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from trl_grpo_ext import metrics_log
-from trl_grpo_ext.atomic_write import atomic_write_text
-from trl_grpo_ext.metrics_log import METRICS_FILENAME as METRICS_FILE
+from trl_grpo_ext.run_files import PYTRIO_STATE_FILENAME, atomic_write_json
 
-STATE_FILE = "pytrio_state.json"
 STATE_VERSION = 1
 # Settings that must not change across a resume: they define the model being trained and the data order.
 PINNED_KEYS = ("base_model", "lora_rank", "seed", "num_generations", "per_device_train_batch_size", "dataset_name")
@@ -51,14 +48,14 @@ def pinned_settings(config) -> dict:
 
 
 def save_loop_state(output_dir: str | Path, state: LoopState) -> Path:
-    path = Path(output_dir) / STATE_FILE
-    atomic_write_text(path, json.dumps(asdict(state), indent=2, sort_keys=True) + "\n")
+    path = Path(output_dir) / PYTRIO_STATE_FILENAME
+    atomic_write_json(path, asdict(state), indent=2, sort_keys=True)
     return path
 
 
 def load_loop_state(output_dir: str | Path) -> LoopState | None:
     """The recorded state, or None when the directory holds none (a fresh run)."""
-    path = Path(output_dir) / STATE_FILE
+    path = Path(output_dir) / PYTRIO_STATE_FILENAME
     if not path.is_file():
         return None
     try:
@@ -80,16 +77,3 @@ def check_resumable(state: LoopState, config) -> None:
     if changed:
         detail = ", ".join(f"{k}: {old!r} -> {new!r}" for k, (old, new) in changed.items())
         raise ValueError(f"cannot resume: settings changed since the checkpoint ({detail}); use a new output_dir")
-
-
-def read_metrics(output_dir: str | Path) -> list[dict]:
-    return metrics_log.read_metrics(Path(output_dir) / METRICS_FILE)
-
-
-def truncate_metrics(output_dir: str | Path, last_step: int) -> int:
-    """Keep the metrics rows up to ``last_step`` (the steps the checkpoint holds); returns the rows dropped.
-
-    Steps after the checkpoint are trained again on resume, so their old rows would duplicate the new ones.
-    """
-    path = Path(output_dir) / METRICS_FILE
-    return metrics_log.truncate_metrics(path, last_step) if path.is_file() else 0

@@ -30,12 +30,13 @@ from trl_grpo_ext.pytrio.checkpoint import (
     load_loop_state,
     pinned_settings,
     save_loop_state,
-    truncate_metrics,
 )
 from trl_grpo_ext.pytrio.config import PyTrioGRPOConfig
 from trl_grpo_ext.pytrio.connection import install_log_redaction, redact
 from trl_grpo_ext.pytrio.datums import Rollout, build_datum, shifted_sequences, validate_rollout
 from trl_grpo_ext.pytrio.metrics import MetricsSink, nanmean, nanstd
+from trl_grpo_ext.rewards import get_reward_funcs
+from trl_grpo_ext.run_files import CONFIG_FILENAME, METRICS_FILENAME, atomic_write_text, truncate_metrics
 
 logger = logging.getLogger(__name__)
 
@@ -570,17 +571,18 @@ class GRPOLoop:
         install_log_redaction()
         c = self.config
         out = Path(c.output_dir)
-        out.mkdir(parents=True, exist_ok=True)
-        _write_config(c, out)
-
+        # Everything bad input can break runs before the first write to the run folder (config.yaml, then the
+        # metrics truncation below): a failing rerun leaves the previous run's files as they were.
+        self._rows = self._load_rows()
+        get_reward_funcs(c.reward_funcs)  # unknown names: a ValueError listing the valid ones
         previous = load_loop_state(out) if c.resume else None
         if c.resume and previous is None:
             logger.warning("resume: no loop state in %s; starting from step 0", out)
-        service = self._service_client()
         if previous is not None:
             check_resumable(previous, c)
+        service = self._service_client()
+        if previous is not None:
             state = previous
-            truncate_metrics(out, state.step)
             training_client = _call(
                 service.create_training_client_from_state_with_optimizer, "restore from checkpoint",
                 state.state_path,
@@ -592,11 +594,14 @@ class GRPOLoop:
                 service.create_lora_training_client, "create_lora_training_client",
                 c.base_model, rank=c.lora_rank, seed=c.seed,
             )
+        stream = self.prepare(training_client, state.data_position)
+        out.mkdir(parents=True, exist_ok=True)
+        _write_config(c, out)
+        # A resumed run drops the rows logged after its checkpoint (those steps run again); a fresh one starts empty.
+        truncate_metrics(out / METRICS_FILENAME, state.step)
         sink = MetricsSink(out, c.report_to, c.to_dict(), c.run_name, c.swanlab_project, c.swanlab_mode,
-                           fresh=previous is None)
+                           fresh=False)
         try:
-            stream = self.prepare(training_client, state.data_position)
-
             done_here = 0
             for step in range(state.step, c.max_steps):
                 metrics = self.train_step(training_client, stream, step)
@@ -628,9 +633,7 @@ class GRPOLoop:
 def _write_config(config: PyTrioGRPOConfig, out: Path) -> None:
     import yaml
 
-    from trl_grpo_ext.atomic_write import atomic_write_text
-
-    atomic_write_text(out / "config.yaml", yaml.safe_dump({**config.to_dict(), "backend": "pytrio"}, sort_keys=True))
+    atomic_write_text(out / CONFIG_FILENAME, yaml.safe_dump({**config.to_dict(), "backend": "pytrio"}, sort_keys=True))
 
 
 def run_grpo(config: PyTrioGRPOConfig, service_client=None, **kwargs) -> dict:

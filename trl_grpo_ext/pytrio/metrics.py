@@ -7,14 +7,13 @@ are the NaN-aware mean / std over the step's completions (unscorable completions
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 import os
 from pathlib import Path
 
-from trl_grpo_ext.pytrio.checkpoint import METRICS_FILE
 from trl_grpo_ext.pytrio.connection import redact
+from trl_grpo_ext.run_files import METRICS_FILENAME, append_jsonl_row, truncate_metrics
 
 logger = logging.getLogger(__name__)
 
@@ -46,10 +45,10 @@ class MetricsSink:
 
     def __init__(self, output_dir, report_to: str = "none", run_config: dict | None = None, run_name=None,
                  project: str = "trl-grpo-ext", swanlab_mode: str | None = None, fresh: bool = True):
-        self.path = Path(output_dir) / METRICS_FILE
+        self.path = Path(output_dir) / METRICS_FILENAME
         self.path.parent.mkdir(parents=True, exist_ok=True)
         if fresh:
-            self.path.write_text("")
+            truncate_metrics(self.path, 0)
         self._swanlab = None
         if report_to == "swanlab":
             self._swanlab = self._init_swanlab(Path(output_dir), run_config or {}, run_name, project, swanlab_mode)
@@ -71,16 +70,14 @@ class MetricsSink:
                 config=run_config,
             )
         except Exception as error:  # noqa: BLE001 - tracking must not stop a training run
-            logger.warning("SwanLab could not start (%s); metrics go to %s only", redact(error), METRICS_FILE)
+            logger.warning("SwanLab could not start (%s); metrics go to %s only", redact(error), METRICS_FILENAME)
             return None
         return swanlab
 
     def log(self, step: int, metrics: dict) -> dict:
         row = {"step": int(step)}
         row.update({key: _jsonable(value) for key, value in metrics.items()})
-        with open(self.path, "a", encoding="utf-8") as handle:
-            handle.write(json.dumps(row) + "\n")
-            handle.flush()
+        append_jsonl_row(self.path, row)  # a torn last line (a kill mid-write) is repaired first
         if self._swanlab is not None:
             numeric = {k: v for k, v in row.items() if k != "step" and isinstance(v, (int, float))}
             try:

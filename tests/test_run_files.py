@@ -1,0 +1,148 @@
+"""run_files: the reader, appends after a torn line, resume truncation, atomic replacement, complete checkpoints."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from trl_grpo_ext.run_files import (
+    METRICS_FILENAME,
+    TEST_KILL_ENV,
+    append_jsonl_row,
+    atomic_write_text,
+    is_complete_checkpoint,
+    latest_checkpoint,
+    maybe_kill,
+    read_metrics_file,
+    resolve_resume_checkpoint,
+    run_metrics,
+    truncate_metrics,
+)
+
+
+def test_reader_skips_torn_and_non_object_lines_and_counts_them(tmp_path):
+    path = tmp_path / METRICS_FILENAME
+    path.write_bytes(b'{"step": 1}\n[1, 2]\n\n"text"\n{"step": 2, "note": "\xff"}\n{"step": 3, "rew')
+    rows, skipped = read_metrics_file(path)
+    assert [r["step"] for r in rows] == [1, 2] and skipped == 3
+    assert truncate_metrics(path, 1) == 1  # a list row must not break truncation
+    assert run_metrics(tmp_path) == [{"step": 1}]
+    assert read_metrics_file(tmp_path / "missing.jsonl") == ([], 0)
+
+
+def test_append_after_a_torn_line_drops_the_fragment(tmp_path):
+    path = tmp_path / METRICS_FILENAME
+    path.write_text('{"step": 1}\n{"step": 2, "rew')
+    append_jsonl_row(path, {"step": 2, "reward": 0.5})
+    assert path.read_text() == '{"step": 1}\n{"step": 2, "reward": 0.5}\n'
+    assert read_metrics_file(path) == ([{"step": 1}, {"step": 2, "reward": 0.5}], 0)
+
+
+def test_append_after_a_lost_newline_keeps_the_whole_row(tmp_path):
+    path = tmp_path / METRICS_FILENAME
+    path.write_text('{"step": 1}\n{"step": 2}')  # only the newline was cut off
+    append_jsonl_row(path, {"step": 3})
+    assert [r["step"] for r in run_metrics(tmp_path)] == [1, 2, 3]
+    assert read_metrics_file(path)[1] == 0
+
+
+def test_append_to_a_file_that_is_one_fragment_and_to_a_missing_file(tmp_path):
+    path = tmp_path / "a" / METRICS_FILENAME
+    append_jsonl_row(path, {"step": 1})  # folder and file created
+    path.write_text('{"ste')
+    append_jsonl_row(path, {"step": 1})
+    assert path.read_text() == '{"step": 1}\n'
+
+
+def test_fragment_longer_than_a_read_block(tmp_path):
+    path = tmp_path / METRICS_FILENAME
+    path.write_text('{"step": 1}\n{"step": 2, "x": "' + "y" * 200_000)
+    append_jsonl_row(path, {"step": 2})
+    assert path.read_text() == '{"step": 1}\n{"step": 2}\n'
+
+
+def test_truncate_to_step_and_fresh_start(tmp_path):
+    path = tmp_path / METRICS_FILENAME
+    path.write_text("".join(json.dumps({"step": s}) + "\n" for s in range(1, 6)) + '{"step": "x"}\n{"st')
+    assert truncate_metrics(path, 3) == 3  # steps 4, 5 and the row without an integer step
+    assert [r["step"] for r in run_metrics(tmp_path)] == [1, 2, 3]
+    assert truncate_metrics(path, 0) == 3
+    assert path.read_text() == ""
+    missing = tmp_path / "new" / METRICS_FILENAME
+    assert truncate_metrics(missing, 0) == 0 and missing.read_text() == ""
+
+
+def test_atomic_write_leaves_the_old_file_when_the_writer_fails(tmp_path, monkeypatch):
+    path = tmp_path / "config.yaml"
+    atomic_write_text(path, "old\n")
+
+    def fail(*args, **kwargs):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(os, "fsync", fail)
+    with pytest.raises(OSError, match="disk full"):
+        atomic_write_text(path, "new\n")
+    assert path.read_text() == "old\n"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["config.yaml"]  # no temp file left
+
+
+def _checkpoint(run_dir, step, state="{}"):
+    folder = run_dir / f"checkpoint-{step}"
+    folder.mkdir(parents=True)
+    (folder / "model.safetensors").write_bytes(b"weights")
+    if state is not None:
+        (folder / "trainer_state.json").write_text(state)
+    return folder
+
+
+def test_latest_checkpoint_passes_over_interrupted_saves(tmp_path):
+    assert latest_checkpoint(tmp_path / "missing") is None
+    assert latest_checkpoint(tmp_path) is None
+    _checkpoint(tmp_path, 2)
+    _checkpoint(tmp_path, 10)
+    _checkpoint(tmp_path, 12, state=None)  # killed before trainer_state.json
+    _checkpoint(tmp_path, 14, state='{"global_st')  # killed while writing it
+    (tmp_path / "checkpoint-16").write_text("")  # not a folder
+    assert latest_checkpoint(tmp_path) == tmp_path / "checkpoint-10"  # by step number, not name order
+    assert is_complete_checkpoint(tmp_path / "checkpoint-2") and not is_complete_checkpoint(tmp_path / "checkpoint-12")
+
+
+def test_resolve_resume_checkpoint(tmp_path):
+    assert resolve_resume_checkpoint(None, tmp_path) is None
+    assert resolve_resume_checkpoint("false", tmp_path) is None
+    assert resolve_resume_checkpoint("true", tmp_path) is None  # nothing saved yet: a fresh start
+    good = _checkpoint(tmp_path, 2)
+    bad = _checkpoint(tmp_path, 4, state=None)
+    assert resolve_resume_checkpoint(True, tmp_path) == str(good)
+    assert resolve_resume_checkpoint("True", tmp_path) == str(good)
+    assert resolve_resume_checkpoint(str(good), tmp_path) == str(good)
+    with pytest.raises(ValueError, match=r"checkpoint-4 is incomplete.*latest complete one is .*checkpoint-2"):
+        resolve_resume_checkpoint(str(bad), tmp_path)
+    with pytest.raises(ValueError, match="is not a folder"):
+        resolve_resume_checkpoint(str(tmp_path / "checkpoint-9"), tmp_path)
+
+
+def test_kill_points_are_inert_unless_requested(monkeypatch):
+    monkeypatch.delenv(TEST_KILL_ENV, raising=False)
+    maybe_kill("step", 3)
+    monkeypatch.setenv(TEST_KILL_ENV, "step:4")
+    maybe_kill("step", 3)
+    maybe_kill("save", 4)
+    with pytest.raises(ValueError, match="unknown kill point"):
+        maybe_kill("nowhere", 1)
+
+
+def test_metrics_kill_point_leaves_a_torn_row_that_the_next_append_repairs(tmp_path):
+    path = tmp_path / METRICS_FILENAME
+    code = (
+        "import sys; from trl_grpo_ext.run_files import append_jsonl_row as a\n"
+        "for s in (1, 2, 3): a(sys.argv[1], {'step': s, 'reward': 0.25})\n"
+    )
+    env = {**os.environ, TEST_KILL_ENV: "metrics:2"}
+    proc = subprocess.run([sys.executable, "-c", code, str(path)], env=env, capture_output=True, timeout=60)
+    assert proc.returncode == -9, proc.stderr
+    assert not path.read_text().endswith("\n") and read_metrics_file(path) == ([{"step": 1, "reward": 0.25}], 1)
+    append_jsonl_row(path, {"step": 2})
+    assert [r["step"] for r in run_metrics(tmp_path)] == [1, 2] and read_metrics_file(path)[1] == 0
