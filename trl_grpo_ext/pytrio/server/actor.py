@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import msgpack
 
-from trl_grpo_ext.pytrio.server.engine import EngineError
+from trl_grpo_ext.pytrio.server.engine import EngineError, SampleSpec
 from trl_grpo_ext.pytrio.server.events import EventRecord, RunEventQueue
 from trl_grpo_ext.pytrio.server.registry import ApiError
 from trl_grpo_ext.pytrio.server.wire import prompt_tokens, validate
@@ -90,10 +90,9 @@ class ActorHandlers:
         stop = params.get("stop")
         stop = [stop] if isinstance(stop, str) else stop
         try:
-            results = self.engine.sample(
-                snapshot,
+            spec = SampleSpec(
                 prompt,
-                num_samples=request.num_samples,
+                request.num_samples,
                 max_tokens=int(params["max_tokens"]),
                 temperature=float(params.get("temperature", 1.0)),
                 top_k=int(params.get("top_k", -1)),
@@ -103,6 +102,7 @@ class ActorHandlers:
                 stop_token_ids=[int(t) for t in params.get("stop_token_ids") or []],
                 return_text=request.return_text,
             )
+            results = self.sampler.sample(snapshot, spec)  # batched with concurrent requests
             prompt_logprobs, topk = None, None
             if request.return_prompt_logprobs or request.topk_prompt_logprobs:
                 prompt_logprobs, topk = self.engine.prompt_logprobs(snapshot, prompt, request.topk_prompt_logprobs)

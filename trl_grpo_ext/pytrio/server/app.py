@@ -30,6 +30,7 @@ from trl_grpo_ext.pytrio.server.events import RunEventQueue
 from trl_grpo_ext.pytrio.server.faults import FaultInjector
 from trl_grpo_ext.pytrio.server.registry import ApiError, Registry
 from trl_grpo_ext.pytrio.server.routes import make_handler
+from trl_grpo_ext.pytrio.server.sampling import SamplingBatcher
 from trl_grpo_ext.pytrio.server.training import TrainingHandlers
 from trl_grpo_ext.pytrio.server.wire import ACTOR_CUID
 
@@ -62,6 +63,7 @@ class LocalPyTrioServer(ControlHandlers, ActorHandlers, TrainingHandlers, Checkp
         self.model_alias = self.served_names[0] if self.served_names else _default_alias(config.model, self.model_id)
         self.aliases = {self.model_id, self.model_alias, str(config.model), *self.served_names}
         self.faults = FaultInjector()
+        self.sampler = SamplingBatcher(self.engine, config.max_sampling_rows)
         self._queues: dict[str, RunEventQueue] = {}
         self._snapshot_cache: OrderedDict[str, LoraSnapshot] = OrderedDict()
         self._cache_lock = threading.Lock()
@@ -93,6 +95,7 @@ class LocalPyTrioServer(ControlHandlers, ActorHandlers, TrainingHandlers, Checkp
 
     def stop(self) -> None:
         self._close_inprocess_clients()
+        self.sampler.stop()
         if self._httpd is not None:
             self._httpd.shutdown()
             self._httpd.server_close()

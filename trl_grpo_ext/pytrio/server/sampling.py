@@ -1,0 +1,106 @@
+"""Concurrent sample requests of the local server, decoded together (`DecodeBatch`) by one worker thread.
+
+The async PyTRIO loop sends one ``sample`` request per prompt at once; served one at a time they would take as many
+memory-bound decodes as there are prompts. Here a request waits in a queue; the worker starts a batch with the oldest
+one and, between decode steps, admits every queued request on the same adapter snapshot (up to `max_rows` rows), so
+concurrent requests share each decode step. Nothing waits on a clock: a request that finds the worker idle starts at
+once.
+
+What a request samples does not depend on its batch-mates: each has its own seeded generator and draws from its own
+rows only (`RequestRows`); the batch changes only the float rounding of the shared forward (padding, batch size),
+see docs/pytrio_server.md.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections import deque
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+
+from trl_grpo_ext.pytrio.server.engine import DecodeBatch, LoraSnapshot, ModelEngine, SampleResult, SampleSpec
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class _Job:
+    snapshot: LoraSnapshot | None
+    spec: SampleSpec
+    future: Future = field(default_factory=Future)
+
+
+class SamplingBatcher:
+    """Queue of sample requests and the worker that decodes them in shared batches."""
+
+    def __init__(self, engine: ModelEngine, max_rows: int = 64):
+        self.engine = engine
+        self.max_rows = max(1, int(max_rows))
+        self._pending: deque[_Job] = deque()
+        self._cv = threading.Condition()
+        self._stopped = False
+        self._thread: threading.Thread | None = None
+        self.batches = 0  # decode batches started (tests and logs)
+        self.max_requests_in_batch = 0
+
+    def sample(self, snapshot: LoraSnapshot | None, spec: SampleSpec) -> list[SampleResult]:
+        """Sample `spec` on `snapshot` (None: the base model); blocks until its rows are done."""
+        self.engine.check_sample(spec)  # a bad request fails alone, before it joins a batch
+        job = _Job(snapshot, spec)
+        with self._cv:
+            if self._stopped:
+                raise RuntimeError("the sampling worker is stopped")
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._work, name="pytrio-sampling", daemon=True)
+                self._thread.start()
+            self._pending.append(job)
+            self._cv.notify()
+        return job.future.result()
+
+    def stop(self) -> None:
+        with self._cv:
+            self._stopped = True
+            self._cv.notify()
+
+    def _take_joiners(self, batch: DecodeBatch) -> list[_Job]:
+        """Queued jobs that can join `batch` now, oldest first, within `max_rows`."""
+        taken, rows = [], batch.rows
+        with self._cv:
+            for job in list(self._pending):
+                if batch.can_join(job.snapshot) and rows + job.spec.num_samples <= self.max_rows:
+                    self._pending.remove(job)
+                    taken.append(job)
+                    rows += job.spec.num_samples
+        return taken
+
+    def _work(self) -> None:
+        while True:
+            with self._cv:
+                while not self._pending and not self._stopped:
+                    self._cv.wait()
+                if self._stopped:
+                    for job in self._pending:
+                        job.future.set_exception(RuntimeError("the local server stopped"))
+                    self._pending.clear()
+                    return
+                first = self._pending.popleft()
+            self._run_batch(first)
+
+    def _run_batch(self, first: _Job) -> None:
+        batch = DecodeBatch(self.engine, first.snapshot)
+        jobs: dict[int, _Job] = {}  # id(RequestRows) -> job
+        self.batches += 1
+        try:
+            jobs[id(batch.admit(first.spec))] = first
+            while batch.requests:
+                for job in self._take_joiners(batch):  # requests that arrived meanwhile join before the next step
+                    jobs[id(batch.admit(job.spec))] = job
+                self.max_requests_in_batch = max(self.max_requests_in_batch, len(batch.requests))
+                for rows in batch.step():
+                    jobs.pop(id(rows)).future.set_result(rows.results(self.engine.tokenizer))
+        except Exception as error:  # noqa: BLE001 - every request of the failed batch gets the error
+            logger.exception("sampling batch failed")
+            for job in [first, *jobs.values()]:
+                if not job.future.done():
+                    job.future.set_exception(error)
