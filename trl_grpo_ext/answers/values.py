@@ -281,7 +281,9 @@ def _power(base: Value, exponent: Value) -> Value:
     if isinstance(base, Surd):
         if max(_bits(base.coef), base.radicand.bit_length()) * k > MAX_VALUE_BITS:
             raise Refused(f"a value beyond {MAX_VALUE_BITS} bits")
-        return _surd(base.coef**k, base.index, Fraction(base.radicand**k))
+        # (c r^(1/n))^k = c^k r^(k//n) (r^(k%n))^(1/n): only the small leftover power needs a canonical form
+        whole = base.coef**k * base.radicand ** (k // base.index)
+        return _mul(_checked(whole), _surd(Fraction(1), base.index, Fraction(base.radicand ** (k % base.index))))
     if _bits(base) * k > MAX_VALUE_BITS:
         raise Refused(f"a value beyond {MAX_VALUE_BITS} bits")
     return base**k
