@@ -13,6 +13,7 @@ from trl_grpo_ext.evaluation import (
     majority_vote,
     problems_from_rows,
     run_eval,
+    summarize,
     summary_path_for,
 )
 
@@ -27,7 +28,10 @@ ROWS = [
 SCRIPT = {
     "What is 2 + 3?": ("So \\boxed{5}", ["\\boxed{5}", "\\boxed{5.0}", "\\boxed{6}", "no box 5"]),
     "What is 10 * 10?": ("It is 100", ["\\boxed{10}", "\\boxed{10}", "\\boxed{100}", "\\boxed{1000}"]),
-    ROWS[2]["question"]: ("\\boxed{24} wait \\boxed{72}", ["\\boxed{70}", "\\boxed{71}", "\\boxed{73}", "\\boxed{74}"]),
+    ROWS[2]["question"]: (
+        "\\boxed{24} wait \\boxed{72}",
+        ["\\boxed{70}", "\\boxed{71}", "\\boxed{73}", "\\boxed{74}"],
+    ),
     "What is 1,000 + 80?": ("\\boxed{1080}", ["\\boxed{1,080}", "\\boxed{8}", "\\boxed{1080}", "\\boxed{9}"]),
 }
 
@@ -130,8 +134,10 @@ def test_run_eval_writes_results_and_before_after_comparison(tmp_path):
 def test_limit_and_bad_data(tmp_path):
     data = tmp_path / "set.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in ROWS))
-    payload = run_eval(EvalRun(model="m", data=str(data), limit=2, out=str(tmp_path / "e.jsonl"), progress=False),
-                       make_generator=lambda m, a: FakeGenerator())
+    payload = run_eval(
+        EvalRun(model="m", data=str(data), limit=2, out=str(tmp_path / "e.jsonl"), progress=False),
+        make_generator=lambda m, a: FakeGenerator(),
+    )
     assert payload["summary"]["n"] == 2 and payload["summary"]["pass@1"] == 0.5
     with pytest.raises(FileNotFoundError, match="neither"):
         run_eval(EvalRun(model="m", data=str(tmp_path / "missing.jsonl")), make_generator=lambda m, a: FakeGenerator())
@@ -157,8 +163,22 @@ def test_eval_cli_on_tiny_model(tiny_model_path, tmp_path, capsys):
     data = tmp_path / "set.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in ROWS[:2]))
     out = tmp_path / "res.jsonl"
-    rc = main(["eval", "--model", tiny_model_path, "--data", str(data), "--max_new_tokens", "4", "--k", "2",
-               "--out", str(out), "--no-progress"])
+    rc = main(
+        [
+            "eval",
+            "--model",
+            tiny_model_path,
+            "--data",
+            str(data),
+            "--max_new_tokens",
+            "4",
+            "--k",
+            "2",
+            "--out",
+            str(out),
+            "--no-progress",
+        ]
+    )
     assert rc == 0
     assert "pass@1" in capsys.readouterr().out
     assert json.loads((tmp_path / "res_summary.json").read_text())["summary"]["n"] == 2
@@ -187,8 +207,10 @@ def test_models_without_chat_template_get_text_prompts(tmp_path):
 
     data = tmp_path / "set.jsonl"
     data.write_text(json.dumps(ROWS[0]) + "\n")
-    payload = run_eval(EvalRun(model="m", data=str(data), out=str(tmp_path / "e.jsonl"), progress=False),
-                       make_generator=lambda m, a: TextOnly())
+    payload = run_eval(
+        EvalRun(model="m", data=str(data), out=str(tmp_path / "e.jsonl"), progress=False),
+        make_generator=lambda m, a: TextOnly(),
+    )
     assert payload["summary"]["pass@1"] == 1.0
     assert isinstance(seen[0], str) and seen[0].rstrip().endswith("Question: What is 2 + 3?\nAnswer:")
 
@@ -209,3 +231,212 @@ def test_lora_adapter_is_applied(tiny_model_path, tmp_path):
     assert not torch.equal(plain.model.state_dict()[name], adapted.model.state_dict()[name])
     prompts = problems_from_rows(ROWS[:2])
     assert len(adapted.generate([p.prompt for p in prompts], 2, False)) == 2
+
+
+# ---------------------------------------------------------------------- format-independent scoring
+
+
+def test_format_independent_prediction_and_per_task_summary():
+    from trl_grpo_ext.evaluation import extract_any_prediction, score_problem
+
+    assert extract_any_prediction("so 3 + 4 = 7, then \\boxed{8} and 9") == "8"  # the box wins
+    assert extract_any_prediction("so 3 + 4 = 7.") == "7"  # no box: the last number
+    assert extract_any_prediction("no number") is None
+    problems = [Problem("q1", "7", "q1", task="easy"), Problem("q2", "5", "q2", task="hard")]
+    r = score_problem(0, problems[0], "3 + 4 = 7", [])
+    assert (r.greedy_pred, r.greedy_correct, r.greedy_boxed, r.greedy_any_pred, r.greedy_any_correct) == (
+        None,
+        False,
+        False,
+        "7",
+        True,
+    )
+    results = [r, score_problem(1, problems[1], "\\boxed{5}", [])]
+    summary = summarize(results, 1)
+    assert summary["pass@1"] == summary["accuracy"] == 0.5
+    assert summary["accuracy_any_format"] == 1.0 and summary["boxed_rate"] == 0.5
+    assert summary["per_task"]["easy"] == {"n": 1, "accuracy_any_format": 1.0, "accuracy": 0.0, "boxed_rate": 0.0}
+
+
+def test_paired_gain_math():
+    from trl_grpo_ext.evaluation import paired_gain
+
+    g = paired_gain([1, 0, 0, 1, 0], [1, 1, 1, 0, 0])
+    assert (g["before"], g["after"], g["fixed"], g["broken"]) == (0.4, 0.6, 2, 1)
+    assert g["gain"] == pytest.approx(0.2)
+    assert g["mcnemar_p"] == pytest.approx(1.0)  # 2 vs 1 discordant pairs: no evidence
+    assert g["ci_low"] < 0 < g["ci_high"]
+    big = paired_gain([0] * 100 + [1] * 20, [1] * 40 + [0] * 60 + [1] * 20)
+    assert big["gain"] == pytest.approx(40 / 120) and big["ci_low"] > 0.2 and big["mcnemar_p"] < 1e-10
+
+
+def test_paired_comparison_per_task_and_summary_line():
+    from trl_grpo_ext.evaluation import format_gain, paired_comparison, score_problem
+
+    problems = [Problem(f"q{i}", "1", f"q{i}", task="a" if i < 6 else "b") for i in range(10)]
+    before = [score_problem(i, p, "1" if i < 2 else "0", []) for i, p in enumerate(problems)]
+    after = [score_problem(i, p, "\\boxed{1}" if i < 8 else "0", []) for i, p in enumerate(problems)]
+    paired = paired_comparison(before, after)
+    m = paired["metrics"]
+    assert (m["accuracy_any_format"]["before"], m["accuracy_any_format"]["after"]) == (0.2, 0.8)
+    assert (m["accuracy"]["before"], m["accuracy"]["after"], m["boxed_rate"]["after"]) == (0.0, 0.8, 0.8)
+    assert paired["per_task"]["a"]["n"] == 6 and paired["per_task"]["b"]["metrics"]["accuracy"]["after"] == 0.5
+    line = format_gain("format-independent accuracy", m["accuracy_any_format"])
+    assert line.startswith("format-independent accuracy 0.200 -> 0.800, paired gain +0.600 [+")
+    assert line.endswith(f"(n=10, McNemar p={format_p_for(6, 0)})")
+    with pytest.raises(ValueError, match="differ"):
+        paired_comparison(before, after[::-1])
+
+
+def format_p_for(fixed, broken):
+    from trl_grpo_ext.stats import format_p, mcnemar_exact
+
+    return format_p(mcnemar_exact(fixed, broken))
+
+
+# ------------------------------------------------------------------------------- cached "before"
+
+
+def _fake_model_folder(path, weights=b"w" * 10):
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text('{"model_type": "llama"}')
+    (path / "model.safetensors").write_bytes(weights)
+    (path / "tokenizer_config.json").write_text(
+        '{"chat_template": "{{ messages }}"}'
+    )  # chat prompts, as FakeGenerator reads
+    return path
+
+
+def test_before_eval_cache_reused_and_invalidated(tmp_path, monkeypatch):
+    from trl_grpo_ext.evaluation import cached_greedy_eval, model_identity
+
+    monkeypatch.setenv("TRL_GRPO_EXT_CACHE", str(tmp_path / "cache"))
+    folder = _fake_model_folder(tmp_path / "model")
+    problems = problems_from_rows(ROWS)
+    built = []
+
+    def make():
+        built.append(1)
+        return FakeGenerator()
+
+    settings = {"max_new_tokens": 8}
+    first, info = cached_greedy_eval(problems, make, model_identity(str(folder)), settings, 2, progress=False)
+    assert not info["cached"] and len(built) == 1 and [r.greedy_correct for r in first] == [True, False, True, True]
+    again, info = cached_greedy_eval(problems, make, model_identity(str(folder)), settings, 2, progress=False)
+    assert info["cached"] and len(built) == 1  # the generator was not even built
+    assert [r.greedy_completion for r in again] == [r.greedy_completion for r in first]
+    # the eval set changes (one problem less, or another prompt): evaluated again
+    cached_greedy_eval(problems[:3], make, model_identity(str(folder)), settings, 2, progress=False)
+    assert len(built) == 2
+    cached_greedy_eval(
+        problems_from_rows(ROWS, one_shot=False), make, model_identity(str(folder)), settings, 2, progress=False
+    )
+    assert len(built) == 3
+    # the generation settings change
+    cached_greedy_eval(problems, make, model_identity(str(folder)), {"max_new_tokens": 9}, 2, progress=False)
+    assert len(built) == 4
+    # the model changes: new weights, or an edited config
+    (folder / "model.safetensors").write_bytes(b"w" * 11)
+    _, info = cached_greedy_eval(problems, make, model_identity(str(folder)), settings, 2, progress=False)
+    assert not info["cached"] and len(built) == 5
+    (folder / "config.json").write_text('{"model_type": "llama", "x": 1}')
+    cached_greedy_eval(problems, make, model_identity(str(folder)), settings, 2, progress=False)
+    assert len(built) == 6
+    # unknown model identity, or caching off: always generated
+    cached_greedy_eval(problems, make, None, settings, 2, progress=False)
+    cached_greedy_eval(problems, make, model_identity(str(folder)), settings, 2, progress=False, use_cache=False)
+    assert len(built) == 8
+    assert model_identity("nobody/never-downloaded-model") is None  # a hub id not in the local cache
+
+
+def test_cli_eval_caches_greedy_before_model(tmp_path, monkeypatch):
+    monkeypatch.setenv("TRL_GRPO_EXT_CACHE", str(tmp_path / "cache"))
+    before_dir, after_dir = _fake_model_folder(tmp_path / "before"), _fake_model_folder(tmp_path / "after", b"x")
+    data = tmp_path / "set.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in ROWS))
+    worse = {q: ("\\boxed{0}", []) for q in SCRIPT}
+    built = []
+
+    def make(model, adapter):
+        built.append(model)
+        return FakeGenerator(SCRIPT if model == str(after_dir) else worse)
+
+    from trl_grpo_ext.evaluation import model_identity
+
+    cfg = EvalRun(
+        model=str(after_dir),
+        compare_model=str(before_dir),
+        data=str(data),
+        out=str(tmp_path / "e.jsonl"),
+        progress=False,
+    )
+    payload = run_eval(cfg, make_generator=make, identify=model_identity)
+    assert built == [str(after_dir), str(before_dir)] and payload["compare_summary"]["cached"] is False
+    paired = payload["paired"]["metrics"]["accuracy"]
+    assert (paired["before"], paired["after"], paired["fixed"]) == (0.0, 0.75, 3)
+    assert "paired gain +0.750" in format_summary(payload)
+    payload = run_eval(cfg, make_generator=make, identify=model_identity)
+    assert len(built) == 2 and payload["compare_summary"]["cached"] and payload["summary"]["cached"]
+
+
+def _callback_problems():
+    return [
+        {"prompt": [{"role": "user", "content": q}], "answer": a, "task": t}
+        for q, a, t in [("1 + 2 =", "#### 3", "easy"), ("2 * 5 =", "#### 10", "easy"), ("7 - 3 =", "#### 4", "hard")]
+    ]
+
+
+@pytest.mark.slow
+def test_before_after_callback_cache_resume_and_paired_gain(tiny_model_path, tmp_path, monkeypatch):
+    import shutil
+    from types import SimpleNamespace
+
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from trl_grpo_ext.callbacks import BeforeAfterEvalCallback
+    from trl_grpo_ext.evaluation import read_results
+
+    monkeypatch.setenv("TRL_GRPO_EXT_CACHE", str(tmp_path / "cache"))
+    model_dir = tmp_path / "model"
+    shutil.copytree(tiny_model_path, model_dir)
+    model, tok = AutoModelForCausalLM.from_pretrained(model_dir), AutoTokenizer.from_pretrained(model_dir)
+    side = tok.padding_side
+
+    def train(out, step=0, end=True):
+        cb = BeforeAfterEvalCallback(_callback_problems(), max_new_tokens=3, batch_size=2)
+        args, state = (
+            SimpleNamespace(output_dir=str(out)),
+            SimpleNamespace(global_step=step, is_world_process_zero=True),
+        )
+        (tmp_path / out).mkdir(parents=True, exist_ok=True)
+        cb.on_train_begin(args, state, None, model=model, processing_class=tok)
+        if end:
+            state.global_step = step + 2
+            cb.on_train_end(args, state, None, model=model, processing_class=tok)
+        return json.loads((tmp_path / out / "eval_before_after.json").read_text())
+
+    first = train(tmp_path / "run1")
+    assert first["before"]["source"] == "generated" and first["after"]["step"] == 2
+    assert set(first["before"]["per_task"]) == {"easy", "hard"}
+    assert first["paired"]["metrics"]["accuracy"]["gain"] == 0.0  # the same weights before and after
+    assert len(read_results(tmp_path / "run1" / "eval_before.jsonl")) == 3
+    assert tok.padding_side == side and model.training is False
+
+    from trl_grpo_ext.evaluation import HFGenerator
+
+    real_generate = HFGenerator.generate
+
+    def refuse(self, *a, **k):
+        raise AssertionError("the cached 'before' eval must not generate")
+
+    monkeypatch.setattr(HFGenerator, "generate", refuse)
+    assert train(tmp_path / "run2", end=False)["before"]["source"] == "cache"
+    # a resumed run keeps its own step-0 eval, read from its folder (the cache is gone)
+    shutil.rmtree(tmp_path / "cache")
+    resumed = train(tmp_path / "run1", step=5, end=False)
+    assert resumed["before"]["source"] == "run folder" and resumed["before"]["step"] == 0
+    # new weights: the cache key changes, so the model is evaluated again
+    monkeypatch.setattr(HFGenerator, "generate", real_generate)
+    model.save_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir)
+    assert train(tmp_path / "run3", end=False)["before"]["source"] == "generated"

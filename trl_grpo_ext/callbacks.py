@@ -174,86 +174,164 @@ class SwanLabCompletionsCallback(TrainerCallback):
 
 
 def greedy_accuracy(model, tokenizer, problems: list[dict], max_new_tokens: int, batch_size: int = 16) -> dict:
-    """Greedy pass@1 and `\\boxed{}` rate of `model` on problems {'prompt', 'answer'} (answer: GSM8K style)."""
-    import torch
+    """Greedy held-out figures of `model` on problems {'prompt', 'answer' (GSM8K style), optional 'task'}:
+    boxed accuracy, format-independent accuracy, boxed rate, mean completion length, per task. The same
+    eval as `trl-grpo-ext eval` (`trl_grpo_ext.evaluation.evaluate`)."""
+    from trl_grpo_ext.evaluation import HFGenerator, as_problems, evaluate, greedy_summary
 
-    from trl_grpo_ext.answers import parse_ground_truth
-    from trl_grpo_ext.evaluation import extract_prediction, is_correct
-
-    was_training = model.training
-    model.eval()
-    side = tokenizer.padding_side
-    tokenizer.padding_side = "left"
-    # Similar lengths together: less padding to run through the model.
-    order = sorted(range(len(problems)), key=lambda i: len(str(problems[i]["prompt"])))
-    correct, boxed, lengths = 0, 0, []
-    try:
-        for start in range(0, len(order), batch_size):
-            batch = [problems[i] for i in order[start : start + batch_size]]
-            texts = [
-                p["prompt"]
-                if isinstance(p["prompt"], str)
-                else tokenizer.apply_chat_template(p["prompt"], tokenize=False, add_generation_prompt=True)
-                for p in batch
-            ]
-            # A chat template already writes its special tokens; plain text gets the tokenizer's own.
-            chat = any(not isinstance(p["prompt"], str) for p in batch)
-            enc = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=not chat).to(model.device)
-            with torch.no_grad():
-                out = model.generate(
-                    **enc,
-                    max_new_tokens=max_new_tokens,
-                    do_sample=False,
-                    temperature=None,
-                    top_p=None,
-                    top_k=None,
-                    pad_token_id=tokenizer.pad_token_id,
-                )
-            new = out[:, enc["input_ids"].shape[1] :]
-            for problem, ids, text in zip(batch, new, tokenizer.batch_decode(new, skip_special_tokens=True), strict=True):
-                pred = extract_prediction(text)
-                boxed += pred is not None
-                correct += is_correct(pred, parse_ground_truth(problem["answer"]))
-                lengths.append(int((ids != tokenizer.pad_token_id).sum()))
-    finally:
-        tokenizer.padding_side = side
-        model.train(was_training)
-    n = max(len(problems), 1)
-    return {"n": len(problems), "accuracy": correct / n, "boxed_rate": boxed / n, "mean_length": sum(lengths) / n}
+    with HFGenerator.borrowing(model, tokenizer, max_new_tokens) as gen:
+        results, _ = evaluate(as_problems(problems), gen, 1, batch_size, progress=False)
+    return greedy_summary(results)
 
 
 class BeforeAfterEvalCallback(TrainerCallback):
-    """Greedy accuracy on held-out problems at the start and the end of training.
+    """Greedy held-out eval at the start and the end of training, and the paired gain between the two.
 
-    Writes `<output_dir>/eval_before_after.json` and prints one line per eval; the numbers are also logged
-    to metrics.jsonl-independent trackers as `eval_before/*` and `eval_after/*` through the returned dict.
+    Writes to output_dir (main process): `eval_before_after.json` (each eval's figures, overall and per task, and
+    `paired`: the gain of each figure on the same problems with its 95% paired-bootstrap interval and exact
+    McNemar p-value) and the per-problem results `eval_before.jsonl` / `eval_after.jsonl`.
+
+    The "before" eval comes from the on-disk cache when this model was already evaluated on these problems
+    with these settings (`evaluation.cached_greedy_eval`). A resumed run keeps its step-0 "before" eval from
+    the run folder (else the cache); it never evaluates resumed weights as "before".
     """
 
-    def __init__(self, problems: list[dict], max_new_tokens: int, batch_size: int = 16):
+    def __init__(self, problems: list, max_new_tokens: int, batch_size: int = 32, use_cache: bool = True):
+        from trl_grpo_ext.evaluation import as_problems
+
         if not problems:
             raise ValueError("BeforeAfterEvalCallback needs at least one problem")
-        self.problems = problems
+        if max_new_tokens < 1 or batch_size < 1:
+            raise ValueError("BeforeAfterEvalCallback: max_new_tokens and batch_size must be >= 1")
+        self.problems = as_problems(problems)
         self.max_new_tokens = max_new_tokens
         self.batch_size = batch_size
+        self.use_cache = use_cache
         self.results: dict = {}
+        self.before = None  # per-problem results of the "before" eval
 
-    def _run(self, label, args, state, model, tokenizer):
-        start = time.perf_counter()
-        result = greedy_accuracy(model, tokenizer, self.problems, self.max_new_tokens, self.batch_size)
-        result.update(step=int(state.global_step), seconds=round(time.perf_counter() - start, 1))
-        self.results[label] = result
-        if state.is_world_process_zero:
-            print(
-                f"[eval {label}] step {state.global_step}: greedy accuracy {result['accuracy']:.3f}, boxed "
-                f"{result['boxed_rate']:.3f} on {result['n']} held-out problems ({result['seconds']} s)",
-                flush=True,
-            )
-            path = Path(args.output_dir) / EVAL_BEFORE_AFTER_FILENAME
-            path.parent.mkdir(parents=True, exist_ok=True)
-            path.write_text(json.dumps(self.results, indent=2) + "\n")
+    def _eval_set(self) -> dict:
+        from trl_grpo_ext.evaluation import eval_set_hash
+
+        return {
+            "n": len(self.problems),
+            "sha256": eval_set_hash(self.problems),
+            "max_new_tokens": self.max_new_tokens,
+            "batch_size": self.batch_size,
+        }
+
+    def _write(self, args) -> None:
+        from trl_grpo_ext.run_files import atomic_write_json
+
+        atomic_write_json(Path(args.output_dir) / EVAL_BEFORE_AFTER_FILENAME, self.results, indent=2)
+
+    def _resumed_before(self, out: Path, eval_set: dict):
+        """The step-0 results a previous attempt of this run wrote, if they are of this eval set."""
+        from trl_grpo_ext.evaluation import EVAL_BEFORE_PROBLEMS_FILENAME, read_results
+
+        try:
+            saved = json.loads((out / EVAL_BEFORE_AFTER_FILENAME).read_text())
+            if saved.get("eval_set", {}).get("sha256") != eval_set["sha256"] or "before" not in saved:
+                return None, None
+            results = read_results(out / EVAL_BEFORE_PROBLEMS_FILENAME)
+        except (OSError, ValueError, AttributeError):
+            return None, None
+        return (results, saved["before"]) if len(results) == len(self.problems) else (None, None)
 
     def on_train_begin(self, args, state, control, model=None, processing_class=None, **kwargs):
-        self._run("before", args, state, model, processing_class)
+        import contextlib
+
+        from trl_grpo_ext.evaluation import (
+            EVAL_BEFORE_PROBLEMS_FILENAME,
+            HFGenerator,
+            cached_greedy_eval,
+            eval_cache_key,
+            greedy_summary,
+            live_model_identity,
+            live_model_settings,
+            load_cached_eval,
+            write_results,
+        )
+
+        out, main = Path(args.output_dir), state.is_world_process_zero
+        eval_set = self._eval_set()
+        identity = live_model_identity(model) if self.use_cache else None
+        settings = live_model_settings(model, self.max_new_tokens)
+        start = time.perf_counter()
+        if state.global_step > 0:  # resumed: the weights are no longer the "before" model's
+            results, entry = self._resumed_before(out, eval_set)
+            source = "run folder"
+            if results is None and identity is not None:
+                key, _ = eval_cache_key(identity, self.problems, {**settings, "batch_size": self.batch_size})
+                results, entry, source = load_cached_eval(key, len(self.problems)), None, "cache"
+            if results is None:
+                if main:
+                    print(
+                        f"[eval before] resumed at step {state.global_step} and the step-0 eval is neither in "
+                        f"{out} nor in the eval cache: no before/after comparison for this run",
+                        flush=True,
+                    )
+                self.results = {"eval_set": eval_set}
+                return
+        else:
+            with contextlib.ExitStack() as stack:
+
+                def borrow():
+                    return stack.enter_context(HFGenerator.borrowing(model, processing_class, self.max_new_tokens))
+
+                results, info = cached_greedy_eval(
+                    self.problems,
+                    borrow,
+                    identity,
+                    settings,
+                    self.batch_size,
+                    progress=False,
+                    desc="eval before",
+                    write=main,
+                )
+            entry, source = None, "cache" if info["cached"] else "generated"
+        self.before = results
+        if entry is None:
+            entry = {**greedy_summary(results), "step": 0, "seconds": round(time.perf_counter() - start, 1)}
+        entry["source"] = source
+        self.results = {"eval_set": eval_set, "before": entry}
+        if main:
+            write_results(out / EVAL_BEFORE_PROBLEMS_FILENAME, results)
+            self._write(args)
+            print(f"[eval before] {_eval_line(entry)} ({source}, {entry.get('seconds')} s)", flush=True)
 
     def on_train_end(self, args, state, control, model=None, processing_class=None, **kwargs):
-        self._run("after", args, state, model, processing_class)
+        from trl_grpo_ext.evaluation import (
+            EVAL_AFTER_PROBLEMS_FILENAME,
+            HFGenerator,
+            evaluate,
+            format_paired,
+            greedy_summary,
+            paired_comparison,
+            write_results,
+        )
+
+        start = time.perf_counter()
+        with HFGenerator.borrowing(model, processing_class, self.max_new_tokens) as gen:
+            results, _ = evaluate(self.problems, gen, 1, self.batch_size, progress=False, desc="eval after")
+        entry = {
+            **greedy_summary(results),
+            "step": int(state.global_step),
+            "seconds": round(time.perf_counter() - start, 1),
+        }
+        self.results["after"] = entry
+        if self.before is not None:
+            self.results["paired"] = paired_comparison(self.before, results)
+        if state.is_world_process_zero:
+            write_results(Path(args.output_dir) / EVAL_AFTER_PROBLEMS_FILENAME, results)
+            self._write(args)
+            print(f"[eval after] {_eval_line(entry)} ({entry['seconds']} s)", flush=True)
+            for line in format_paired(self.results["paired"]) if "paired" in self.results else []:
+                print(f"[eval paired] {line}", flush=True)
+
+
+def _eval_line(entry: dict) -> str:
+    return (
+        f"step {entry['step']}: format-independent accuracy {entry['accuracy_any_format']:.3f}, boxed accuracy "
+        f"{entry['accuracy']:.3f}, boxed rate {entry['boxed_rate']:.3f} on {entry['n']} held-out problems"
+    )

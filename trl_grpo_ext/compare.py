@@ -63,6 +63,8 @@ class RunData:
     notes: list[str] = field(default_factory=list)
     # The recipe's own greedy held-out accuracy at the start and end of training, when it ran one.
     heldout: dict = field(default_factory=dict)
+    # Its per-problem results ({'before': [ProblemResult], 'after': [...]}), for paired comparisons.
+    heldout_problems: dict = field(default_factory=dict)
 
     def series(self, metric: str) -> tuple[list[float], list[float]]:
         """(steps, values) of a metric, finite values only, under any of its known spellings."""
@@ -190,11 +192,28 @@ def load_run(path: Path, label: str | None = None) -> RunData:
         except (json.JSONDecodeError, AttributeError):
             notes.append(f"unreadable {EVAL_SUMMARY}")
     heldout = read_heldout_accuracy(path / EVAL_BEFORE_AFTER_FILENAME, notes)
-    return RunData(label or path.name, path, rows, config, source, backend, wall, eval_summary, notes, heldout)
+    run = RunData(label or path.name, path, rows, config, source, backend, wall, eval_summary, notes, heldout)
+    run.heldout_problems = read_heldout_problems(path, notes)
+    return run
+
+
+def read_heldout_problems(run_dir: Path, notes: list[str]) -> dict:
+    """The recipe's per-problem before/after results (eval_before.jsonl / eval_after.jsonl) that exist."""
+    from trl_grpo_ext.evaluation import EVAL_AFTER_PROBLEMS_FILENAME, EVAL_BEFORE_PROBLEMS_FILENAME, read_results
+
+    out = {}
+    for when, name in (("before", EVAL_BEFORE_PROBLEMS_FILENAME), ("after", EVAL_AFTER_PROBLEMS_FILENAME)):
+        if (run_dir / name).is_file():
+            try:
+                out[when] = read_results(run_dir / name)
+            except (OSError, ValueError) as err:
+                notes.append(f"unreadable {name} ({err})")
+    return out
 
 
 def read_heldout_accuracy(path: Path, notes: list[str]) -> dict:
-    """{'before': accuracy, 'after': accuracy, 'n': problems} from eval_before_after.json; {} when absent."""
+    """{'before', 'after': boxed accuracy, 'before_any_format', 'after_any_format': format-independent accuracy,
+    'n': problems} from eval_before_after.json (what it holds of these); {} when absent."""
     if not path.is_file():
         return {}
     try:
@@ -209,6 +228,8 @@ def read_heldout_accuracy(path: Path, notes: list[str]) -> dict:
         entry = data.get(when)
         if isinstance(entry, dict) and _is_number(entry.get("accuracy")):
             out[when] = float(entry["accuracy"])
+            if _is_number(entry.get("accuracy_any_format")):
+                out[f"{when}_any_format"] = float(entry["accuracy_any_format"])
             if _is_number(entry.get("n")):
                 out["n"] = int(entry["n"])
     return out
@@ -283,9 +304,11 @@ def summarize(run: RunData, smooth_window: int = 1) -> dict:
         "tokens_per_s": tok_s,
         "wall_time": run.wall_time,
     }
-    for when in ("before", "after"):
-        if when in run.heldout:
-            out[f"heldout_{when}"] = run.heldout[when]
+    for key in ("before", "after", "before_any_format", "after_any_format"):
+        if key in run.heldout:
+            out[f"heldout_{key}"] = run.heldout[key]
+    if "before_any_format" in run.heldout and "after_any_format" in run.heldout:
+        out["heldout_gain_any_format"] = run.heldout["after_any_format"] - run.heldout["before_any_format"]
     if run.eval_summary:
         for key in ("pass@1", "maj@k", "pass@k"):
             if _is_number(run.eval_summary.get(key)):
@@ -313,8 +336,13 @@ def identical_curves(runs: list[RunData], metrics: tuple[str, ...] = ("reward", 
             if len(sa[1]) < 2 or len(sb[1]) < 2:
                 continue
             compared.append(metric)
-            equal = equal and sa[0] == sb[0] and all(
-                math.isclose(x, y, rel_tol=SAME_CURVE_RTOL, abs_tol=1e-9) for x, y in zip(sa[1], sb[1], strict=True)
+            equal = (
+                equal
+                and sa[0] == sb[0]
+                and all(
+                    math.isclose(x, y, rel_tol=SAME_CURVE_RTOL, abs_tol=1e-9)
+                    for x, y in zip(sa[1], sb[1], strict=True)
+                )
             )
         if compared and equal:
             same = " and ".join(compared)
@@ -360,6 +388,8 @@ COLUMNS = (
     ("wall_time", "wall time"),
     ("heldout_before", "held-out acc before"),
     ("heldout_after", "held-out acc after"),
+    ("heldout_before_any_format", "held-out any-format acc before"),
+    ("heldout_after_any_format", "held-out any-format acc after"),
 )
 EVAL_COLUMNS = (("eval_pass@1", "eval pass@1"), ("eval_maj@k", "eval maj@k"), ("eval_pass@k", "eval pass@k"))
 
@@ -401,8 +431,9 @@ def results_table(runs: list[RunData], summaries: list[dict]) -> str:
 
 
 def diff_table(runs: list[RunData], keys: list[str]) -> str:
-    rows = [[_escape(r.label)] + [_escape(json.dumps(r.config[k]) if k in r.config else "–") for k in keys]
-            for r in runs]
+    rows = [
+        [_escape(r.label)] + [_escape(json.dumps(r.config[k]) if k in r.config else "–") for k in keys] for r in runs
+    ]
     return markdown_table(["run"] + keys, rows)
 
 
@@ -465,7 +496,9 @@ def plot_overview(runs: list[RunData], metrics: list[str], path: Path, smooth_wi
             steps, values = run.series(metric)
             if values:
                 color, style = _line_style(i)
-                ax.plot(steps, smooth(values, smooth_window), color=color, linestyle=style, linewidth=1.6, label=run.label)
+                ax.plot(
+                    steps, smooth(values, smooth_window), color=color, linestyle=style, linewidth=1.6, label=run.label
+                )
         ax.set_title(metric, fontsize=9)
         ax.set_xlabel("step", fontsize=8)
         ax.tick_params(labelsize=7)
@@ -497,6 +530,7 @@ class Report:
     plots: dict[str, Path]
     notes: list[str]
     out_dir: Path
+    verdicts: list[str] = field(default_factory=list)  # across-seeds differences between configurations
 
 
 def build_report(run_paths: list[str | os.PathLike], out_dir: str | os.PathLike, smooth_window: int = 1) -> Report:
@@ -538,7 +572,8 @@ def build_report(run_paths: list[str | os.PathLike], out_dir: str | os.PathLike,
         md += [
             "held-out acc before/after: the recipe's greedy accuracy on "
             + "/".join(map(str, sizes))
-            + " held-out problems at the first and last step (eval_before_after.json).",
+            + " held-out problems at the first and last step (eval_before_after.json): boxed (the answer in"
+            " `\\boxed{}`, as the reward reads it) and any-format (the boxed answer, else the last number).",
             "",
         ]
     md += ["## Config differences", ""]
@@ -550,6 +585,16 @@ def build_report(run_paths: list[str | os.PathLike], out_dir: str | os.PathLike,
         md += ["(saved configs are identical apart from output paths)", ""]
     if len(runs) > 1 and diff_keys:
         md += ["A key that only some runs' configs hold is compared among those runs.", ""]
+    verdicts: list[str] = []
+    if len(runs) > 1:
+        from trl_grpo_ext.seed_comparison import group_by_seed, seed_section
+
+        groups = group_by_seed(runs, summaries, IGNORED_CONFIG_KEYS)
+        section, seed_plots, seed_payload = seed_section(groups, out, smooth_window)
+        md += section
+        plots.update(seed_plots)
+        verdicts = [p["verdict"] for p in seed_payload["differences"]]
+        (out / "groups.json").write_text(json.dumps(seed_payload, indent=2, default=str))
     md += ["## Curves", ""]
     for metric, path in plots.items():
         md += [f"### {metric}", "", f"![{metric}]({path.name})", ""]
@@ -558,8 +603,14 @@ def build_report(run_paths: list[str | os.PathLike], out_dir: str | os.PathLike,
     markdown = "\n".join(md)
     (out / "report.md").write_text(markdown)
     payload = [
-        {"run": r.label, "path": str(r.path), "backend": r.backend, **s, "config": {k: r.config.get(k) for k in diff_keys}}
+        {
+            "run": r.label,
+            "path": str(r.path),
+            "backend": r.backend,
+            **s,
+            "config": {k: r.config.get(k) for k in diff_keys},
+        }
         for r, s in zip(runs, summaries, strict=False)
     ]
     (out / "summary.json").write_text(json.dumps(payload, indent=2, default=str))
-    return Report(markdown, table, summaries, plots, notes, out)
+    return Report(markdown, table, summaries, plots, notes, out, verdicts)

@@ -13,6 +13,7 @@ A sweep file is YAML::
       - {loss_type: cispo, cispo_clip_high: 0.2}
     overrides: {max_steps: 30}         # fixed for every run
     backend_overrides: {pytrio: {...}} # fixed for every run of one backend
+    seeds: [0, 1, 2]                   # optional: every configuration once per seed (`compare` groups them)
     evaluate: {data: embedded, limit: 32, k: 4}   # optional: `trl-grpo-ext eval` each finished run
 
 Each run gets `<output_root>/<name>/` holding `sweep_config.yaml` (the exact recipe config it was given),
@@ -57,8 +58,22 @@ MAX_NAME_LEN = 150
 
 # Keys of the sweep file itself; anything else at top level is a typo worth reporting.
 SWEEP_KEYS = {
-    "name", "base", "output_root", "backend", "grid", "variants", "overrides", "backend_overrides",
-    "evaluate", "parallel", "launcher", "accelerate_config", "num_processes", "scripts", "env",
+    "name",
+    "base",
+    "output_root",
+    "backend",
+    "grid",
+    "variants",
+    "overrides",
+    "backend_overrides",
+    "evaluate",
+    "parallel",
+    "launcher",
+    "accelerate_config",
+    "num_processes",
+    "scripts",
+    "env",
+    "seeds",
 }
 SWEEP_ONLY_RUN_KEYS = {"backend"}  # grid/override keys consumed here, never passed to a recipe
 # Keys the sweep sets per run; a grid over them would send every run to the same place.
@@ -148,6 +163,7 @@ class SweepSpec:
     overrides: dict
     backend_overrides: dict[str, dict]
     backend: str = "trl"
+    seeds: list[int] = field(default_factory=list)  # empty: each run keeps its recipe's seed
     evaluate: dict | None = None
     parallel: int = 1
     launcher: str = "python"
@@ -199,6 +215,9 @@ def parse_sweep(data: dict, source: Path | None = None, output_root: str | None 
     for key in RESERVED_KEYS:
         if key in grid or any(key in v for v in variants):
             raise ValueError(f"{where}'{key}' is set by the sweep for each run and cannot be swept")
+    seeds = _parse_seeds(data.get("seeds"), where)
+    if seeds and ("seed" in grid or any("seed" in v for v in variants)):
+        raise ValueError(f"{where}'seeds' and a 'seed' in grid/variants both set the seed; use 'seeds' only")
 
     backend = str(data.get("backend", "trl"))
     backends_used = set(map(str, grid.get("backend", []))) | {str(v["backend"]) for v in variants if "backend" in v}
@@ -206,7 +225,9 @@ def parse_sweep(data: dict, source: Path | None = None, output_root: str | None 
     scripts = {str(k): str(v) for k, v in (data.get("scripts") or {}).items()}
     for b in backends_used:
         if b not in BACKENDS and b not in scripts:
-            raise ValueError(f"{where}unknown backend '{b}'; known: {sorted(BACKENDS)} (or give 'scripts: {{{b}: ...}}')")
+            raise ValueError(
+                f"{where}unknown backend '{b}'; known: {sorted(BACKENDS)} (or give 'scripts: {{{b}: ...}}')"
+            )
 
     base_raw = data.get("base")
     if isinstance(base_raw, dict):
@@ -240,6 +261,7 @@ def parse_sweep(data: dict, source: Path | None = None, output_root: str | None 
         overrides=dict(overrides),
         backend_overrides={str(k): dict(v or {}) for k, v in backend_overrides.items()},
         backend=backend,
+        seeds=seeds,
         evaluate=dict(evaluate) if evaluate else None,
         parallel=parallel,
         launcher=launcher,
@@ -251,6 +273,17 @@ def parse_sweep(data: dict, source: Path | None = None, output_root: str | None 
         env={str(k): str(v) for k, v in (data.get("env") or {}).items()},
         source=source,
     )
+
+
+def _parse_seeds(value: Any, where: str) -> list[int]:
+    if value is None:
+        return []
+    values = value if isinstance(value, list) else [value]
+    if not values or not all(isinstance(v, int) and not isinstance(v, bool) for v in values):
+        raise ValueError(f"{where}'seeds' must be a non-empty list of integers, e.g. [0, 1, 2]; got {value!r}")
+    if len(set(values)) != len(values):
+        raise ValueError(f"{where}'seeds' lists a seed twice: {values}")
+    return list(values)
 
 
 def load_sweep(path: str | os.PathLike, output_root: str | None = None) -> SweepSpec:
@@ -294,50 +327,43 @@ class RunSpec:
     run_dir: Path
     base: Path | None = None
 
-    def to_json(self) -> dict:
-        return {
-            "name": self.name,
-            "backend": self.backend,
-            "params": self.params,
-            "config": self.config,
-            "run_dir": str(self.run_dir),
-            "base": str(self.base) if self.base else None,
-        }
-
 
 def expand(spec: SweepSpec) -> list[RunSpec]:
-    """All runs of the sweep, in a deterministic order (variants outermost, then the grid as written)."""
+    """All runs of the sweep, in a deterministic order: seeds outermost (a sweep stopped midway has every
+    configuration at its first seeds), then variants, then the grid as written; `seed=N` ends a seeded run's name."""
     keys = list(spec.grid)
-    combos = [dict(zip(keys, values, strict=False)) for values in itertools.product(*(spec.grid[k] for k in keys))] or [{}]
+    combos = [
+        dict(zip(keys, values, strict=False)) for values in itertools.product(*(spec.grid[k] for k in keys))
+    ] or [{}]
     variants = spec.variants or [{}]
+    seeds = [{"seed": seed} for seed in spec.seeds] or [{}]
     base_cache: dict[Path, dict] = {}
     runs: list[RunSpec] = []
     seen: dict[str, dict] = {}
-    for variant in variants:
-        for combo in combos:
-            params = {**variant, **combo}
-            clash = {k for k in variant if k in combo and variant[k] != combo[k]}
-            if clash:
-                raise ValueError(f"variant {variant} and grid both set {sorted(clash)}; set each key in one place")
-            backend = str(params.get("backend", spec.backend))
-            name = sanitize_name(",".join(f"{k}={format_value(v)}" for k, v in params.items()) or spec.name)
-            if name in seen:
-                raise ValueError(f"two runs map to the same name '{name}': {seen[name]} and {params}")
-            seen[name] = params
-            base_path = spec.base.get(backend)
-            if base_path is not None and base_path not in base_cache:
-                base_cache[base_path] = load_yaml(base_path)
-            config = copy.deepcopy(base_cache.get(base_path, {})) if base_path else {}
-            config.update(copy.deepcopy(spec.overrides))
-            config.update(copy.deepcopy(spec.backend_overrides.get(backend, {})))
-            config.update({k: v for k, v in params.items() if k not in SWEEP_ONLY_RUN_KEYS})
-            for key in SWEEP_ONLY_RUN_KEYS:
-                config.pop(key, None)
-            run_dir = spec.output_root / name
-            config["output_dir"] = str(run_dir)
-            if _backend(spec, backend).takes_run_name:
-                config["run_name"] = name  # the sweep is the SwanLab group (SWANLAB_GROUP)
-            runs.append(RunSpec(name, backend, params, config, run_dir, base_path))
+    for seed, variant, combo in itertools.product(seeds, variants, combos):
+        params = {**variant, **combo, **seed}
+        clash = {k for k in variant if k in combo and variant[k] != combo[k]}
+        if clash:
+            raise ValueError(f"variant {variant} and grid both set {sorted(clash)}; set each key in one place")
+        backend = str(params.get("backend", spec.backend))
+        name = sanitize_name(",".join(f"{k}={format_value(v)}" for k, v in params.items()) or spec.name)
+        if name in seen:
+            raise ValueError(f"two runs map to the same name '{name}': {seen[name]} and {params}")
+        seen[name] = params
+        base_path = spec.base.get(backend)
+        if base_path is not None and base_path not in base_cache:
+            base_cache[base_path] = load_yaml(base_path)
+        config = copy.deepcopy(base_cache.get(base_path, {})) if base_path else {}
+        config.update(copy.deepcopy(spec.overrides))
+        config.update(copy.deepcopy(spec.backend_overrides.get(backend, {})))
+        config.update({k: v for k, v in params.items() if k not in SWEEP_ONLY_RUN_KEYS})
+        for key in SWEEP_ONLY_RUN_KEYS:
+            config.pop(key, None)
+        run_dir = spec.output_root / name
+        config["output_dir"] = str(run_dir)
+        if _backend(spec, backend).takes_run_name:
+            config["run_name"] = name  # the sweep is the SwanLab group (SWANLAB_GROUP)
+        runs.append(RunSpec(name, backend, params, config, run_dir, base_path))
     return runs
 
 

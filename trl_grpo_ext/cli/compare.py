@@ -22,6 +22,10 @@ def run(args) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     print(report.table)
+    if report.verdicts:
+        print("\ndifferences between configurations (95% intervals):")
+        for line in report.verdicts:
+            print(f"  {line}")
     for note in report.notes:
         print(f"note: {note}", file=sys.stderr)
     print(f"\nreport: {report.out_dir / 'report.md'} ({len(report.plots)} plots)")
