@@ -130,6 +130,13 @@ class MathVerifyWorker:
         with self._lock:
             self._kill()
 
+    def forget_parent_worker(self) -> None:
+        """In a forked child: drop the parent's worker (its pipes are the parent's) and a lock another
+        thread of the parent may have held at the fork; the child starts its own worker when needed."""
+        self._lock = threading.Lock()
+        self._proc, self._ready, self._buf = None, False, b""
+        self._owner_pid = os.getpid()
+
     # internals (lock held) ----------------------------------------------------------------------
     def _ensure_started(self) -> bool:
         if self._failed:
@@ -227,6 +234,8 @@ class MathVerifyWorker:
 
 VERIFIER = MathVerifyWorker()
 atexit.register(VERIFIER.close)
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=VERIFIER.forget_parent_worker)
 
 
 if __name__ == "__main__":
