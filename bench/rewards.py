@@ -79,7 +79,9 @@ def load_problems(n: int, rng: random.Random) -> tuple[list[tuple[str, int]], st
     problems = []
     for _ in range(n):
         a, b = rng.randint(2, 900), rng.randint(2, 40)
-        problems.append((f"She buys {b} boxes of {a} pens, so {a} * {b} = {a * b} pens.", a * b, f"... #### {a * b:,}"))
+        problems.append(
+            (f"She buys {b} boxes of {a} pens, so {a} * {b} = {a * b} pens.", a * b, f"... #### {a * b:,}")
+        )
     return problems, "synthetic"
 
 
@@ -161,8 +163,10 @@ def main():
     start = time.perf_counter()
     answers.warm_up_verifier()
     print(f"math-verify worker start (once per process, not timed below): {time.perf_counter() - start:.2f} s")
-    print(f"{len(completions)} completions from {source}, {sum(labels):.0f} labelled correct, "
-          f"{len(FORMATS)} answer formats, mean length {sum(map(len, completions)) / len(completions):.0f} chars\n")
+    print(
+        f"{len(completions)} completions from {source}, {sum(labels):.0f} labelled correct, "
+        f"{len(FORMATS)} answer formats, mean length {sum(map(len, completions)) / len(completions):.0f} chars\n"
+    )
 
     clear_caches()
     scorers = [
