@@ -227,3 +227,46 @@ def test_trainer_curriculum_needs_a_task_column(tiny_model_path, tmp_path):
     data = Dataset.from_dict({"prompt": [[{"role": "user", "content": "hi"}]] * 4})
     with pytest.raises(ValueError, match="task"):
         GRPOTrainer(tiny_model_path, [task_reward], args=args, train_dataset=data)
+
+
+def _recipe_main():
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "recipes" / "gsm8k_grpo.py"
+    spec = importlib.util.spec_from_file_location("gsm8k_grpo_curriculum", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.main
+
+
+@pytest.mark.slow
+def test_recipe_runs_curriculum_with_dynamic_sampling(tiny_model_path, tmp_path):
+    import json
+
+    out = tmp_path / "run"
+    argv = [
+        "--model_name_or_path", tiny_model_path, "--output_dir", str(out), "--max_completion_length", "6",
+        "--per_device_train_batch_size", "4", "--num_generations", "2", "--eval_num_samples", "0",
+        "--synthetic_tasks", "chain_sum_easy:3,chain_sum:1", "--max_steps", "2", "--report_to", "none",
+        "--curriculum", "true", "--dynamic_sampling", "true", "--max_generation_batches", "2",
+    ]  # fmt: skip
+    assert _recipe_main()(argv) == 0
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2]
+    for key in ("curriculum/chain_sum_easy/weight", "curriculum/chain_sum/pass_rate", "generation_batches",
+                "frac_degenerate_before_filter", "frac_degenerate"):  # fmt: skip
+        assert key in rows[0], key
+    assert 1 <= rows[0]["generation_batches"] <= 2
+
+
+def test_recipe_refuses_curriculum_without_tasks(tiny_model_path, tmp_path, capsys):
+    import json
+
+    data = tmp_path / "gsm8k.jsonl"
+    data.write_text("".join(json.dumps({"question": f"{i} + 1?", "answer": f"#### {i + 1}"}) + "\n" for i in range(4)))
+    out = tmp_path / "run"
+    argv = ["--model_name_or_path", tiny_model_path, "--output_dir", str(out), "--dataset_name", str(data),
+            "--curriculum", "true", "--max_steps", "1", "--report_to", "none"]  # fmt: skip
+    assert _recipe_main()(argv) == 2
+    assert "curriculum" in capsys.readouterr().err and not out.exists()

@@ -196,7 +196,11 @@ def build_datasets(script_args, training_args, tokenizer):
     chat = _use_chat(script_args, tokenizer)
     num_train = script_args.num_train_samples
     if num_train is None and script_args.dataset_name == "synthetic" and training_args.max_steps > 0:
-        num_train = prompts_per_run(training_args) + 64
+        from trl_grpo_ext.trl_sampling import prompt_pool_factor
+
+        num_train = (
+            prompts_per_run(training_args) * prompt_pool_factor(training_args, script_args.synthetic_tasks) + 64
+        )
     common = dict(tasks=script_args.synthetic_tasks, seed=training_args.seed, on_malformed=script_args.on_malformed)
     train = load_dataset_split(
         script_args.dataset_name,
@@ -206,6 +210,10 @@ def build_datasets(script_args, training_args, tokenizer):
         chat=chat,
         **common,
     )
+    if getattr(training_args, "curriculum", False) and "task" not in train.column_names:
+        raise ValueError(
+            f"curriculum: true needs rows with a task (dataset_name: synthetic), not {script_args.dataset_name}"
+        )
     eval_problems = []
     if script_args.eval_num_samples:
         rows = load_problems(

@@ -22,6 +22,7 @@ generation batch (identical for ``scale_rewards`` 'group' / 'none'; with 'batch'
 from __future__ import annotations
 
 import logging
+import math
 
 import torch
 from trl.trainer.utils import RepeatSampler, shuffle_sequence_dict, split_tensor_dict
@@ -90,6 +91,20 @@ def merge_groups(outputs: list[dict], selection: list[GroupRef], group_size: int
         zero = padding if advantages.dim() == 1 else padding.unsqueeze(1)
         merged["advantages"] = advantages.masked_fill(zero.to(advantages.device), 0.0)
     return merged
+
+
+def prompt_pool_factor(training_args, task_mix=None) -> int:
+    """How many times a plain run's prompts a generated training set should hold so that no prompt repeats:
+    dynamic sampling may use ``max_generation_batches`` generation batches a step, and the curriculum may draw
+    every prompt from the task with the smallest share of ``task_mix`` ('task:weight,...')."""
+    factor = 1
+    if getattr(training_args, "dynamic_sampling", False):
+        factor *= training_args.max_generation_batches
+    if getattr(training_args, "curriculum", False) and task_mix:
+        from trl_grpo_ext.data.synthetic import parse_task_mix
+
+        factor *= math.ceil(1.0 / min(parse_task_mix(task_mix).values()) - 1e-9)
+    return factor
 
 
 class DynamicSamplingMixin:
