@@ -127,6 +127,16 @@ class GRPOConfig(trl.GRPOConfig):
         default=1.0, metadata={"help": "A completion passes when that reward is >= this (boxed/hybrid: 1.0)."}
     )
 
+    share_prompt_prefix: bool = field(
+        default=True,
+        metadata={
+            "help": "Encode the prompt tokens rows share once per micro-batch: the prefix common to all rows (system "
+            "prompt, few-shot example) and each distinct prompt for its group's rows, in the log-prob forward/"
+            "backward and in non-vLLM generation. Outputs equal the plain computation to float rounding; models or "
+            "inputs where that can't hold use TRL's path (see docs/prefix_sharing.md)."
+        },
+    )
+
     def __post_init__(self):
         if isinstance(self.scale_rewards, str) and self.scale_rewards.lower() in ("true", "false"):
             self.scale_rewards = self.scale_rewards.lower() == "true"  # CLI / YAML strings
@@ -187,6 +197,8 @@ class GRPOConfig(trl.GRPOConfig):
                 f"cispo_clip_low ({self.cispo_clip_low}) must be <= cispo_clip_high ({self.cispo_clip_high}); both "
                 "are bounds of the importance ratio r, not epsilons"
             )
+        if not isinstance(self.share_prompt_prefix, bool):
+            raise ValueError(f"share_prompt_prefix={self.share_prompt_prefix!r} must be true or false")
         if self.degenerate_reward is not None and (
             not isinstance(self.degenerate_reward, str) or not self.degenerate_reward.strip()
         ):

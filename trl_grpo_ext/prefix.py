@@ -28,6 +28,7 @@ Sharing applies only where it is exact (`sharing_unsupported_reason`); elsewhere
 
 from __future__ import annotations
 
+import collections
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -387,6 +388,14 @@ def generation_unsupported_reason(model, generation_config=None) -> str | None:
             return "assisted decoding re-encodes the prompt"
         if getattr(config, "cache_implementation", None) not in (None, "dynamic"):
             return f"cache_implementation {config.cache_implementation!r} is not a DynamicCache"
+        # processors that read the whole input row (its padding, adjacency or length), which the shared layout changes
+        if (getattr(config, "repetition_penalty", None) or 1.0) != 1.0:
+            return "repetition_penalty reads the padded prompt"
+        for name in ("no_repeat_ngram_size", "bad_words_ids", "sequence_bias", "min_length"):
+            if getattr(config, name, None):
+                return f"{name} reads the padded prompt"
+        if getattr(config, "max_new_tokens", None) is None:
+            return "max_length without max_new_tokens counts the padded prompt"
     return None
 
 
@@ -467,3 +476,151 @@ def shared_prefix_generate(
         return torch.cat([padded, out[:, ids.size(1) :]], dim=1)
     out.sequences = torch.cat([padded, out.sequences[:, ids.size(1) :]], dim=1)  # return_dict_in_generate
     return out
+
+
+# ---------------------------------------------------------------------------------------------------------- trainer
+class PrefixSharingMixin:
+    """`trl.GRPOTrainer` mixin: log-probs/entropies and non-vLLM generation with each shared prompt token encoded once.
+
+    Put it before `trl.GRPOTrainer` in the bases. It overrides two hooks and leaves every other part of TRL alone, so
+    loss types, ``beta > 0`` (reference model or PEFT adapter toggle), ``num_iterations > 1`` (old log-probs),
+    LoRA, gradient checkpointing and the fused LM head all go through TRL's code with the same numbers:
+
+    - ``_get_per_token_logps_and_entropies``: each chunk of rows TRL asks for (the micro-batch, or
+      ``batch_size`` rows of the generation batch) is packed by `shared_prefix_logps_and_entropies`. Groups split
+      across micro-batches just share less: each micro-batch shares what its own rows have in common.
+    - ``_generate_single_turn`` (transformers ``generate`` path only): `shared_prefix_generate`.
+
+    ``args.share_prompt_prefix`` (default on) switches both off; where sharing can't be exact (see
+    `sharing_unsupported_reason`, multimodal inputs, MoE aux loss, vLLM/continuous batching) TRL's own code runs and
+    the reason is logged once.
+    """
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        # an attribute (not only the frozen args) so a caller can compare both paths on one trainer
+        self.share_prompt_prefix = getattr(self.args, "share_prompt_prefix", True)
+
+    def _count_prefix_tokens(self, plan: PrefixPlan | None, rows: int, shared: bool, kind: str = "chunks") -> None:
+        """``prefix_sharing_stats``: log-prob chunks / generate calls run shared and plain, and the log-prob
+        forwards' prompt tokens encoded vs those of the plain path."""
+        stats = self.__dict__.setdefault("prefix_sharing_stats", collections.Counter())
+        stats[f"{'shared' if shared else 'plain'}_{kind}"] += 1
+        stats["rows"] += rows if kind == "chunks" else 0
+        if plan is not None:
+            stats["prompt_tokens"] += plan.plain_prompt_tokens
+            stats["prompt_tokens_encoded"] += plan.shared_prompt_tokens if shared else plan.plain_prompt_tokens
+
+    def _sharing_enabled(self) -> bool:
+        return getattr(self, "share_prompt_prefix", getattr(self.args, "share_prompt_prefix", True))
+
+    def _prefix_sharing_reason(self, model, model_inputs: dict) -> str | None:
+        if any(value is not None for value in model_inputs.values()):
+            return "multimodal inputs"
+        return sharing_unsupported_reason(model)
+
+    def _get_per_token_logps_and_entropies(
+        self,
+        model,
+        input_ids,
+        attention_mask,
+        logits_to_keep,
+        batch_size=None,
+        compute_entropy=False,
+        compute_aux_loss=False,
+        **model_inputs,
+    ):
+        plain = super()._get_per_token_logps_and_entropies  # TRL's
+        if not self._sharing_enabled():
+            return plain(model, input_ids, attention_mask, logits_to_keep, batch_size, compute_entropy,
+                         compute_aux_loss, **model_inputs)  # fmt: skip
+        reason = self._prefix_sharing_reason(model, model_inputs)
+        if reason is None and compute_aux_loss:
+            reason = "the MoE load-balancing loss reads a 2D padding mask"
+        if reason is not None:
+            log_fallback_once(reason)
+            return plain(model, input_ids, attention_mask, logits_to_keep, batch_size, compute_entropy,
+                         compute_aux_loss, **model_inputs)  # fmt: skip
+        # TRL 1.16 chunks the rows by `batch_size` to bound memory; so do we, sharing within each chunk
+        batch_size = batch_size or input_ids.size(0)
+        pad_token_id = getattr(getattr(self, "_tokenizer", None), "pad_token_id", None) or 0
+        all_logps, all_entropies = [], []
+        for start in range(0, input_ids.size(0), batch_size):
+            ids, mask = input_ids[start : start + batch_size], attention_mask[start : start + batch_size]
+            prompts = prompts_from_left_padded(ids, mask, ids.size(1) - logits_to_keep)
+            plan = plan_prefix(prompts) if prompts is not None else None
+            result = None
+            if plan is None:
+                log_fallback_once("a prompt is empty or not left-padded")
+            elif plan.shares:
+                with self.accelerator.autocast():
+                    result = shared_prefix_logps_and_entropies(
+                        model, ids, mask, logits_to_keep, compute_entropy, pad_token_id=pad_token_id, plan=plan
+                    )
+            self._count_prefix_tokens(plan, ids.size(0), result is not None)
+            if result is None:  # nothing shared in this chunk: TRL's forward, bit for bit
+                result = plain(model, ids, mask, logits_to_keep, compute_entropy=compute_entropy)[:2]
+            all_logps.append(result[0])
+            all_entropies.append(result[1])
+        logps = torch.cat(all_logps, dim=0)
+        entropies = torch.cat(all_entropies, dim=0) if compute_entropy else None
+        return logps, entropies, None
+
+    def _generate_single_turn(self, prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False):
+        reason = None
+        if not self._sharing_enabled() or self.use_vllm:
+            reason = ""  # off, or vLLM, which caches prefixes itself: nothing to log
+        elif self.use_transformers_continuous_batching:
+            reason = "transformers continuous batching manages its own cache"
+        elif images is not None or multimodal_fields or has_tool_images or getattr(self, "_is_vlm", False):
+            reason = "multimodal inputs"
+        else:
+            reason = generation_unsupported_reason(self.model, self.generation_config)
+        if reason is not None:
+            if reason:
+                log_fallback_once(reason)
+            return super()._generate_single_turn(
+                prompt_ids, images, multimodal_fields, num_generations, has_tool_images
+            )
+        self._count_prefix_tokens(None, len(prompt_ids), True, kind="generations")
+        return self._shared_prefix_generate_single_turn(prompt_ids)
+
+    def _shared_prefix_generate_single_turn(self, prompt_ids):
+        """TRL 1.16 ``_generate_single_turn``'s transformers-generate branch, text only, with the shared-prefix
+        prefill (`shared_prefix_generate`) in place of ``unwrapped_model.generate``."""
+        from trl.extras.profiling import profiling_context
+        from trl.models import unwrap_model_for_generation
+
+        with (
+            profiling_context(self, "transformers.generate"),
+            unwrap_model_for_generation(
+                self.model_wrapped,
+                self.accelerator,
+                gather_deepspeed3_params=self.args.ds3_gather_for_generation,
+                generation_kwargs=self.generation_kwargs,
+                gradient_checkpointing_kwargs=self.args.gradient_checkpointing_kwargs,
+            ) as unwrapped_model,
+            torch.no_grad(),
+            self._dist.summon_full_params(self.model_wrapped, recurse=False),
+        ):
+            prompt_completion_ids = shared_prefix_generate(
+                unwrapped_model,
+                prompt_ids,
+                self._tokenizer.pad_token_id,
+                generation_config=self.generation_config,
+                pad_to_multiple_of=self.pad_to_multiple_of,
+            )
+        prompt_length = max(len(p) for p in prompt_ids)
+        if self.pad_to_multiple_of:
+            prompt_length = -(-prompt_length // self.pad_to_multiple_of) * self.pad_to_multiple_of
+        completion_ids = prompt_completion_ids[:, prompt_length:]
+        # Mask everything after the first EOS token (as TRL does)
+        is_eos = torch.isin(completion_ids, torch.tensor(self.eos_token_ids, device=completion_ids.device))
+        eos_idx = torch.full((is_eos.size(0),), is_eos.size(1), dtype=torch.long, device=completion_ids.device)
+        eos_idx[is_eos.any(dim=1)] = is_eos.int().argmax(dim=1)[is_eos.any(dim=1)]
+        sequence_indices = torch.arange(is_eos.size(1), device=completion_ids.device).expand(is_eos.size(0), -1)
+        completion_mask = (sequence_indices <= eos_idx.unsqueeze(1)).int()
+        completion_ids = [
+            c[m].tolist() for c, m in zip(completion_ids.cpu(), completion_mask.bool().cpu(), strict=True)
+        ]
+        return completion_ids, None

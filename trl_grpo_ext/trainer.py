@@ -9,6 +9,8 @@
   off-policy mask, vLLM importance-sampling correction, entropy bonus, MoE aux loss) and normalises like ``dapo``.
 - After TRL has scored a generation batch, prompt groups whose rewards are flat within ``degenerate_tol``
   get exactly zero advantage (``zero_degenerate_advantages``) and ``frac_degenerate`` is logged.
+- Rows that share prompt tokens are encoded once in the log-prob forward and in non-vLLM generation
+  (``share_prompt_prefix``, `trl_grpo_ext.prefix.PrefixSharingMixin`; docs/prefix_sharing.md).
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from trl.trainer.utils import get_config_model_id
 
 from trl_grpo_ext.config import EXTRA_LOSS_TYPES, GRPOConfig, trl_loss_type
 from trl_grpo_ext.losses import degenerate_groups, policy_loss_from_log_ratio, ratio_metrics, token_level_mean
+from trl_grpo_ext.prefix import PrefixSharingMixin
 from trl_grpo_ext.trl_sampling import CurriculumMixin, DynamicSamplingMixin
 
 # Inputs that `_get_per_token_logps_and_entropies` takes for multimodal models, forwarded as TRL does.
@@ -45,7 +48,7 @@ def _on_policy_ratio_metrics(clip_low, clip_high) -> dict[str, float]:
     return {name: value.item() for name, value in ratio_metrics(torch.ones(1), None, clip_low, clip_high).items()}
 
 
-class GRPOTrainer(DynamicSamplingMixin, CurriculumMixin, trl.GRPOTrainer):
+class GRPOTrainer(DynamicSamplingMixin, CurriculumMixin, PrefixSharingMixin, trl.GRPOTrainer):
     """TRL's `GRPOTrainer` plus ``loss_type`` ``importance_sampling`` / ``cispo`` (two-sided) / ``ppo``, degenerate groups.
 
     Takes the same arguments as `trl.GRPOTrainer`. With a `trl_grpo_ext.GRPOConfig` the names of

@@ -1,0 +1,368 @@
+"""Shared-prefix computation (`trl_grpo_ext.prefix`) against the plain computation, on the tiny model in fp32.
+
+Log-probs and entropies to 1e-4 absolute, parameter gradients to 1e-5 relative (per tensor), greedy tokens identical,
+sampled per-step logits to 1e-4 with the same seed; a batch with nothing shared gives TRL's result bit for bit.
+"""
+
+import pytest
+import torch
+import trl
+from datasets import Dataset
+from transformers import AutoModelForCausalLM, GenerationConfig
+from trl.trainer.utils import add_fused_lm_head, shuffle_sequence_dict, split_tensor_dict
+
+from trl_grpo_ext.config import GRPOConfig
+from trl_grpo_ext.prefix import (
+    PrefixPlan,
+    pack_rows,
+    plan_prefix,
+    prompts_from_left_padded,
+    shared_prefix_generate,
+    shared_prefix_logits,
+    shared_prefix_logps_and_entropies,
+    sharing_unsupported_reason,
+)
+from trl_grpo_ext.trainer import GRPOTrainer
+
+LOGP_ATOL = 1e-4
+GRAD_RTOL = 1e-5
+
+
+# ---------------------------------------------------------------------------------------------------------- helpers
+def load(path, attn="sdpa", fused=True, temperature=1.0):
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation=attn)
+    if fused:
+        add_fused_lm_head(model, temperature=temperature, outputs=("log_probs", "entropy"))
+    return model
+
+
+def rand_tokens(n, vocab, generator):
+    return torch.randint(3, vocab, (n,), generator=generator).tolist()
+
+
+def trl_layout(prompts, completions, lengths):
+    """TRL's tensors: prompts left-padded, completions right-padded with the mask 0 after `lengths[i]` tokens."""
+    p_len, c_len = max(map(len, prompts)), max(map(len, completions))
+    ids = torch.zeros(len(prompts), p_len + c_len, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, (p, c, n) in enumerate(zip(prompts, completions, lengths, strict=True)):
+        ids[i, p_len - len(p) : p_len] = torch.tensor(p)
+        mask[i, p_len - len(p) : p_len] = 1
+        ids[i, p_len : p_len + len(c)] = torch.tensor(c)
+        mask[i, p_len : p_len + n] = 1
+    return ids, mask, c_len
+
+
+def plain_fused(model, ids, mask, keep):
+    """TRL 1.16's `_get_per_token_logps_and_entropies` for one chunk."""
+    labels = ids.masked_fill(mask == 0, -100)
+    labels[:, :-keep] = -100
+    out = model(input_ids=ids, attention_mask=mask, labels=labels, fused_lm_head=True)
+    return out.log_probs[:, -keep:], out.entropy[:, -keep:]
+
+
+def grads_of(model, value):
+    model.zero_grad()
+    value.backward()
+    return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def assert_grads_close(got, want):
+    assert got.keys() == want.keys() and want
+    for name in want:
+        rel = ((got[name] - want[name]).norm() / want[name].norm().clamp(min=1e-30)).item()
+        assert rel <= GRAD_RTOL, (name, rel)
+
+
+def batch(vocab, seed=0, common=24, rests=(5, 9, 2), rows=(0, 1, 0, 2, 1, 0), completion=7):
+    g = torch.Generator().manual_seed(seed)
+    shared = rand_tokens(common, vocab, g)
+    distinct = [shared + rand_tokens(n, vocab, g) for n in rests]
+    prompts = [distinct[r] for r in rows]
+    completions = [rand_tokens(completion, vocab, g) for _ in rows]
+    lengths = [completion - (i % 3) * 2 for i in range(len(rows))]  # EOS at different places: masked tails
+    return prompts, completions, lengths
+
+
+# ---------------------------------------------------------------------------------------------------------- plan
+def test_plan_levels_groups_need_not_be_adjacent():
+    plan = plan_prefix([[1, 2, 3, 4], [1, 2, 5], [1, 2, 3, 4], [1, 2, 5, 6, 7]])
+    assert plan.prefix_length == 2  # capped at min length - 1 = 2 anyway
+    assert plan.groups == ((0, 2), (1,), (3,)) and plan.row_group == (0, 1, 0, 2)
+    assert plan.remainder(0) == (3,) and plan.remainder(1) == () and plan.remainder(2) == (5, 6)
+    assert plan.plain_prompt_tokens == 16 and plan.shared_prompt_tokens == 2 + 3 + 4 and plan.shares
+    # the prefix never swallows a row's last prompt token (it scores the first completion token)
+    assert plan_prefix([[7, 8, 9]] * 3).prefix_length == 2
+    assert not plan_prefix([[1, 2], [3, 4]]).shares
+    with pytest.raises(ValueError):
+        plan_prefix([[1], []])
+
+
+def test_prompts_from_left_padded_rejects_other_layouts():
+    ids = torch.tensor([[0, 5, 6, 9], [4, 5, 6, 9]])
+    assert prompts_from_left_padded(ids, torch.tensor([[0, 1, 1, 1], [1, 1, 1, 1]]), 3) == [[5, 6], [4, 5, 6]]
+    assert prompts_from_left_padded(ids, torch.tensor([[1, 0, 1, 1], [1, 1, 1, 1]]), 3) is None  # hole
+    assert prompts_from_left_padded(ids, torch.tensor([[0, 0, 0, 1], [1, 1, 1, 1]]), 3) is None  # empty prompt
+
+
+def test_pack_rows_layout_and_visibility():
+    plan = plan_prefix([[1, 2, 3], [1, 2, 4, 5], [1, 2, 3]])
+    packed = pack_rows(plan, [[7, 8], [9], [6]], [[True, False], [True], [True]])
+    # [prefix 1 2][row 0: 3 7 8][row 2: 3 6][group 1 rest: 4][row 1: 5 9]
+    assert packed.input_ids[0].tolist() == [1, 2, 3, 7, 8, 3, 6, 4, 5, 9]
+    assert packed.position_ids[0].tolist() == [0, 1, 2, 3, 4, 2, 3, 2, 3, 4]
+    assert packed.labels[0].tolist() == [-100, -100, -100, 7, -100, -100, 6, -100, -100, 9]
+    see = packed.visible[0, 0]
+    assert see[9].tolist() == [True, True, False, False, False, False, False, True, True, True]
+    assert see[6].tolist() == [True, True, False, False, False, True, True, False, False, False]
+    assert not see[:, 4].any()  # a padded completion slot is nobody's key
+    assert packed.row_slots == [(0, 2, 2), (0, 8, 1), (0, 5, 1)]
+
+
+def test_unsupported_models_are_named():
+    from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
+
+    gpt2 = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=8, n_head=2, vocab_size=16))
+    assert "model_type 'gpt2'" in sharing_unsupported_reason(gpt2)
+    small = dict(vocab_size=16, hidden_size=8, intermediate_size=16, num_hidden_layers=1, num_attention_heads=2)
+    llama = LlamaForCausalLM(LlamaConfig(**small))
+    assert sharing_unsupported_reason(llama) is None
+    llama.config._attn_implementation = "flash_attention_2"
+    assert "does not take a custom 4D mask" in sharing_unsupported_reason(llama)
+
+
+# ---------------------------------------------------------------------------------------------------------- forward
+@pytest.mark.parametrize(
+    ("attn", "budget", "temperature"), [("sdpa", 4096, 1.0), ("eager", 4096, 0.7), ("sdpa", 40, 1.0)]
+)
+def test_shared_forward_equals_plain(tiny_model_path, attn, budget, temperature):
+    model = load(tiny_model_path, attn, temperature=temperature)
+    prompts, completions, lengths = batch(model.config.vocab_size)
+    ids, mask, keep = trl_layout(prompts, completions, lengths)
+    weights = torch.randn(ids.size(0), keep, generator=torch.Generator().manual_seed(3))
+
+    logps, entropies = plain_fused(model, ids, mask, keep)
+    want = grads_of(model, (logps * weights).sum() + entropies.sum())
+    result = shared_prefix_logps_and_entropies(model, ids, mask, keep, compute_entropy=True, max_packed_tokens=budget)
+    assert result is not None
+    got_logps, got_entropies = result
+    got = grads_of(model, (got_logps * weights).sum() + got_entropies.sum())
+
+    torch.testing.assert_close(got_logps, logps, atol=LOGP_ATOL, rtol=0)
+    torch.testing.assert_close(got_entropies, entropies, atol=LOGP_ATOL, rtol=0)
+    completion_mask = mask[:, -keep:].bool()
+    assert torch.all(got_logps[~completion_mask] == 0) and torch.all(got_entropies[~completion_mask] == 0)
+    assert_grads_close(got, want)
+
+
+def test_nothing_shared_is_left_to_the_plain_forward(tiny_model_path):
+    model = load(tiny_model_path)
+    prompts = [[5, 6, 7], [8, 9], [10, 11, 12, 13]]
+    ids, mask, keep = trl_layout(prompts, [[3, 4]] * 3, [2, 2, 1])
+    assert shared_prefix_logps_and_entropies(model, ids, mask, keep) is None
+
+
+def test_shared_logits_equal_per_row_forward(tiny_model_path):
+    model = load(tiny_model_path, fused=False)
+    prompts, completions, _ = batch(model.config.vocab_size, seed=4, rows=(1, 0, 1))
+    logits = shared_prefix_logits(model, prompts, completions)
+    for prompt, completion, got in zip(prompts, completions, logits, strict=True):
+        full = model(input_ids=torch.tensor([prompt + completion])).logits[0]
+        torch.testing.assert_close(got, full[len(prompt) - 1 : -1], atol=LOGP_ATOL, rtol=0)
+
+
+# ---------------------------------------------------------------------------------------------------------- generation
+@pytest.mark.parametrize("rows", [(0, 1, 0, 2, 1, 0), (0, 0, 0, 0)])  # three prompts; one prompt sampled 4 times
+def test_generation_equals_generate(tiny_model_path, rows):
+    model = load(tiny_model_path, fused=False)
+    prompts, _, _ = batch(model.config.vocab_size, seed=2, rows=rows)
+    padded = torch.zeros(len(prompts), max(map(len, prompts)), dtype=torch.long)
+    attention = torch.zeros_like(padded)
+    for i, p in enumerate(prompts):
+        padded[i, padded.size(1) - len(p) :], attention[i, padded.size(1) - len(p) :] = torch.tensor(p), 1
+    common = dict(max_new_tokens=10, pad_token_id=0, eos_token_id=2, return_dict_in_generate=True, output_logits=True)
+    for config in (
+        GenerationConfig(do_sample=False, **common),
+        GenerationConfig(do_sample=True, temperature=0.8, top_k=50, top_p=0.95, **common),
+    ):
+        torch.manual_seed(11)
+        want = model.generate(input_ids=padded, attention_mask=attention, generation_config=config)
+        torch.manual_seed(11)
+        got = shared_prefix_generate(model, prompts, 0, config)
+        assert torch.equal(got.sequences, want.sequences), config.do_sample
+        for step_got, step_want in zip(got.logits, want.logits, strict=True):
+            torch.testing.assert_close(step_got, step_want, atol=1e-4, rtol=0)
+
+
+# ---------------------------------------------------------------------------------------------------------- trainer
+PROMPTS = [
+    [{"role": "system", "content": "Solve the problem step by step. Put your final answer within \\boxed{}."}]
+    + [{"role": "user", "content": text}]
+    for text in ("What is 3 + 4?", "Natalia sold 48 clips in April and half as many in May.", "What is 18 + 1,080?")
+]
+COMMON = dict(
+    report_to="none",
+    use_cpu=True,
+    bf16=False,
+    per_device_train_batch_size=4,
+    max_completion_length=8,
+    logging_steps=1,
+    save_strategy="no",
+    disable_tqdm=True,
+    seed=0,
+    epsilon_high=None,
+)
+
+
+def length_reward(completions, **kwargs):
+    return [float(len(c[0]["content"])) for c in completions]
+
+
+def make_trainer(path, tmp_path, cls=GRPOTrainer, config_cls=GRPOConfig, peft_config=None, **kwargs):
+    args = config_cls(output_dir=str(tmp_path / "out"), **{**COMMON, **kwargs})
+    trainer = cls(
+        path,
+        [length_reward],
+        args=args,
+        train_dataset=Dataset.from_dict({"prompt": PROMPTS}),
+        peft_config=peft_config,
+    )
+    trainer.model.train()
+    trainer.current_gradient_accumulation_steps = args.gradient_accumulation_steps
+    return trainer
+
+
+def generation_batch(trainer, group):
+    torch.manual_seed(0)
+    return trainer._generate_and_score_completions([{"prompt": p} for p in PROMPTS for _ in range(group)])
+
+
+def micro_batch(inputs, seed=0, steps=3):
+    """One of TRL's shuffled micro-batches: groups end up split across micro-batches."""
+    torch.manual_seed(seed)
+    return split_tensor_dict(shuffle_sequence_dict(inputs), steps)[0]
+
+
+def set_loss(trainer, loss_type):
+    ours = loss_type in ("importance_sampling", "cispo", "ppo")
+    trainer.ext_loss_type = loss_type if ours else None
+    trainer.loss_type = "dapo" if ours else loss_type
+
+
+def loss_and_grads(trainer, inputs, share):
+    trainer.share_prompt_prefix = share
+    trainer.model.zero_grad()
+    loss = trainer._compute_loss(trainer.model, dict(inputs))
+    loss.backward()
+    grads = {n: p.grad.clone() for n, p in trainer.model.named_parameters() if p.grad is not None}
+    return loss.detach(), grads
+
+
+def check_generation_batch(trainer, group):
+    """`_generate_and_score_completions` (sampling, old and reference log-probs) with and without sharing."""
+    trainer.share_prompt_prefix = False
+    want = generation_batch(trainer, group)
+    trainer.share_prompt_prefix = True
+    generations = trainer.__dict__.get("prefix_sharing_stats", {}).get("shared_generations", 0)
+    got = generation_batch(trainer, group)
+    assert trainer.prefix_sharing_stats["shared_generations"] == generations + 1
+    if want.get("old_per_token_logps") is not None or want.get("ref_per_token_logps") is not None:
+        stats = trainer.prefix_sharing_stats
+        assert stats["shared_chunks"] >= 1 and stats["prompt_tokens_encoded"] < stats["prompt_tokens"]
+    for key in ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask"):
+        assert torch.equal(got[key], want[key]), key
+    for key in ("old_per_token_logps", "ref_per_token_logps"):
+        assert (got.get(key) is None) == (want.get(key) is None), key
+        if want.get(key) is not None:
+            torch.testing.assert_close(got[key], want[key], atol=LOGP_ATOL, rtol=0)
+    return want
+
+
+def check_losses(trainer, inputs, cases):
+    """Loss and gradients with and without sharing for each (loss_type, beta, num_iterations) in `cases`."""
+    g = torch.Generator().manual_seed(1)
+    inputs = dict(inputs)
+    inputs["advantages"] = torch.randn(inputs["advantages"].shape, generator=g)
+    on_policy = {k: v for k, v in inputs.items() if k != "old_per_token_logps"}
+    off_policy = None
+    if inputs.get("old_per_token_logps") is not None:  # num_iterations > 1: the second iteration is off-policy
+        noise = torch.randn(inputs["old_per_token_logps"].shape, generator=g) * 0.3
+        off_policy = {**inputs, "old_per_token_logps": inputs["old_per_token_logps"] + noise}
+    for loss_type, beta, iterations in cases:
+        trainer.beta = beta
+        set_loss(trainer, loss_type)
+        case = on_policy if iterations == 1 else off_policy
+        loss_plain, grads_plain = loss_and_grads(trainer, case, share=False)
+        before = trainer.prefix_sharing_stats["shared_chunks"]
+        loss_shared, grads_shared = loss_and_grads(trainer, case, share=True)
+        assert trainer.prefix_sharing_stats["shared_chunks"] == before + 1  # the shared path ran
+        msg = f"{loss_type} beta={beta} num_iterations={iterations}"
+        torch.testing.assert_close(loss_shared, loss_plain, atol=1e-6, rtol=1e-5, msg=msg)
+        assert_grads_close(grads_shared, grads_plain)
+
+
+def test_trainer_full_fine_tune(tiny_model_path, tmp_path):
+    trainer = make_trainer(tiny_model_path, tmp_path, beta=0.04, num_generations=4, num_iterations=2)
+    assert isinstance(trainer, trl.GRPOTrainer) and trainer.share_prompt_prefix
+    inputs = check_generation_batch(trainer, group=4)
+    losses = ("dapo", "grpo", "bnpo", "dr_grpo", "sapo", "vespo", "importance_sampling", "cispo", "ppo")
+    # every loss type at (beta 0.04, second iteration) and (beta 0, first iteration); dapo at all four
+    cases = [(t, 0.04, 2) for t in losses] + [(t, 0.0, 1) for t in losses] + [("dapo", 0.0, 2), ("dapo", 0.04, 1)]
+    check_losses(trainer, micro_batch(inputs), cases)
+
+
+def test_trainer_lora_gradient_checkpointing(tiny_model_path, tmp_path):
+    from peft import LoraConfig
+
+    lora = LoraConfig(r=4, target_modules=["q_proj", "v_proj"], lora_dropout=0.0, init_lora_weights=False)
+    trainer = make_trainer(
+        tiny_model_path, tmp_path, peft_config=lora, beta=0.04, num_generations=4, gradient_checkpointing=True
+    )
+    inputs = check_generation_batch(trainer, group=4)
+    check_losses(trainer, micro_batch(inputs, seed=1), [("dapo", 0.04, 1), ("cispo", 0.04, 1)])
+
+
+def test_trainer_one_row_per_prompt(tiny_model_path, tmp_path):
+    # What num_generations=1 would give (TRL 1.16 requires >= 2): distinct prompts, so only the chat template and
+    # system prompt are shared (level 1) and every level-2 group has one row
+    trainer = make_trainer(tiny_model_path, tmp_path, num_generations=2, per_device_train_batch_size=2)
+    inputs = check_generation_batch(trainer, group=2)
+    one_each = {
+        k: v[0::2] if isinstance(v, torch.Tensor) and v.dim() and v.size(0) == 6 else v for k, v in inputs.items()
+    }
+    assert len(set(map(tuple, one_each["prompt_ids"].tolist()))) == 3
+    check_losses(trainer, one_each, [("dapo", 0.0, 1), ("importance_sampling", 0.0, 1)])
+
+
+def test_trainer_batch_sharing_nothing_is_trl_exactly(tiny_model_path, tmp_path):
+    vanilla = make_trainer(tiny_model_path, tmp_path, trl.GRPOTrainer, trl.GRPOConfig, num_generations=2)
+    ours = make_trainer(tiny_model_path, tmp_path, num_generations=2)
+    vocab = ours.model.config.vocab_size
+    prompts = [[5, 6, 7], [8, 9], [10, 11, 12, 13], [14, 15]]  # no common first token, all distinct
+    g = torch.Generator().manual_seed(0)
+    ids, mask, keep = trl_layout(prompts, [rand_tokens(5, vocab, g) for _ in prompts], [5, 3, 5, 4])
+    inputs = {
+        "prompt_ids": ids[:, :-keep],
+        "prompt_mask": mask[:, :-keep],
+        "completion_ids": ids[:, -keep:],
+        "completion_mask": mask[:, -keep:],
+        "advantages": torch.randn(len(prompts), generator=g),
+        "num_items_in_batch": mask[:, -keep:].sum(),
+    }
+    loss_trl = vanilla._compute_loss(vanilla.model, dict(inputs))
+    loss_trl.backward()
+    loss_ours = ours._compute_loss(ours.model, dict(inputs))
+    loss_ours.backward()
+    assert torch.equal(loss_ours, loss_trl)
+    for (name, p), (_, q) in zip(vanilla.model.named_parameters(), ours.model.named_parameters(), strict=True):
+        assert torch.equal(p.grad, q.grad), name
+
+
+def test_config_validates_the_option(tmp_path):
+    assert GRPOConfig(output_dir=str(tmp_path), use_cpu=True, report_to="none").share_prompt_prefix is True
+    with pytest.raises(ValueError, match="share_prompt_prefix"):
+        GRPOConfig(output_dir=str(tmp_path), use_cpu=True, report_to="none", share_prompt_prefix="yes")
+
+
+def test_plan_type_is_exposed():
+    assert PrefixPlan.__dataclass_fields__.keys() == {"prompts", "prefix_length", "groups", "row_group"}
