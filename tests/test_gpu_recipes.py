@@ -85,3 +85,123 @@ def test_a_bad_vllm_setting_fails_at_parse_time(tmp_path):
     )
     with pytest.raises(ValueError, match="vllm_importance_sampling_clip_min"):
         _parse(str(path))
+
+
+# ------------------------------------------------------------------------------ bench/gpu_check.sh
+
+
+def _gpu_check():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("gpu_check", ROOT / "bench" / "gpu_check.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _gsm8k_folder(path, n):
+    import json
+
+    path.mkdir()
+    rows = [{"question": f"What is {i} + {i}?", "answer": f"{i} + {i} = {2 * i}\n#### {2 * i}"} for i in range(n)]
+    for split in ("train", "test"):
+        (path / f"{split}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def test_gpu_check_dry_runs_on_cpu(tmp_path):
+    """The script as a GPU box runs it, on the default data (../shared/data/gsm8k), without installing or training."""
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "PYTHON": sys.executable}
+    cmd = ["bash", str(ROOT / "bench" / "gpu_check.sh"), "--dry-run", "--out", str(tmp_path / "out")]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
+    out = proc.stdout
+    assert "gpu_check: dry run OK" in out
+    install = next(line for line in out.splitlines() if "would run (install)" in line)
+    assert "pip install -e" in install and "vllm" in install
+    train = next(line for line in out.splitlines() if "would run (train)" in line)
+    assert "gpu_colocate.yaml" in train and "--max_steps 20" in train and "--eval_num_samples 0" in train
+    evaluation = next(line for line in out.splitlines() if "would run (eval)" in line)
+    assert "--limit 200" in evaluation and "--compare_model" in evaluation and "--adapter" in evaluation
+    assert "200 test problems" in out
+    assert not (tmp_path / "out" / "train").exists()  # nothing ran
+
+
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        (["--eval-limit", "50"], "test.jsonl has 8 problems, --eval-limit asks for 50"),
+        (["--model", "not a model"], "neither a model folder nor a hub id"),
+        (["--recipe", str(ROOT / "recipes" / "gsm8k" / "gpu_server.yaml")], "colocated vLLM"),
+    ],
+)
+def test_gpu_check_refuses_bad_input_before_anything_runs(tmp_path, capsys, extra, message):
+    gpu_check = _gpu_check()
+    data = _gsm8k_folder(tmp_path / "data", 8)
+    argv = ["--dry-run", "--data", str(data), "--eval-limit", "4", "--out", str(tmp_path / "out"), *extra]
+    assert gpu_check.run(gpu_check.parse_args(argv)) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("gpu_check: error:") and message in err and "\n" not in err
+
+
+def test_gpu_check_accepts_a_local_model_folder_and_small_eval(tmp_path, tiny_model_path, capsys):
+    gpu_check = _gpu_check()
+    data = _gsm8k_folder(tmp_path / "data", 8)
+    args = gpu_check.parse_args(["--dry-run", "--data", str(data), "--model", tiny_model_path, "--eval-limit", "4",
+                                 "--steps", "3", "--out", str(tmp_path / "out")])  # fmt: skip
+    assert gpu_check.run(args) == 0
+    out = capsys.readouterr().out
+    assert f"model: local folder {tiny_model_path}" in out and "--max_steps 3" in out and "--limit 4" in out
+
+
+def test_gpu_check_report_from_run_files(tmp_path):
+    """The printed figures: median step time without step 1, vLLM tokens/s without the warm-up call, peaks, accuracy."""
+    import json
+
+    gpu_check = _gpu_check()
+    out = tmp_path / "out"
+    (out / "train").mkdir(parents=True)
+    rows = [
+        {"step": i, "step_time": t, "reward": r}
+        for i, t, r in [(1, 30.0, 0.2), (2, 5.0, 0.3), (3, 7.0, 0.4), (4, 6.0, 0.5)]
+    ]
+    (out / "train" / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    calls = [
+        {"completion_tokens": 1000, "seconds": 10.0},
+        {"completion_tokens": 30000, "seconds": 2.0},
+        {"completion_tokens": 30000, "seconds": 4.0},
+    ]
+    (out / gpu_check.GENERATION_LOG).write_text("".join(json.dumps(c) + "\n" for c in calls))
+    stats = {
+        "train_wall_s": 60.0,
+        "torch_peak_allocated_gb": 30.0,
+        "torch_peak_reserved_gb": 45.5,
+        "gpu": "NVIDIA H200",
+    }
+    (out / gpu_check.TRAIN_STATS).write_text(json.dumps(stats))
+    (out / gpu_check.NVIDIA_SMI_LOG).write_text("1024\n51200\n2048\n")
+    summary = {"summary": {"pass@1": 0.41, "n": 200}, "compare_summary": {"pass@1": 0.33, "n": 200}}
+    (out / "eval_summary.json").write_text(json.dumps(summary))
+    report = gpu_check.summarize(str(out))
+    assert report["steps"] == 4 and report["step_time_median_s"] == 6.0 and report["step_time_first_s"] == 30.0
+    assert report["generation_tokens_per_s"] == 10000.0
+    assert report["peak_gpu_memory_gb_nvidia_smi"] == 50.0 and report["peak_gpu_memory_gb_torch_reserved"] == 45.5
+    assert (report["accuracy_before"], report["accuracy_after"], report["eval_problems"]) == (0.33, 0.41, 200)
+    text = gpu_check.format_report(report)
+    assert "6.00 s median" in text and "10,000 completion tokens/s" in text and "0.330 before -> 0.410 after" in text
+
+
+def test_gpu_check_times_the_call_trl_makes():
+    """The training process wraps `VLLMGeneration.generate`; TRL's trainer calls it and unpacks 4 values."""
+    import inspect
+
+    import trl
+    from trl.generation.vllm_generation import VLLMGeneration
+
+    assert callable(VLLMGeneration.generate)
+    source = inspect.getsource(trl.GRPOTrainer._generate_single_turn)
+    assert "_, completion_ids, logprobs, _ = self.vllm_generation.generate(" in source
