@@ -187,8 +187,8 @@ def train_in_process(out: str, recipe_argv: list[str]) -> None:
     module.main(recipe_argv)
     stats = {
         "train_wall_s": time.perf_counter() - start,
-        "torch_peak_allocated_gb": torch.cuda.max_memory_allocated() / 1e9,
-        "torch_peak_reserved_gb": torch.cuda.max_memory_reserved() / 1e9,
+        "torch_peak_allocated_gib": torch.cuda.max_memory_allocated() / 2**30,
+        "torch_peak_reserved_gib": torch.cuda.max_memory_reserved() / 2**30,
         "gpu": torch.cuda.get_device_name(0),
     }
     (Path(out) / TRAIN_STATS).write_text(json.dumps(stats, indent=2) + "\n")
@@ -225,8 +225,8 @@ def summarize(out: str) -> dict:
         else None,
         "generation_calls": len(calls),
         "train_wall_s": train["train_wall_s"],
-        "peak_gpu_memory_gb_torch_reserved": train["torch_peak_reserved_gb"],
-        "peak_gpu_memory_gb_nvidia_smi": max(smi) / 1024 if smi else None,
+        "peak_gpu_memory_gib_torch_reserved": train["torch_peak_reserved_gib"],
+        "peak_gpu_memory_gib_nvidia_smi": max(smi) / 1024 if smi else None,  # MiB
         "reward_first": rows[0].get("reward") if rows else None,
         "reward_last": rows[-1].get("reward") if rows else None,
         "accuracy_before": evals["compare_summary"]["pass@1"],
@@ -243,8 +243,8 @@ def format_report(report: dict) -> str:
         f"GPU check on {report['gpu']}: {report['steps']} GRPO-LoRA steps with colocated vLLM",
         f"  step time: {num(report['step_time_median_s'], '.2f')} s median (first step {num(report['step_time_first_s'], '.2f')} s)",
         f"  generation: {num(report['generation_tokens_per_s'], ',.0f')} completion tokens/s (vLLM, {report['generation_calls']} calls, first excluded)",
-        f"  peak GPU memory: {num(report['peak_gpu_memory_gb_nvidia_smi'], '.1f')} GB (nvidia-smi), "
-        f"{num(report['peak_gpu_memory_gb_torch_reserved'], '.1f')} GB reserved by torch in the training process",
+        f"  peak GPU memory: {num(report['peak_gpu_memory_gib_nvidia_smi'], '.1f')} GiB (nvidia-smi), "
+        f"{num(report['peak_gpu_memory_gib_torch_reserved'], '.1f')} GiB reserved by torch in the training process",
         f"  reward: {num(report['reward_first'], '.3f')} (step 1) -> {num(report['reward_last'], '.3f')} (step {report['steps']})",
         f"  GSM8K test greedy accuracy ({report['eval_problems']} problems): {report['accuracy_before']:.3f} before -> "
         f"{report['accuracy_after']:.3f} after",

@@ -178,8 +178,8 @@ def test_gpu_check_report_from_run_files(tmp_path):
     (out / gpu_check.GENERATION_LOG).write_text("".join(json.dumps(c) + "\n" for c in calls))
     stats = {
         "train_wall_s": 60.0,
-        "torch_peak_allocated_gb": 30.0,
-        "torch_peak_reserved_gb": 45.5,
+        "torch_peak_allocated_gib": 30.0,
+        "torch_peak_reserved_gib": 45.5,
         "gpu": "NVIDIA H200",
     }
     (out / gpu_check.TRAIN_STATS).write_text(json.dumps(stats))
@@ -189,7 +189,7 @@ def test_gpu_check_report_from_run_files(tmp_path):
     report = gpu_check.summarize(str(out))
     assert report["steps"] == 4 and report["step_time_median_s"] == 6.0 and report["step_time_first_s"] == 30.0
     assert report["generation_tokens_per_s"] == 10000.0
-    assert report["peak_gpu_memory_gb_nvidia_smi"] == 50.0 and report["peak_gpu_memory_gb_torch_reserved"] == 45.5
+    assert report["peak_gpu_memory_gib_nvidia_smi"] == 50.0 and report["peak_gpu_memory_gib_torch_reserved"] == 45.5
     assert (report["accuracy_before"], report["accuracy_after"], report["eval_problems"]) == (0.33, 0.41, 200)
     text = gpu_check.format_report(report)
     assert "6.00 s median" in text and "10,000 completion tokens/s" in text and "0.330 before -> 0.410 after" in text
