@@ -287,3 +287,42 @@ def test_config_checks_dynamic_sampling_fields(tmp_path):
         GRPOConfig(output_dir=str(tmp_path), max_generation_batches=0, use_cpu=True)
     with pytest.raises(ValueError, match="max_generation_batches"):
         GRPOConfig(output_dir=str(tmp_path), max_generation_batches=True, use_cpu=True)
+
+
+@pytest.mark.slow
+def test_two_processes_take_the_same_decision(tiny_model_path, tmp_path):
+    """accelerate launch --num_processes 2 (gloo): both ranks generate the same number of batches per step (else
+    the collectives would hang), each trains only on informative groups it generated, none is padding."""
+    import json
+    import os
+    import socket
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    env.pop("ACCELERATE_USE_CPU", None)
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
+           "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
+           "--main_process_ip", "127.0.0.1", "--main_process_port", str(port),
+           str(root / "tests" / "multiprocess_dynamic_sampling.py"), "--model", tiny_model_path,
+           "--out", str(tmp_path)]  # fmt: skip
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300, cwd=root)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+    assert [r["world_size"] for r in ranks] == [2, 2]
+    assert ranks[0]["generated"] == ranks[1]["generated"]  # same decision on both processes
+    logs = ranks[0]["log_history"]
+    assert len(logs) == 3
+    for step, entry in enumerate(logs):
+        assert entry["generation_batches"] == ranks[0]["generated"].count(step)
+        assert entry["frac_degenerate"] == 0.0 and entry["frac_degenerate_before_filter"] > 0.0
+    assert any(entry["generation_batches"] > 1 for entry in logs)
+    for rank in ranks:
+        assert len(rank["trained"]) == 3
+        for pids in rank["trained"]:
+            assert len(pids) == 4 and all(p % 2 == 1 for p in pids)
