@@ -1,0 +1,84 @@
+"""kill -9 of the TRL recipe at three points (the metrics write, a checkpoint save, inside a step), each followed by
+`--resume_from_checkpoint true`: every step ends up in metrics.jsonl exactly once and the run ends at max_steps.
+
+The kill points are deterministic: $TRL_GRPO_EXT_TEST_KILL="<point>:<step>" makes the recipe SIGKILL itself there
+(`trl_grpo_ext.run_files.maybe_kill`). One run folder goes through all three kills, so the test is four short runs of
+the tiny model; the first is launched the way `accelerate launch recipes/gsm8k_grpo.py` is, without a thread count.
+"""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from trl_grpo_ext.run_files import METRICS_FILENAME, TEST_KILL_ENV, is_complete_checkpoint, read_metrics_file
+
+ROOT = Path(__file__).resolve().parents[1]
+MAX_STEPS = 6
+
+
+def _argv(model, out):
+    return [
+        "--model_name_or_path", model, "--output_dir", str(out), "--max_steps", str(MAX_STEPS),
+        "--save_strategy", "steps", "--save_steps", "2", "--logging_steps", "1", "--max_completion_length", "8",
+        "--per_device_train_batch_size", "4", "--num_generations", "2", "--eval_num_samples", "0",
+        "--synthetic_tasks", "chain_sum", "--report_to", "none",
+    ]  # fmt: skip
+
+
+def _run(cmd, kill: str | None, log: Path):
+    env = {k: v for k, v in os.environ.items() if k not in (TEST_KILL_ENV, "OMP_NUM_THREADS")}
+    if kill:
+        env[TEST_KILL_ENV] = kill
+    with open(log, "w") as handle:
+        proc = subprocess.run(cmd, stdout=handle, stderr=subprocess.STDOUT, env=env, timeout=300)
+    return proc.returncode, log.read_text()
+
+
+def _steps(out):
+    rows, skipped = read_metrics_file(out / METRICS_FILENAME)
+    return [r["step"] for r in rows], skipped
+
+
+@pytest.mark.slow
+def test_kill_at_three_points_then_resume_loses_and_repeats_no_step(tiny_model_path, tmp_path):
+    out = tmp_path / "run"
+    recipe = [sys.executable, str(ROOT / "recipes" / "gsm8k_grpo.py"), *_argv(tiny_model_path, out)]
+    accelerate = [sys.executable, "-m", "accelerate.commands.launch", "--num_processes", "1", "--cpu",
+                  "--mixed_precision", "no", "--dynamo_backend", "no", *recipe[1:]]  # fmt: skip
+    resume = [*recipe, "--resume_from_checkpoint", "true"]
+    cores = len(os.sched_getaffinity(0))
+
+    # 1. killed while writing step 3's row: half a line is left, checkpoint-2 is complete
+    code, log = _run(accelerate, "metrics:3", tmp_path / "1.log")
+    assert code != 0 and f"torch threads: {cores}" in log, log[-3000:]  # accelerate alone would give fewer
+    assert _steps(out) == ([1, 2], 1), log[-3000:]
+    assert not (out / METRICS_FILENAME).read_text().endswith("\n")
+    assert is_complete_checkpoint(out / "checkpoint-2")
+
+    # 2. resumed from checkpoint-2 (the torn row is dropped, step 3 runs again), killed inside checkpoint-4's save
+    code, log = _run(resume, "save:4", tmp_path / "2.log")
+    assert code == -signal.SIGKILL, log[-3000:]
+    assert f"resuming from {out / 'checkpoint-2'}" in log
+    assert _steps(out) == ([1, 2, 3, 4], 0)
+    assert (out / "checkpoint-4" / "model.safetensors").exists() and not is_complete_checkpoint(out / "checkpoint-4")
+
+    # 3. the half-saved checkpoint-4 is passed over: resumed from checkpoint-2 again; killed after step 5's update
+    code, log = _run(resume, "step:5", tmp_path / "3.log")
+    assert code == -signal.SIGKILL, log[-3000:]
+    assert f"resuming from {out / 'checkpoint-2'}" in log
+    assert _steps(out) == ([1, 2, 3, 4], 0) and is_complete_checkpoint(out / "checkpoint-4")
+
+    # 4. resumed from checkpoint-4, runs to the end
+    code, log = _run(resume, None, tmp_path / "4.log")
+    assert code == 0, log[-3000:]
+    assert f"resuming from {out / 'checkpoint-4'}" in log
+    assert _steps(out) == (list(range(1, MAX_STEPS + 1)), 0)
+    summary = json.loads((out / "run_summary.json").read_text())
+    assert summary["logged_steps"] == MAX_STEPS
+    state = json.loads((out / f"checkpoint-{MAX_STEPS}" / "trainer_state.json").read_text())
+    assert state["global_step"] == MAX_STEPS
