@@ -270,3 +270,33 @@ def test_recipe_refuses_curriculum_without_tasks(tiny_model_path, tmp_path, caps
             "--curriculum", "true", "--max_steps", "1", "--report_to", "none"]  # fmt: skip
     assert _recipe_main()(argv) == 2
     assert "curriculum" in capsys.readouterr().err and not out.exists()
+
+
+@pytest.mark.slow
+def test_checkpoint_carries_the_curriculum_state(tiny_model_path, tmp_path):
+    import json
+
+    from trl_grpo_ext.trainer import GRPOTrainer
+    from trl_grpo_ext.trl_sampling import CURRICULUM_STATE_FILENAME
+
+    tasks = ["easy"] * 8 + ["hard"] * 8
+    data = Dataset.from_dict(
+        {"prompt": [[{"role": "user", "content": f"{i} + 4?"}] for i in range(16)], "task": tasks}
+    )
+
+    def make(max_steps):
+        args = GRPOConfig(
+            output_dir=str(tmp_path / "out"), report_to="none", use_cpu=True, bf16=False, disable_tqdm=True,
+            per_device_train_batch_size=4, num_generations=2, max_completion_length=3, logging_steps=1,
+            save_strategy="steps", save_steps=2, max_steps=max_steps, seed=0, curriculum=True,
+        )  # fmt: skip
+        return GRPOTrainer(tiny_model_path, [task_reward], args=args, train_dataset=data)
+
+    first = make(2)
+    first.train()
+    saved = json.loads((tmp_path / "out" / "checkpoint-2" / CURRICULUM_STATE_FILENAME).read_text())
+    assert saved == first.curriculum.state_dict() and saved["updates"] == 2
+    assert saved["pass_rates"]["easy"] > 0.5 > saved["pass_rates"]["hard"]
+    resumed = make(3)
+    resumed.train(resume_from_checkpoint=str(tmp_path / "out" / "checkpoint-2"))
+    assert resumed.curriculum.updates == 3  # the saved two, then step 3's

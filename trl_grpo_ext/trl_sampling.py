@@ -21,8 +21,10 @@ generation batch (identical for ``scale_rewards`` 'group' / 'none'; with 'batch'
 
 from __future__ import annotations
 
+import json
 import logging
 import math
+from pathlib import Path
 
 import torch
 from trl.trainer.utils import RepeatSampler, shuffle_sequence_dict, split_tensor_dict
@@ -31,6 +33,8 @@ from trl_grpo_ext.data.curriculum import CurriculumSampler, curriculum_from_task
 from trl_grpo_ext.dynamic_sampling import GroupFilter, GroupRef
 
 logger = logging.getLogger(__name__)
+
+CURRICULUM_STATE_FILENAME = "curriculum_state.json"  # in each checkpoint folder
 
 # Per-completion tensors of a TRL 1.16 generation batch and the value that pads them. Prompts are left-padded,
 # completions right-padded, as TRL builds them in `_generate_and_score_completions`.
@@ -222,6 +226,28 @@ class CurriculumMixin:
                 f"curriculum_reward={name!r} is not one of the reward functions: {self.reward_func_names}"
             )
         self._curriculum_column = None if name is None else self.reward_func_names.index(name)
+
+    # Checkpoints carry the pass-rate estimates, as TRL 1.16 does its adaptive-entropy state (same two hooks), so a
+    # resumed run keeps its adapted weights. The prompt order after a resume still differs from an uninterrupted
+    # run's: the sampler's draws are not replayed.
+    def _save_checkpoint(self, model, trial):
+        super()._save_checkpoint(model, trial)
+        if self.curriculum is not None and self.args.should_save:
+            from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
+
+            from trl_grpo_ext.run_files import atomic_write_json
+
+            folder = Path(self._get_output_dir(trial=trial)) / f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
+            atomic_write_json(folder / CURRICULUM_STATE_FILENAME, self.curriculum.state_dict())
+
+    def _load_optimizer_and_scheduler(self, checkpoint):
+        super()._load_optimizer_and_scheduler(checkpoint)
+        if self.curriculum is not None and checkpoint is not None:
+            path = Path(checkpoint) / CURRICULUM_STATE_FILENAME
+            if path.exists():
+                self.curriculum.load_state_dict(json.loads(path.read_text()))
+            else:
+                logger.warning("curriculum: %s has no %s; pass rates restart from the prior", checkpoint, path.name)
 
     def _get_train_sampler(self, dataset=None):
         if self.curriculum is None:
