@@ -124,6 +124,30 @@ class PyTrioGRPOConfig:
         default=None,
         metadata={"help": "Name of one reward function whose flatness within a group also marks it degenerate."},
     )
+    # --- dynamic sampling and the curriculum (the TRL path's GRPOConfig fields; docs/recipes.md) ---
+    dynamic_sampling: bool = field(
+        default=False,
+        metadata={
+            "help": "DAPO's group filter: drop degenerate groups and sample more prompts until the step has "
+            "prompts_per_step informative groups, or max_generation_batches is reached (then train on those)."
+        },
+    )
+    max_generation_batches: int = field(
+        default=4, metadata={"help": "With dynamic_sampling: sampling rounds one step may use, the first included."}
+    )
+    curriculum: bool = field(
+        default=False,
+        metadata={"help": "Synthetic task weights follow each task's running pass rate: share * (p (1 - p) + floor)."},
+    )
+    curriculum_ema: float = field(default=0.3, metadata={"help": "Weight of the newest batch in the pass rates."})
+    curriculum_floor: float = field(default=0.05, metadata={"help": "Added to p (1 - p): no task's weight is 0."})
+    curriculum_reward: str | None = field(
+        default=None,
+        metadata={"help": "The reward_funcs entry that decides a pass; None: degenerate_reward, else the total."},
+    )
+    curriculum_pass_threshold: float = field(
+        default=1.0, metadata={"help": "A completion passes when that reward is >= this."}
+    )
     epsilon: float = field(default=0.2, metadata={"help": "ppo: the ratio is clipped to [1 - epsilon, 1 + epsilon_high]."})
     epsilon_high: float | None = field(default=None, metadata={"help": "ppo: upper epsilon; None: `epsilon`."})
     cispo_clip_low: float | None = field(
@@ -225,6 +249,7 @@ class PyTrioGRPOConfig:
             problems.append(f"degenerate_reward {self.degenerate_reward!r} is not in reward_funcs")
         if self.degenerate_tol < 0:
             problems.append("degenerate_tol must be >= 0")
+        problems += self._sampling_problems()
         if self.learning_rate < 0:
             problems.append("learning_rate must be >= 0")
         if self.lr_scheduler_type not in ("constant", "linear"):
@@ -241,6 +266,25 @@ class PyTrioGRPOConfig:
             problems.append("request_timeout_s must be > 0")
         if problems:
             raise ValueError("Invalid PyTRIO GRPO config:\n  - " + "\n  - ".join(problems))
+
+    def _sampling_problems(self) -> list[str]:
+        from trl_grpo_ext.data.curriculum import check_curriculum_settings
+
+        problems = []
+        batches = self.max_generation_batches
+        if isinstance(batches, bool) or not isinstance(batches, int) or batches < 1:
+            problems.append(f"max_generation_batches must be an integer >= 1, got {batches!r}")
+        try:
+            check_curriculum_settings(self.curriculum_ema, self.curriculum_floor, 0.5)
+        except ValueError as error:
+            problems.append(str(error))
+        if not math.isfinite(self.curriculum_pass_threshold):
+            problems.append("curriculum_pass_threshold must be finite")
+        if self.curriculum_reward is not None and self.curriculum_reward not in self.reward_funcs:
+            problems.append(f"curriculum_reward {self.curriculum_reward!r} is not in reward_funcs")
+        if self.curriculum and self.dataset_name != "synthetic":
+            problems.append(f"curriculum needs rows with a task (dataset_name: synthetic), not {self.dataset_name!r}")
+        return problems
 
     def learning_rate_at(self, step: int) -> float:
         """Learning rate of optimizer step ``step`` (0-based): transformers' constant / linear schedules."""
