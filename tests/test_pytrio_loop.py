@@ -4,7 +4,6 @@ pytrio server on the tiny model, full GRPO runs per loss and mode, checkpoint + 
 from __future__ import annotations
 
 import json
-import math
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -21,16 +20,18 @@ from trl_grpo_ext.pytrio.checkpoint import (
 )
 from trl_grpo_ext.pytrio.config import PyTrioGRPOConfig
 from trl_grpo_ext.pytrio.connection import redact
-from trl_grpo_ext.pytrio.datums import build_datum, shifted_sequences
+from trl_grpo_ext.pytrio.datums import Rollout, build_datum, shifted_sequences
 from trl_grpo_ext.pytrio.loop import (
     PromptStream,
     PyTrioLoopError,
+    ScoredBatch,
     TokenRows,
     advantages_for,
+    build_train_batch,
     builtin_loss_config,
-    compute_rewards,
+    completion_metrics,
     make_custom_loss,
-    reward_metrics,
+    reward_step_metrics,
     rollouts_from_response,
 )
 from trl_grpo_ext.run_files import METRICS_FILENAME, run_metrics, truncate_metrics
@@ -124,25 +125,6 @@ def test_rollouts_from_response_checks_the_reply():
 # --------------------------------------------------------------------------------------------------------------
 
 
-def test_compute_rewards_follows_trl_aggregation():
-    def a(completions, **kw):
-        return [1.0, None, 0.0, None]
-
-    def b(completions, **kw):
-        return [0.5, 0.5, None, None]
-
-    per_func, totals = compute_rewards([a, b], ["a", "b"], [1.0, 2.0], ["p"] * 4, ["c"] * 4, [[1]] * 4, {})
-    assert per_func[1][0] != per_func[1][0]  # None -> NaN
-    assert totals[:3] == [2.0, 1.0, 0.0]
-    assert math.isnan(totals[3])  # unscorable by every function
-
-    def wrong(completions, **kw):
-        return [1.0]
-
-    with pytest.raises(PyTrioLoopError, match="'wrong' returned 1 values for 4"):
-        compute_rewards([wrong], ["wrong"], [1.0], ["p"] * 4, ["c"] * 4, [[1]] * 4, {})
-
-
 @pytest.mark.parametrize("scale", ["group", "batch", "none"])
 def test_advantages_are_the_shared_group_advantages(scale):
     totals = [1.0, 0.0, 0.0, 1.0, 2.0, 2.0, 2.0 + 1e-9, 2.0]
@@ -165,14 +147,46 @@ def test_degenerate_reward_marks_groups_where_one_function_is_flat():
     assert adv[:4] == [0.0] * 4 and any(a != 0 for a in adv[4:])
 
 
-def test_reward_metrics_names_and_values():
+def scored_batch(totals, advantages=None, degenerate=(False, False), lengths=None):
+    n = len(totals)
+    lengths = lengths or [2] * n
+    rollouts = [Rollout((1, 2), tuple(range(3, 3 + k)), tuple([-0.5] * k), "length" if k == 3 else "stop")
+                for k in lengths]
+    per_func = torch.tensor([[t] for t in totals])
+    return ScoredBatch([{"prompt": "p"}] * (n // 4), rollouts, per_func, per_func[:, 0],
+                       advantages if advantages is not None else [0.0] * n, list(degenerate))
+
+
+def test_reward_step_metrics_names_and_values():
     c = cfg()
     totals = [1.0, 0.0, 1.0, 0.0, 1.0, 1.0, 1.0, 1.0]
-    m = reward_metrics(c, totals, [[t] for t in totals], ["boxed_reward"], [False, True])
+    m = reward_step_metrics(c, scored_batch(totals, degenerate=[False, True]), ["boxed_reward"])
     assert m["reward"] == pytest.approx(0.75)
     assert m["reward_std"] == pytest.approx(torch.tensor(totals).std().item())
     assert m["rewards/boxed_reward/mean"] == pytest.approx(0.75)
     assert m["frac_reward_zero_std"] == 0.5 and m["frac_degenerate"] == 0.5
+
+
+def test_train_batch_skips_empty_completions_and_scales_builtin_advantages():
+    totals = [1.0, 0.0, 0.0, 0.0, 1.0, 1.0, 1.0, 1.0]
+    adv = [1.5, -0.5, -0.5, -0.5, 0.0, 0.0, 0.0, 0.0]
+    lengths = [3, 0, 2, 1, 2, 2, 2, 2]
+    scored = scored_batch(totals, adv, [False, True], lengths)
+    builtin = build_train_batch(cfg(loss_type="importance_sampling"), scored, 0)
+    assert len(builtin.datums) == 7 and len(builtin.token_rows.masks) == 7  # the empty completion has no datum
+    assert builtin.train_tokens == 3 + 2 + 1  # tokens with a non-zero advantage
+    n = builtin.token_rows.completion_tokens
+    assert n == 3 + 2 + 1 + 4 * 2
+    first = builtin.datums[0].loss_fn_inputs["advantages"].data
+    assert first[-1] == pytest.approx(1.5 / n)  # the service sums over tokens: / n makes it the token mean
+    assert builtin.token_rows.advantages[0][-1] == 1.5  # the local loss's rows keep the raw advantage
+    custom = build_train_batch(cfg(loss_type="cispo"), scored, 0)
+    assert custom.datums[0].loss_fn_inputs["advantages"].data[-1] == pytest.approx(1.5)
+    with pytest.raises(PyTrioLoopError, match="step 3: every completion was empty"):
+        build_train_batch(cfg(), scored_batch(totals, adv, lengths=[0] * 8), 2)
+    m = completion_metrics(scored.rollouts)
+    assert m["completions/mean_length"] == 14 / 8 and m["completions/min_length"] == 0
+    assert m["completions/max_length"] == 3 and m["completions/clipped_ratio"] == 1 / 8
 
 
 # --------------------------------------------------------------------------------------------------------------

@@ -24,6 +24,7 @@ from trl.trainer.utils import get_config_model_id
 from trl_grpo_ext.config import EXTRA_LOSS_TYPES, GRPOConfig, trl_loss_type
 from trl_grpo_ext.losses import degenerate_groups, policy_loss_from_log_ratio, ratio_metrics, token_level_mean
 from trl_grpo_ext.prefix import PrefixSharingMixin
+from trl_grpo_ext.reward_aggregation import weighted_rewards
 from trl_grpo_ext.trl_sampling import CurriculumMixin, DynamicSamplingMixin
 
 # Inputs that `_get_per_token_logps_and_entropies` takes for multimodal models, forwarded as TRL does.
@@ -97,9 +98,7 @@ class GRPOTrainer(DynamicSamplingMixin, CurriculumMixin, PrefixSharingMixin, trl
             # Each reward function is normalised on its own, so each one's float noise is amplified on its own.
             degenerate = degenerate_groups(rewards_per_func, num_generations, self.degenerate_tol)
         else:
-            weights = self.reward_weights.to(rewards_per_func.device)
-            rewards = (rewards_per_func * weights.unsqueeze(0)).nansum(dim=1)
-            rewards[torch.isnan(rewards_per_func).all(dim=1)] = torch.nan
+            rewards = weighted_rewards(rewards_per_func, self.reward_weights)
             degenerate = degenerate_groups(rewards, num_generations, self.degenerate_tol)
         if self.degenerate_reward is not None:
             column = rewards_per_func[:, self.reward_func_names.index(self.degenerate_reward)]

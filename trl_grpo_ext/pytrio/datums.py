@@ -3,7 +3,7 @@
 The trainer scores ``target_tokens[t]`` given ``model_input[: t + 1]``, so for a prompt ``p`` (length P) and a
 completion ``c`` (length C) the datum holds ``input = p + c[:-1]`` and ``targets = [0] * (P - 1) + c`` (both
 ``P + C - 1`` long). The sampler's logprobs and the advantage are zero over the prompt positions, so prompt tokens
-carry no loss for the policy losses, and `completion_mask` marks the positions that count for a custom loss.
+carry no loss for the policy losses; `shifted_sequences`' ``mask`` marks the positions that count for a custom loss.
 """
 
 from __future__ import annotations
@@ -20,7 +20,6 @@ class Rollout:
     prompt_tokens: tuple[int, ...]
     completion_tokens: tuple[int, ...]
     completion_logprobs: tuple[float, ...]
-    text: str
     stop_reason: str = ""
 
 
@@ -64,7 +63,7 @@ def shifted_sequences(
 
 def build_datum(prompt_tokens, completion_tokens, completion_logprobs, advantage: float):
     """A `pytrio.Datum` for the ``importance_sampling`` / ``ppo`` / ``cispo`` losses (no ``mask`` key: the
-    wire format has none; use `completion_mask` for custom losses)."""
+    wire format has none; custom losses use `shifted_sequences`' ``mask``)."""
     import pytrio as trio
 
     seq = shifted_sequences(prompt_tokens, completion_tokens, completion_logprobs, advantage)
@@ -77,7 +76,3 @@ def build_datum(prompt_tokens, completion_tokens, completion_logprobs, advantage
         },
     )
 
-
-def completion_mask(prompt_len: int, completion_len: int) -> list[float]:
-    """1.0 on the datum positions whose target is a completion token."""
-    return [0.0] * (prompt_len - 1) + [1.0] * completion_len

@@ -4,7 +4,8 @@ One optimizer step:
 
 1. ``save_weights_and_get_sampling_client()``: the sampler holds the current weights (the "old" policy);
 2. ``sample(prompt, num_samples=num_generations)`` per prompt (``mode: async`` submits all prompts at once);
-3. rewards (`trl_grpo_ext.rewards`), group advantages (`trl_grpo_ext.losses.group_advantages`);
+3. rewards (`trl_grpo_ext.rewards`, aggregated by `trl_grpo_ext.reward_aggregation` as the TRL path does), group
+   advantages (`trl_grpo_ext.losses.group_advantages`);
 4. one `Datum` per completion (`trl_grpo_ext.pytrio.datums`);
 5. ``forward_backward(datums, loss_type)`` for the service's built-in ``importance_sampling`` / ``ppo``, or
    ``forward_backward_custom`` with `trl_grpo_ext.losses.policy_loss` for ``cispo`` and the other losses;
@@ -17,7 +18,6 @@ Every ``save_every`` steps ``save_state`` checkpoints weights + optimizer remote
 from __future__ import annotations
 
 import logging
-import math
 import random
 import time
 from concurrent.futures import TimeoutError as FutureTimeout
@@ -34,7 +34,7 @@ from trl_grpo_ext.pytrio.checkpoint import (
 from trl_grpo_ext.pytrio.config import PyTrioGRPOConfig
 from trl_grpo_ext.pytrio.connection import install_log_redaction, redact
 from trl_grpo_ext.pytrio.datums import Rollout, build_datum, shifted_sequences, validate_rollout
-from trl_grpo_ext.pytrio.metrics import MetricsSink, nanmean, nanstd
+from trl_grpo_ext.pytrio.metrics import MetricsSink
 from trl_grpo_ext.rewards import get_reward_funcs
 from trl_grpo_ext.run_files import CONFIG_FILENAME, METRICS_FILENAME, atomic_write_text, truncate_metrics
 
@@ -54,12 +54,9 @@ class StepTimes:
     rewards: float = 0.0
     forward_backward: float = 0.0
     optim_step: float = 0.0
-    extra: dict = field(default_factory=dict)
 
     def as_metrics(self) -> dict:
-        out = {f"time/{k}": v for k, v in vars(self).items() if k != "extra"}
-        out.update(self.extra)
-        return out
+        return {f"time/{k}": v for k, v in vars(self).items()}
 
 
 def _wait(future, what: str, timeout: float):
@@ -113,55 +110,25 @@ def rollouts_from_response(response, prompt_tokens, num_generations: int, what: 
                 prompt_tokens=tuple(prompt_tokens),
                 completion_tokens=tuple(int(t) for t in tokens),
                 completion_logprobs=tuple(float(x) for x in logprobs),
-                text="",
                 stop_reason=str(getattr(seq, "stop_reason", "") or ""),
             )
         )
     return rollouts
 
 
-def compute_rewards(reward_funcs, reward_names, weights, prompts, completions, completion_ids, columns):
-    """TRL 1.16's reward aggregation: per-function values (None -> NaN), weighted NaN-sum; rows that every
-    function left unscored are NaN. Returns ``(rewards_per_func (N, K) list of lists, total (N,))``."""
-    n = len(completions)
-    per_func = []
-    for func, name in zip(reward_funcs, reward_names, strict=True):
-        try:
-            values = func(prompts=prompts, completions=completions, completion_ids=completion_ids, **columns)
-        except Exception as error:  # noqa: BLE001 - name the function, keep the message
-            raise PyTrioLoopError(f"reward function {name!r} failed: {type(error).__name__}: {error}") from None
-        values = list(values) if values is not None else []
-        if len(values) != n:
-            raise PyTrioLoopError(f"reward function {name!r} returned {len(values)} values for {n} completions")
-        column = []
-        for v in values:
-            try:
-                column.append(float("nan") if v is None else float(v))
-            except (TypeError, ValueError):
-                raise PyTrioLoopError(f"reward function {name!r} returned a non-number: {v!r}") from None
-        per_func.append(column)
-    rows = [[per_func[k][i] for k in range(len(per_func))] for i in range(n)]
-    totals = []
-    for row in rows:
-        if all(math.isnan(v) for v in row):
-            totals.append(float("nan"))
-        else:
-            totals.append(sum(w * v for w, v in zip(weights, row, strict=True) if not math.isnan(v)))
-    return rows, totals
-
-
-def advantages_for(config: PyTrioGRPOConfig, totals, rewards_per_func):
-    """`trl_grpo_ext.losses.group_advantages` with the config's options; returns (advantages list, degenerate list)."""
+def advantages_for(config: PyTrioGRPOConfig, rewards, rewards_per_func) -> tuple[list[float], list[bool]]:
+    """`trl_grpo_ext.losses.group_advantages` of the weighted totals (N,) with the config's options (and
+    ``degenerate_reward``'s column of ``rewards_per_func`` (N, K)); returns (advantages, degenerate per group)."""
     import torch
 
     from trl_grpo_ext.losses import group_advantages
 
+    rewards_per_func = torch.as_tensor(rewards_per_func, dtype=torch.float32)
     degenerate_rewards = None
     if config.degenerate_reward is not None:
-        k = list(config.reward_funcs).index(config.degenerate_reward)
-        degenerate_rewards = torch.tensor([row[k] for row in rewards_per_func], dtype=torch.float32)
+        degenerate_rewards = rewards_per_func[:, list(config.reward_funcs).index(config.degenerate_reward)]
     advantages, degenerate = group_advantages(
-        torch.tensor(totals, dtype=torch.float32),
+        torch.as_tensor(rewards, dtype=torch.float32),
         config.num_generations,
         scale_rewards=config.scale_rewards,
         degenerate_tol=config.degenerate_tol,
@@ -171,22 +138,25 @@ def advantages_for(config: PyTrioGRPOConfig, totals, rewards_per_func):
     return advantages.tolist(), degenerate.tolist()
 
 
-def reward_metrics(config, totals, rewards_per_func, reward_names, degenerate) -> dict:
-    g = config.num_generations
-    metrics = {"reward": nanmean(totals), "reward_std": nanstd(totals)}
-    for k, name in enumerate(reward_names):
-        column = [row[k] for row in rewards_per_func]
-        metrics[f"rewards/{name}/mean"] = nanmean(column)
-        metrics[f"rewards/{name}/std"] = nanstd(column)
-    if config.scale_rewards == "batch":
-        zero = [math.isclose(0.0, nanstd(totals) if not math.isnan(nanstd(totals)) else 0.0, abs_tol=1e-8)]
-    else:
-        zero = []
-        for start in range(0, len(totals), g):
-            std = nanstd(totals[start : start + g])
-            zero.append(math.isnan(std) or abs(std) <= 1e-8)
-    metrics["frac_reward_zero_std"] = sum(zero) / len(zero)
-    metrics["frac_degenerate"] = sum(bool(d) for d in degenerate) / max(len(degenerate), 1)
+@dataclass
+class ScoredBatch:
+    """One step's sampled and scored completions, prompt-major: ``num_generations`` consecutive rollouts per row."""
+
+    rows: list[dict]
+    rollouts: list[Rollout]
+    rewards_per_func: object  # torch (N, K), None -> NaN
+    rewards: object  # torch (N,), `trl_grpo_ext.reward_aggregation.weighted_rewards`
+    advantages: list[float]
+    degenerate: list[bool]  # per prompt group
+
+
+def reward_step_metrics(config: PyTrioGRPOConfig, scored: ScoredBatch, reward_names) -> dict:
+    """The TRL path's reward metrics of a step (`trl_grpo_ext.reward_aggregation`), plus ``frac_degenerate``."""
+    from trl_grpo_ext.reward_aggregation import frac_reward_zero_std, reward_metrics
+
+    metrics = reward_metrics(scored.rewards_per_func, scored.rewards, reward_names)
+    metrics["frac_reward_zero_std"] = frac_reward_zero_std(scored.rewards, config.num_generations, config.scale_rewards)
+    metrics["frac_degenerate"] = sum(bool(d) for d in scored.degenerate) / max(len(scored.degenerate), 1)
     return metrics
 
 
@@ -266,6 +236,65 @@ def local_loss_metrics(config: PyTrioGRPOConfig, rows: TokenRows, new_logprobs) 
     return record
 
 
+@dataclass
+class TrainBatch:
+    """What one step trains on: a datum per non-empty completion, the local loss's token rows."""
+
+    datums: list
+    token_rows: TokenRows
+    train_tokens: int  # completion tokens with non-zero advantage (the TRL path's `train_tokens`)
+
+
+def build_train_batch(config: PyTrioGRPOConfig, scored: ScoredBatch, step: int) -> TrainBatch:
+    """One `pytrio.Datum` per completion with tokens (`trl_grpo_ext.pytrio.datums`); empty completions count for
+    the rewards and the group baseline only."""
+    trained = [(r, a) for r, a in zip(scored.rollouts, scored.advantages, strict=True) if r.completion_tokens]
+    if not trained:
+        raise PyTrioLoopError(f"step {step + 1}: every completion was empty; nothing to train on")
+    token_rows = TokenRows()
+    for rollout, adv in trained:
+        token_rows.add(
+            shifted_sequences(rollout.prompt_tokens, rollout.completion_tokens, rollout.completion_logprobs, adv)
+        )
+    # The service sums a built-in loss over tokens; dividing the advantages by the batch's completion tokens
+    # turns that sum into TRL's token-level mean ("dapo" normalisation) for both linear-in-A losses.
+    scale = 1.0
+    if config.uses_builtin_loss and config.loss_aggregation == "token_mean":
+        scale = 1.0 / max(token_rows.completion_tokens, 1)
+    datums = [build_datum(r.prompt_tokens, r.completion_tokens, r.completion_logprobs, a * scale) for r, a in trained]
+    train_tokens = sum(
+        len(r.completion_tokens) for r, a in zip(scored.rollouts, scored.advantages, strict=True) if a != 0.0
+    )
+    return TrainBatch(datums, token_rows, train_tokens)
+
+
+def builtin_loss_metrics(config: PyTrioGRPOConfig, batch: TrainBatch, fb_out) -> dict:
+    """Loss metrics of a built-in loss: recomputed locally from the logprobs ``forward_backward`` returned (so
+    they match a custom loss's), else the service's ``loss_mean``, else none."""
+    record: dict = {}
+    outputs = getattr(fb_out, "loss_fn_outputs", None) or []
+    if len(outputs) == len(batch.datums) and all("logprobs" in o for o in outputs):
+        new_logprobs = [list(o["logprobs"].data) for o in outputs]
+        if all(len(lp) == len(m) for lp, m in zip(new_logprobs, batch.token_rows.masks, strict=True)):
+            record = local_loss_metrics(config, batch.token_rows, new_logprobs)
+    if "loss" not in record:
+        server_loss = (getattr(fb_out, "metrics", None) or {}).get("loss_mean")
+        if server_loss is not None:
+            record["loss"] = float(server_loss)
+    return record
+
+
+def completion_metrics(rollouts: list[Rollout]) -> dict:
+    """TRL's ``completions/*`` length metrics; ``clipped_ratio``: the share stopped by ``max_tokens``."""
+    lengths = [len(r.completion_tokens) for r in rollouts]
+    return {
+        "completions/mean_length": sum(lengths) / len(lengths),
+        "completions/min_length": min(lengths),
+        "completions/max_length": max(lengths),
+        "completions/clipped_ratio": sum(r.stop_reason == "length" for r in rollouts) / len(rollouts),
+    }
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # The loop
 # ----------------------------------------------------------------------------------------------------------------
@@ -315,7 +344,6 @@ class GRPOLoop:
         # Tests stop a run early (as a kill would) after this many steps of this invocation.
         self._stop_after = stop_after
         self._prompt_cache: dict[int, list[int]] = {}
-        self.last_step_times: StepTimes | None = None
 
     # --- setup -------------------------------------------------------------------------------------------------
 
@@ -362,18 +390,13 @@ class GRPOLoop:
         return PromptStream(self._load_rows(), self.config.seed, data_position)
 
     def _reward_setup(self):
-        from trl_grpo_ext.rewards import get_reward_funcs
+        """Reward functions with the TRL recipe's context (`trl_grpo_ext.recipe.reward_functions`: the length limit
+        and EOS let rewards that veto truncated completions recognise them), TRL's names and weights."""
+        from trl_grpo_ext.recipe import reward_functions
+        from trl_grpo_ext.reward_aggregation import reward_func_name, reward_weight_tensor
 
-        eos = getattr(self.tokenizer, "eos_token_id", None)
-        # the same context TRL recipes give: lets rewards that veto truncated completions recognise them
-        funcs = get_reward_funcs(
-            self.config.reward_funcs,
-            max_completion_length=self.config.max_completion_length,
-            eos_token_ids=[eos] if eos is not None else None,
-        )
-        names = [getattr(f, "__name__", str(n)) for f, n in zip(funcs, self.config.reward_funcs, strict=True)]
-        weights = self.config.reward_weights or [1.0] * len(funcs)
-        return funcs, names, [float(w) for w in weights]
+        funcs = reward_functions(self.config.reward_funcs, self.config, self.tokenizer)
+        return funcs, [reward_func_name(f) for f in funcs], reward_weight_tensor(self.config.reward_weights, len(funcs))
 
     def _prompt_tokens(self, row: dict) -> list[int]:
         key = id(row)
@@ -390,7 +413,7 @@ class GRPOLoop:
             self._prompt_cache[key] = list(ids)
         return self._prompt_cache[key]
 
-    # --- one step ------------------------------------------------------------------------------------------------
+    # --- one step: sample -> score -> build datums -> step -> metrics --------------------------------------------
 
     def _sampling_params(self, step: int, index: int):
         import pytrio as trio
@@ -405,11 +428,22 @@ class GRPOLoop:
             seed=(c.seed * 1_000_003 + step * 1_009 + index) % (2**31 - 1),
         )
 
-    def _sample(self, sampler, prompt_tokens: list[list[int]], step: int) -> list[list[Rollout]]:
+    def _sampling_client(self, training_client, times: StepTimes):
+        """A sampler holding the current weights: the "old" policy of this step."""
+        t0 = time.perf_counter()
+        sampler = _call(training_client.save_weights_and_get_sampling_client, "save_weights_and_get_sampling_client")
+        times.save_weights += time.perf_counter() - t0
+        return sampler
+
+    def _sample(self, sampler, rows: list[dict], step: int, times: StepTimes, first_index: int = 0):
+        """``num_generations`` rollouts per row, prompt-major; ``first_index`` numbers the rows within the step
+        (their sampling seeds), so a step that samples more rows later gives them new seeds."""
         import pytrio as trio
 
         c = self.config
         t = c.request_timeout_s
+        prompt_tokens = [self._prompt_tokens(row) for row in rows]
+        t0 = time.perf_counter()
 
         def submit(i, tokens):
             return _call(
@@ -421,132 +455,101 @@ class GRPOLoop:
                 return_text=False,
             )
 
+        indexed = list(enumerate(prompt_tokens, start=first_index))
         if c.mode == "async":
-            futures = [submit(i, tokens) for i, tokens in enumerate(prompt_tokens)]
-            replies = [_wait(f, f"sample (prompt {i})", t) for i, f in enumerate(futures)]
+            futures = [submit(i, tokens) for i, tokens in indexed]
+            replies = [_wait(f, f"sample (prompt {i})", t) for (i, _), f in zip(indexed, futures, strict=True)]
         else:
-            replies = [_wait(submit(i, tokens), f"sample (prompt {i})", t) for i, tokens in enumerate(prompt_tokens)]
-        return [
-            rollouts_from_response(reply, tokens, c.num_generations, f"sample (prompt {i})")
-            for i, (reply, tokens) in enumerate(zip(replies, prompt_tokens, strict=True))
+            replies = [_wait(submit(i, tokens), f"sample (prompt {i})", t) for i, tokens in indexed]
+        rollouts = [
+            r
+            for (i, tokens), reply in zip(indexed, replies, strict=True)
+            for r in rollouts_from_response(reply, tokens, c.num_generations, f"sample (prompt {i})")
         ]
+        times.sampling += time.perf_counter() - t0
+        return rollouts
 
-    def train_step(self, training_client, stream: PromptStream, step: int) -> dict:
-        """One GRPO step (0-based ``step``); returns its metrics."""
+    def _score(self, rows: list[dict], rollouts: list[Rollout], times: StepTimes) -> ScoredBatch:
+        """Rewards as TRL computes them (`trl_grpo_ext.reward_aggregation`), then group advantages."""
+        from trl_grpo_ext.reward_aggregation import reward_kwargs, score_completions, weighted_rewards
+
+        t0 = time.perf_counter()
+        g = self.config.num_generations
+        completion_ids = [list(r.completion_tokens) for r in rollouts]
+        texts = self.tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
+        conversational = isinstance(rows[0]["prompt"], list)
+        completions = [[{"role": "assistant", "content": t}] if conversational else t for t in texts]
+        inputs = [row for row in rows for _ in range(g)]  # TRL's per-completion inputs
+        rewards_per_func = score_completions(
+            self.reward_funcs, self.reward_names, [row["prompt"] for row in inputs], completions, completion_ids,
+            reward_kwargs(inputs),
+        )
+        rewards = weighted_rewards(rewards_per_func, self.reward_weights)
+        advantages, degenerate = advantages_for(self.config, rewards, rewards_per_func)
+        times.rewards += time.perf_counter() - t0
+        return ScoredBatch(rows, rollouts, rewards_per_func, rewards, advantages, degenerate)
+
+    def _sample_and_score(self, training_client, stream: PromptStream, step: int, times: StepTimes) -> ScoredBatch:
+        """The step's rollouts, scored: ``prompts_per_step`` rows from the stream, ``num_generations`` each."""
+        sampler = self._sampling_client(training_client, times)
+        rows = stream.take(self.config.prompts_per_step)
+        return self._score(rows, self._sample(sampler, rows, step, times), times)
+
+    def _optimizer_step(self, training_client, batch: TrainBatch, learning_rate: float, times: StepTimes):
+        """``forward_backward`` (built-in loss) or ``forward_backward_custom``, then ``optim_step``; returns
+        ``(loss metrics, optim_step metrics)``."""
         import pytrio as trio
 
         c = self.config
-        times = StepTimes()
-        t_step = time.perf_counter()
-
-        t0 = time.perf_counter()
-        sampler = _call(training_client.save_weights_and_get_sampling_client, "save_weights_and_get_sampling_client")
-        times.save_weights = time.perf_counter() - t0
-
-        rows = stream.take(c.prompts_per_step)
-        prompt_tokens = [self._prompt_tokens(row) for row in rows]
-        t0 = time.perf_counter()
-        groups = self._sample(sampler, prompt_tokens, step)
-        times.sampling = time.perf_counter() - t0
-
-        t0 = time.perf_counter()
-        rollouts = [r for group in groups for r in group]
-        texts = self.tokenizer.batch_decode([list(r.completion_tokens) for r in rollouts], skip_special_tokens=True)
-        conversational = isinstance(rows[0]["prompt"], list)
-        completions = [[{"role": "assistant", "content": t}] if conversational else t for t in texts]
-        g = c.num_generations
-        prompts = [row["prompt"] for row in rows for _ in range(g)]
-        columns = {
-            key: [row.get(key) for row in rows for _ in range(g)] for key in rows[0] if key not in ("prompt",)
-        }
-        rewards_per_func, totals = compute_rewards(
-            self.reward_funcs, self.reward_names, self.reward_weights, prompts, completions,
-            [list(r.completion_tokens) for r in rollouts], columns,
-        )
-        advantages, degenerate = advantages_for(c, totals, rewards_per_func)
-        times.rewards = time.perf_counter() - t0
-
-        lengths = [len(r.completion_tokens) for r in rollouts]
-        trained = [(r, a) for r, a in zip(rollouts, advantages, strict=True) if r.completion_tokens]
-        if not trained:
-            raise PyTrioLoopError(f"step {step + 1}: every completion was empty; nothing to train on")
-        token_rows = TokenRows()
-        for rollout, adv in trained:
-            token_rows.add(shifted_sequences(rollout.prompt_tokens, rollout.completion_tokens,
-                                             rollout.completion_logprobs, adv))
-        # The service sums a built-in loss over tokens; dividing the advantages by the batch's completion tokens
-        # turns that sum into TRL's token-level mean ("dapo" normalisation) for both linear-in-A losses.
-        scale = 1.0
-        if c.uses_builtin_loss and c.loss_aggregation == "token_mean":
-            scale = 1.0 / max(token_rows.completion_tokens, 1)
-        datums = [
-            build_datum(r.prompt_tokens, r.completion_tokens, r.completion_logprobs, a * scale) for r, a in trained
-        ]
-        train_tokens = sum(n for n, a in zip(lengths, advantages, strict=True) if a != 0.0)
-
-        lr = c.learning_rate_at(step)
         adam = trio.AdamParams(
-            learning_rate=lr, beta1=c.adam_beta1, beta2=c.adam_beta2, eps=c.adam_epsilon,
+            learning_rate=learning_rate, beta1=c.adam_beta1, beta2=c.adam_beta2, eps=c.adam_epsilon,
             weight_decay=c.weight_decay, grad_clip_norm=c.max_grad_norm,
         )
         loss_record: dict = {}
         t0 = time.perf_counter()
         if c.uses_builtin_loss:
             fb_future = _call(
-                training_client.forward_backward, "forward_backward", datums, c.loss_type,
+                training_client.forward_backward, "forward_backward", batch.datums, c.loss_type,
                 loss_fn_config=builtin_loss_config(c),
             )
         else:
             fb_future = _call(
-                training_client.forward_backward_custom, "forward_backward_custom", datums,
-                make_custom_loss(c, token_rows, loss_record),
+                training_client.forward_backward_custom, "forward_backward_custom", batch.datums,
+                make_custom_loss(c, batch.token_rows, loss_record),
             )
-        if c.mode == "async":
-            # queued right behind forward_backward: the trainer applies it as soon as the gradients are in
+        # async: optim_step is queued right behind forward_backward, so the trainer applies it as soon as the
+        # gradients are in; sync: submitted once forward_backward has answered
+        optim_future = _call(training_client.optim_step, "optim_step", adam) if c.mode == "async" else None
+        fb_out = _wait(fb_future, "forward_backward", c.request_timeout_s)
+        times.forward_backward = time.perf_counter() - t0
+        t1 = time.perf_counter()
+        if optim_future is None:
             optim_future = _call(training_client.optim_step, "optim_step", adam)
-            fb_out = _wait(fb_future, "forward_backward", c.request_timeout_s)
-            times.forward_backward = time.perf_counter() - t0
-            t1 = time.perf_counter()
-            optim_out = _wait(optim_future, "optim_step", c.request_timeout_s)
-            times.optim_step = time.perf_counter() - t1
-        else:
-            fb_out = _wait(fb_future, "forward_backward", c.request_timeout_s)
-            times.forward_backward = time.perf_counter() - t0
-            t1 = time.perf_counter()
-            optim_out = _wait(_call(training_client.optim_step, "optim_step", adam), "optim_step", c.request_timeout_s)
-            times.optim_step = time.perf_counter() - t1
-
+        optim_out = _wait(optim_future, "optim_step", c.request_timeout_s)
+        times.optim_step = time.perf_counter() - t1
         if c.uses_builtin_loss:
-            new_logprobs = []
-            outputs = getattr(fb_out, "loss_fn_outputs", None) or []
-            if len(outputs) == len(datums) and all("logprobs" in o for o in outputs):
-                new_logprobs = [list(o["logprobs"].data) for o in outputs]
-                if all(len(lp) == len(m) for lp, m in zip(new_logprobs, token_rows.masks, strict=True)):
-                    loss_record = local_loss_metrics(c, token_rows, new_logprobs)
-            if "loss" not in loss_record:
-                server_loss = (getattr(fb_out, "metrics", None) or {}).get("loss_mean")
-                if server_loss is not None:
-                    loss_record["loss"] = float(server_loss)
+            loss_record = builtin_loss_metrics(c, batch, fb_out)
+        return loss_record, getattr(optim_out, "metrics", None) or {}
 
-        metrics = reward_metrics(c, totals, rewards_per_func, self.reward_names, degenerate)
+    def train_step(self, training_client, stream: PromptStream, step: int) -> dict:
+        """One GRPO step (0-based ``step``): sample -> score -> build datums -> step -> metrics; returns its metrics."""
+        times = StepTimes()
+        t_step = time.perf_counter()
+        scored = self._sample_and_score(training_client, stream, step, times)
+        batch = build_train_batch(self.config, scored, step)
+        learning_rate = self.config.learning_rate_at(step)
+        loss_record, optim_metrics = self._optimizer_step(training_client, batch, learning_rate, times)
+
+        metrics = reward_step_metrics(self.config, scored, self.reward_names)
         metrics.update(loss_record)
-        metrics.update(
-            {
-                "train_tokens": train_tokens,
-                "completions/mean_length": sum(lengths) / len(lengths),
-                "completions/min_length": min(lengths),
-                "completions/max_length": max(lengths),
-                "completions/clipped_ratio": sum(r.stop_reason == "length" for r in rollouts) / len(rollouts),
-                "learning_rate": lr,
-                "num_datums": len(datums),
-            }
-        )
-        optim_metrics = getattr(optim_out, "metrics", None) or {}
+        metrics["train_tokens"] = batch.train_tokens
+        metrics.update(completion_metrics(scored.rollouts))
+        metrics["learning_rate"] = learning_rate
+        metrics["num_datums"] = len(batch.datums)
         if "grad_norm" in optim_metrics:
             metrics["grad_norm"] = float(optim_metrics["grad_norm"])
         metrics["step_time"] = time.perf_counter() - t_step
         metrics.update(times.as_metrics())
-        self.last_step_times = times
         return metrics
 
     # --- checkpoints ---------------------------------------------------------------------------------------------

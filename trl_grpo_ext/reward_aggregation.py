@@ -1,0 +1,99 @@
+"""Reward aggregation of TRL 1.16's GRPO, in one place for both execution paths.
+
+The TRL path lets `trl.GRPOTrainer._calculate_rewards` call the reward functions and
+``_generate_and_score_completions`` log the reward metrics; `trl_grpo_ext.trainer` needs only the weighted total
+(`weighted_rewards`, for the degenerate-group rule). The PyTRIO loop has no trainer to do any of this, so it calls
+the functions here, which mirror those two TRL 1.16 methods line by line (``multi_objective_aggregation=
+"sum_then_normalize"``, TRL's default): both paths' ``reward``, ``reward_std``, ``rewards/<name>/mean|std`` and
+``frac_reward_zero_std`` are the same numbers for the same rewards (tests/test_reward_aggregation.py checks them
+against a real `trl.GRPOTrainer`).
+"""
+
+from __future__ import annotations
+
+import torch
+from trl.trainer.utils import get_callable_name, nanstd
+
+# Keys of a training row that TRL 1.16's `_calculate_rewards` does not forward as reward keyword arguments.
+NOT_REWARD_KWARGS = ("prompt", "completion", "completion_ids")
+
+
+class RewardFunctionError(ValueError):
+    """A reward function failed or returned something that is not one reward per completion."""
+
+
+def reward_func_name(func) -> str:
+    """The name TRL 1.16's `GRPOTrainer.__init__` gives a reward callable (`trl.trainer.utils.get_callable_name`):
+    the ``<name>`` of the ``rewards/<name>/mean`` metrics."""
+    return get_callable_name(func)
+
+
+def reward_weight_tensor(weights, num_funcs: int) -> torch.Tensor:
+    """TRL 1.16's ``self.reward_weights``: float32 ``reward_weights``, all ones when None."""
+    if weights is None:
+        return torch.ones(num_funcs, dtype=torch.float32)
+    if len(weights) != num_funcs:
+        raise ValueError(f"{len(weights)} reward weights for {num_funcs} reward functions")
+    return torch.tensor(weights, dtype=torch.float32)
+
+
+def reward_kwargs(inputs: list[dict]) -> dict[str, list]:
+    """The dataset columns as reward keyword arguments, as TRL 1.16's `_calculate_rewards` builds them from its
+    per-completion ``inputs``: every key of the first row except ``prompt`` / ``completion`` / ``completion_ids``."""
+    keys = [key for key in inputs[0] if key not in NOT_REWARD_KWARGS]
+    return {key: [example.get(key) for example in inputs] for key in keys}
+
+
+def score_completions(reward_funcs, names, prompts, completions, completion_ids, kwargs) -> torch.Tensor:
+    """``rewards_per_func`` (N, K) float32: TRL 1.16 `_calculate_rewards` for plain (synchronous) reward functions,
+    ``None`` -> NaN. A function that raises or returns the wrong number of values raises `RewardFunctionError`."""
+    n = len(prompts)
+    rewards_per_func = torch.zeros(n, len(reward_funcs))
+    for i, (func, name) in enumerate(zip(reward_funcs, names, strict=True)):
+        try:
+            output = func(prompts=prompts, completions=completions, completion_ids=completion_ids, **kwargs)
+        except Exception as error:  # noqa: BLE001 - name the function, keep the message
+            raise RewardFunctionError(f"reward function {name!r} failed: {type(error).__name__}: {error}") from None
+        output = [torch.nan if reward is None else reward for reward in (output if output is not None else [])]
+        if len(output) != n:
+            raise RewardFunctionError(f"reward function {name!r} returned {len(output)} rewards for {n} completions")
+        try:
+            rewards_per_func[:, i] = torch.tensor(output, dtype=torch.float32)
+        except (TypeError, ValueError):
+            raise RewardFunctionError(f"reward function {name!r} returned a non-number among {output[:4]!r}") from None
+    return rewards_per_func
+
+
+def weighted_rewards(rewards_per_func: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """Total reward per completion (N,): TRL 1.16 ``_generate_and_score_completions``' weighted NaN-sum; a row
+    that every function left unscored (all NaN) is NaN, not 0, so it stays out of baselines and statistics."""
+    rewards = (rewards_per_func * weights.to(rewards_per_func.device).unsqueeze(0)).nansum(dim=1)
+    rewards[torch.isnan(rewards_per_func).all(dim=1)] = torch.nan
+    return rewards
+
+
+def frac_reward_zero_std(rewards: torch.Tensor, num_generations: int, scale_rewards: str) -> float:
+    """TRL 1.16's ``frac_reward_zero_std``: the share of completions whose reward std (the group's for ``group`` /
+    ``none``, the batch's for ``batch``) is close to 0. A NaN std (fewer than two scored rewards) is not zero."""
+    if scale_rewards in ("group", "none"):
+        if num_generations > 1:
+            std = nanstd(rewards.view(-1, num_generations), dim=1).repeat_interleave(num_generations, dim=0)
+        else:
+            std = torch.zeros_like(rewards)
+    elif scale_rewards == "batch":
+        std = nanstd(rewards).expand_as(rewards) if rewards.numel() > 1 else torch.zeros_like(rewards)
+    else:
+        raise ValueError(f"scale_rewards must be 'group', 'batch' or 'none', got {scale_rewards!r}")
+    return torch.isclose(std, torch.zeros_like(std)).float().mean().item()
+
+
+def reward_metrics(rewards_per_func: torch.Tensor, rewards: torch.Tensor, names) -> dict[str, float]:
+    """TRL 1.16's logged reward statistics: ``rewards/<name>/mean`` and ``/std`` per function over its scored
+    completions, ``reward`` / ``reward_std`` over the scorable totals (`weighted_rewards`)."""
+    metrics = {}
+    for i, name in enumerate(names):
+        metrics[f"rewards/{name}/mean"] = torch.nanmean(rewards_per_func[:, i]).item()
+        metrics[f"rewards/{name}/std"] = nanstd(rewards_per_func[:, i]).item()
+    metrics["reward"] = torch.nanmean(rewards).item()
+    metrics["reward_std"] = nanstd(rewards).item()
+    return metrics
