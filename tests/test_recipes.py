@@ -1,13 +1,9 @@
 """Recipes: every YAML parses into the real config classes, strict keys, CLI overrides, accelerate configs,
-and real runs (tiny model end to end with SwanLab offline and LoRA, kill + resume, the embedded default)."""
+and real runs (tiny model end to end with SwanLab offline and LoRA, the embedded default).
+Kill + resume: tests/test_kill_resume.py."""
 
 import glob
 import json
-import os
-import signal
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -197,36 +193,6 @@ def test_tiny_lora_run_on_jsonl_data(tiny_model_path, tmp_path):
     _recipe_main()(argv)
     assert (out / "adapter_config.json").exists() and not (out / "model.safetensors").exists()
     assert [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()] == [1]
-
-
-@pytest.mark.slow
-def test_killed_run_resumes_without_lost_or_duplicated_steps(tiny_model_path, tmp_path):
-    """Launched as `make train` launches (accelerate, cpu.yaml, all cores), killed after checkpoint-2, resumed."""
-    out = tmp_path / "resume"
-    argv = _tiny_argv(tiny_model_path, out, "--max_steps", "8", "--save_strategy", "steps", "--save_steps", "2",
-                      "--eval_num_samples", "0", "--max_completion_length", "24", "--report_to", "none")  # fmt: skip
-    threads = str(min(2, os.cpu_count() or 1))
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(ROOT / "accelerate_configs" / "cpu.yaml"),
-           "--num_cpu_threads_per_process", threads, str(ROOT / "recipes" / "gsm8k_grpo.py"), *argv]  # fmt: skip
-    log = tmp_path / "first.log"
-    with open(log, "w") as handle:
-        proc = subprocess.Popen(cmd, stdout=handle, stderr=subprocess.STDOUT, start_new_session=True)
-    checkpoint = out / "checkpoint-2"
-    deadline = time.time() + 240
-    while not (checkpoint / "trainer_state.json").exists() and proc.poll() is None and time.time() < deadline:
-        time.sleep(0.05)
-    os.killpg(proc.pid, signal.SIGKILL)
-    proc.wait()
-    output = log.read_text()
-    assert proc.returncode == -signal.SIGKILL, f"run ended before it could be killed:\n{output[-2000:]}"
-    assert (checkpoint / "trainer_state.json").exists(), output[-2000:]
-    assert f"torch threads: {threads}" in output  # accelerate's CPU launch keeps every core
-    assert not (out / "run_summary.json").exists()
-
-    _recipe_main()([*argv, "--resume_from_checkpoint", str(checkpoint)])
-    steps = [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()]
-    assert steps == list(range(1, 9))
-    assert json.loads((out / "run_summary.json").read_text())["logged_steps"] == 8
 
 
 @pytest.mark.slow
