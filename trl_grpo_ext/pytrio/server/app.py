@@ -56,6 +56,7 @@ class LocalPyTrioServer(ControlHandlers, ActorHandlers, TrainingHandlers, Checkp
             device=config.device,
             dtype=config.dtype,
             max_batch_tokens=config.max_batch_tokens,
+            share_prefix=config.share_prefix,
         )
         self.model_id = self.engine.model_path
         # what a client may pass as base_model: the served names (the first is reported), path, default alias

@@ -34,6 +34,9 @@ class ServerConfig:
     max_batch_size: int | None = None  # advertised to the client, which then splits batches into events
     max_tokens_per_request: int | None = None
     max_batch_tokens: int = 4096  # forward/backward: padded tokens per model call (memory of the logits)
+    # forward/backward: data that share a token prefix (a GRPO group's prompt) encode it once; outputs and
+    # gradients equal the unshared computation to float rounding
+    share_prefix: bool = True
     long_poll_seconds: float = 20.0  # below the client's 65 s read timeout for event polls
     snapshot_cache_size: int = 8  # adapter snapshots kept in memory; older ones reload from disk
     max_temporary_checkpoints: int = 8  # per run: save_weights_and_get_sampling_client hand-offs kept

@@ -35,6 +35,9 @@ _SNAPSHOT_IDS = itertools.count(1)
 ADAPTER_FILE = "adapter_model.safetensors"
 OPTIMIZER_FILE = "optimizer.pt"
 META_FILE = "trio_checkpoint.json"
+# Leading tokens forward/backward rows must share before they are encoded once: below this the extra model call
+# costs more than the tokens it saves.
+MIN_SHARED_PREFIX = 8
 
 
 def next_snapshot_uid() -> int:
@@ -139,7 +142,14 @@ class ModelEngine:
     """Loads `model_path` once and serves training runs and samplers on it."""
 
     def __init__(
-        self, model_path: str, *, device: str | None = None, dtype: str = "float32", max_batch_tokens: int = 4096
+        self,
+        model_path: str,
+        *,
+        device: str | None = None,
+        dtype: str = "float32",
+        max_batch_tokens: int = 4096,
+        share_prefix: bool = True,
+        min_shared_prefix: int = MIN_SHARED_PREFIX,
     ):
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -167,6 +177,12 @@ class ModelEngine:
         self.max_seq_len = int(getattr(model.config, "max_position_embeddings", 0) or 0) or None
         # padded tokens per forward/backward batch: bounds the (batch, length, vocab) logits held for backward
         self.max_batch_tokens = max(1, int(max_batch_tokens))
+        # forward/backward: rows sharing >= min_shared_prefix leading tokens encode them once (`_pieces`)
+        self.share_prefix = bool(share_prefix)
+        self.min_shared_prefix = max(1, int(min_shared_prefix))
+        from trl_grpo_ext.prefix import sharing_unsupported_reason
+
+        self.prefix_sharing_reason = sharing_unsupported_reason(model)  # None where the shared forward is exact
         # transformers 5.x renamed the forward argument `past_key_values` to `cache`
         self._cache_kw = "cache" if "cache" in inspect.signature(type(model).forward).parameters else "past_key_values"
 
@@ -337,6 +353,99 @@ class ModelEngine:
             chunks.append(current)
         return chunks
 
+    def _piece_loss(self, piece: list[ForwardDatum], spec: LossSpec, logprobs: torch.Tensor, valid: torch.Tensor):
+        """(summed loss, per-token loss, counted-token mask) of right-padded rows `logprobs` (B, T)."""
+        width = logprobs.shape[1]
+        mask = valid.clone()
+        kwargs = {}
+        if spec.name == "cross_entropy":
+            weights = self._padded([d.weights for d in piece], width, logprobs.dtype)
+            mask &= weights != 0
+            kwargs["weights"] = weights
+        else:
+            kwargs["old_logprobs"] = self._padded([d.old_logprobs for d in piece], width, logprobs.dtype)
+            advantages = self._padded([d.advantages for d in piece], width, logprobs.dtype)
+            kwargs["advantages"] = advantages
+            if spec.name == "dro":  # its quadratic penalty would otherwise train prompt tokens
+                mask &= advantages != 0
+        loss_tok, _ = per_token_loss(spec, logprobs, **kwargs)
+        loss_tok = torch.where(mask, loss_tok, torch.zeros_like(loss_tok))
+        loss = loss_tok.sum()
+        if not torch.isfinite(loss):
+            raise EngineError("non_finite_loss", f"loss is {loss.item()}; check logprobs and advantages")
+        return loss, loss_tok, mask
+
+    def _pieces(self, chunk: list[ForwardDatum]) -> list[tuple[list[int], int]]:
+        """The chunk's rows as (indices, shared prefix length): groups that share at least `min_shared_prefix`
+        leading tokens (encoded once, `_shared_target_logprobs`), then every other row in one plain batch (0).
+
+        A chunk in which nothing is shared is one plain piece: exactly the computation without sharing.
+        """
+        everything = [(list(range(len(chunk))), 0)]
+        if not self.share_prefix or len(chunk) < 2:
+            return everything
+        reason = self.prefix_sharing_reason
+        if reason is not None:
+            from trl_grpo_ext.prefix import log_fallback_once
+
+            log_fallback_once(f"local PyTRIO server forward: {reason}")
+            return everything
+        groups: list[list] = []  # [member indices, representative tokens, shared length]
+        for i, datum in enumerate(chunk):
+            best, best_shared = None, 0
+            for group in groups:
+                shared = min(group[2], _common_prefix(group[1], datum.tokens), len(datum.tokens) - 1)
+                # a row may not shorten a group's shared prefix (another prompt with the same system head would
+                # otherwise pull the whole group down to the head): it starts its own group instead
+                if shared > best_shared and (len(group[0]) == 1 or shared == group[2]):
+                    best, best_shared = group, shared
+            if best is not None and best_shared >= self.min_shared_prefix:
+                best[0].append(i)
+                best[2] = best_shared
+            else:
+                groups.append([[i], datum.tokens, len(datum.tokens) - 1])
+        shared = [(g[0], g[2]) for g in groups if len(g[0]) > 1]
+        plain = sorted(i for g in groups if len(g[0]) == 1 for i in g[0])
+        if not shared:
+            return everything
+        return shared + ([(plain, 0)] if plain else [])
+
+    def _shared_target_logprobs(self, data: list[ForwardDatum], shared: int, auto_shift: bool):
+        """`_batch_target_logprobs` of rows whose first `shared` tokens are equal, those encoded once.
+
+        The prefix runs as one row; its KV cache is repeated to the rows (a differentiable copy: gradients of every
+        row flow back into the one prefix encoding) and the rows' suffixes run on top of it, right-padded, with
+        their own positions. Log-probs at prefix positions come from the prefix's logits, gathered per row with
+        that row's targets.
+        """
+        n_rows = len(data)
+        lengths = [len(d.tokens) for d in data]
+        width = max(lengths)
+        prefix = torch.tensor([data[0].tokens[:shared]], device=self.device)
+        out = self.peft(input_ids=prefix, use_cache=True)
+        cache, prefix_logits = _cache_of(out), out.logits.float()  # (1, shared, V)
+        cache.batch_repeat_interleave(n_rows)
+        suffix_width = width - shared
+        ids = self._padded([d.tokens[shared:] for d in data], suffix_width, torch.long)
+        mask = (torch.arange(width) < torch.tensor(lengths).unsqueeze(1)).long().to(self.device)
+        positions = (shared + torch.arange(suffix_width, device=self.device)).expand(n_rows, -1)
+        out = self.peft(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True,
+                        **{self._cache_kw: cache})  # fmt: skip
+        suffix_logits = out.logits.float()  # (rows, width - shared, V)
+        targets = self._padded([d.targets for d in data], width, torch.long, fill=-100)
+        # the target each position's logits score: its own (no shift) or the next position's (auto_shift)
+        scored = torch.cat([targets[:, 1:], targets.new_full((n_rows, 1), -100)], 1) if auto_shift else targets
+        index = scored.clamp(min=0).unsqueeze(-1)
+        head = torch.log_softmax(prefix_logits, dim=-1).expand(n_rows, -1, -1).gather(-1, index[:, :shared])
+        tail = torch.log_softmax(suffix_logits, dim=-1).gather(-1, index[:, shared:])
+        gathered = torch.cat([head, tail], dim=1).squeeze(-1)
+        if auto_shift:  # position i reports the logits of position i - 1 scoring target i
+            gathered = torch.cat([gathered.new_zeros(n_rows, 1), gathered[:, :-1]], dim=1)
+        valid = targets != -100
+        if auto_shift:
+            valid[:, 0] = False
+        return torch.where(valid, gathered, torch.zeros_like(gathered)), valid
+
     def forward(self, run_id: str, data: list[ForwardDatum], spec: LossSpec, *, backward: bool, auto_shift: bool):
         """Per-datum outputs (``logprobs``, ``elementwise_loss`` as float arrays) and summed metrics.
 
@@ -350,34 +459,24 @@ class ModelEngine:
             self._activate(run.adapter, trainable=backward)
             outputs, loss_sum, token_count = [], 0.0, 0
             for chunk in self._chunks([d for d in data if d.tokens]):
-                with torch.set_grad_enabled(backward):
-                    logprobs, valid = self._batch_target_logprobs(chunk, auto_shift)
-                    width = logprobs.shape[1]
-                    mask = valid.clone()
-                    kwargs = {}
-                    if spec.name == "cross_entropy":
-                        weights = self._padded([d.weights for d in chunk], width, logprobs.dtype)
-                        mask &= weights != 0
-                        kwargs["weights"] = weights
-                    else:
-                        kwargs["old_logprobs"] = self._padded([d.old_logprobs for d in chunk], width, logprobs.dtype)
-                        advantages = self._padded([d.advantages for d in chunk], width, logprobs.dtype)
-                        kwargs["advantages"] = advantages
-                        if spec.name == "dro":  # its quadratic penalty would otherwise train prompt tokens
-                            mask &= advantages != 0
-                    loss_tok, _ = per_token_loss(spec, logprobs, **kwargs)
-                    loss_tok = torch.where(mask, loss_tok, torch.zeros_like(loss_tok))
-                    loss = loss_tok.sum()
-                    if not torch.isfinite(loss):
-                        raise EngineError("non_finite_loss", f"loss is {loss.item()}; check logprobs and advantages")
-                    if backward:
-                        loss.backward()
-                logprobs_np, loss_np = logprobs.detach().cpu().numpy(), loss_tok.detach().cpu().numpy()
-                for row, datum in enumerate(chunk):
-                    n = len(datum.tokens)
-                    outputs.append({"logprobs": logprobs_np[row, :n], "elementwise_loss": loss_np[row, :n]})
-                loss_sum += float(loss.detach())
-                token_count += int(mask.sum())
+                chunk_outputs: list[dict | None] = [None] * len(chunk)
+                for rows, shared in self._pieces(chunk):
+                    piece = [chunk[i] for i in rows]
+                    with torch.set_grad_enabled(backward):
+                        if shared:
+                            logprobs, valid = self._shared_target_logprobs(piece, shared, auto_shift)
+                        else:
+                            logprobs, valid = self._batch_target_logprobs(piece, auto_shift)
+                        loss, loss_tok, mask = self._piece_loss(piece, spec, logprobs, valid)
+                        if backward:  # the loss is a sum: a backward per piece accumulates the same gradient
+                            loss.backward()
+                    logprobs_np, loss_np = logprobs.detach().cpu().numpy(), loss_tok.detach().cpu().numpy()
+                    for row, (i, datum) in enumerate(zip(rows, piece, strict=True)):
+                        n = len(datum.tokens)
+                        chunk_outputs[i] = {"logprobs": logprobs_np[row, :n], "elementwise_loss": loss_np[row, :n]}
+                    loss_sum += float(loss.detach())
+                    token_count += int(mask.sum())
+                outputs.extend(chunk_outputs)
             if len(outputs) != len(data):  # empty data (no tokens) keep their place with empty outputs
                 filled = iter(outputs)
                 empty = {"logprobs": np.zeros(0, np.float32), "elementwise_loss": np.zeros(0, np.float32)}
@@ -699,3 +798,12 @@ def _dynamic_layer_type():
     from transformers.cache_utils import DynamicLayer
 
     return DynamicLayer
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        n += 1
+    return n

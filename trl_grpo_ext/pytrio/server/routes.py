@@ -54,6 +54,9 @@ CONTROL_ROUTES: list[tuple[str, re.Pattern, str]] = [
 _EVENT_GET = re.compile(r"^/actor/v1/events/([\w-]+)$")
 _SAMPLE = re.compile(r"^/actor/v1/sampling-runs/([\w-]+)/sample$")
 _WAIT = re.compile(r"wait=(\d+(?:\.\d+)?)")
+# An error answered before the body was read (bad key, injected fault, no route) first discards a body up to this
+# size (not parsed), so the client reads the answer; a larger one closes the connection instead.
+DISCARD_LIMIT = 64 * 1024
 
 
 def make_handler(server: LocalPyTrioServer) -> type[BaseHTTPRequestHandler]:
@@ -90,6 +93,21 @@ def make_handler(server: LocalPyTrioServer) -> type[BaseHTTPRequestHandler]:
                 )
             self._body_read = True
             return self.rfile.read(length) if length else b""
+
+        def _discard_unread_body(self) -> None:
+            """Before an error answer to a request whose body was not read: discard a small body so the client
+            reads the answer (closing on unread data resets the connection, which clients retry as a network
+            error); for a large or unknown one, close the connection instead of reading it."""
+            if self._body_read:
+                return
+            value = (self.headers.get("Content-Length") or "0").strip()
+            length = int(value) if value.isdigit() else -1
+            if 0 <= length <= DISCARD_LIMIT and "chunked" not in self.headers.get("Transfer-Encoding", "").lower():
+                if length:
+                    self.rfile.read(length)
+                self._body_read = True
+            else:
+                self.close_connection = True
 
         def _send(self, status: int, body: object, msgpack_body: bool = False) -> None:
             if msgpack_body:
@@ -128,8 +146,7 @@ def make_handler(server: LocalPyTrioServer) -> type[BaseHTTPRequestHandler]:
                 logger.debug("client closed the connection during %s %s", method, path)
                 self.close_connection = True
             except ApiError as error:
-                if not self._body_read and self.headers.get("Content-Length", "0").strip() not in ("", "0"):
-                    self.close_connection = True  # an unread body is still in the socket: no keep-alive
+                self._discard_unread_body()
                 self._send(error.status, {"code": error.code, "message": error.message}, wants_msgpack)
             except Exception as error:  # noqa: BLE001 - 4xx, not 5xx: the client would retry a 500 for minutes
                 logger.exception("request %s %s failed", method, path)
