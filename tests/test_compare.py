@@ -217,3 +217,77 @@ def test_cli_prints_table(runs, tmp_path, capsys):
     out = capsys.readouterr().out
     assert "| loss_type=ppo | trl | 3 | 0.375 | 0.375 |" in out
     assert (tmp_path / "o" / "reward.png").stat().st_size > 1000
+
+
+def _seeded_run(root, loss, seed, rewards, correct):
+    """A sweep-style run folder: config with loss and seed, reward curve, and per-problem held-out results."""
+    from trl_grpo_ext.evaluation import EVAL_AFTER_PROBLEMS_FILENAME, Problem, score_problem, write_results
+
+    config = {**BASE, "loss_type": loss, "seed": seed, "output_dir": f"/x/{loss}-{seed}"}
+    d = write_run(root, f"loss_type={loss},seed={seed}", [{"step": i + 1, "reward": r} for i, r in enumerate(rewards)],
+                  config=config)
+    problems = [Problem(f"q{i}", str(i), f"q{i}") for i in range(len(correct))]
+    results = [score_problem(i, p, f"\\boxed{{{i if ok else -1}}}", []) for i, (p, ok) in enumerate(zip(problems, correct))]
+    write_results(d / EVAL_AFTER_PROBLEMS_FILENAME, results)
+    acc = sum(correct) / len(correct)
+    (d / "eval_before_after.json").write_text(json.dumps({
+        "before": {"n": len(correct), "accuracy": 0.0, "accuracy_any_format": 0.1},
+        "after": {"n": len(correct), "accuracy": acc, "accuracy_any_format": acc},
+    }))
+    return d
+
+
+def test_seed_groups_intervals_and_verdicts(tmp_path):
+    import random
+
+    from trl_grpo_ext.seed_comparison import group_by_seed
+
+    rng = random.Random(0)
+    n = 200
+    # ppo: three seeds of noisy curves and held-out results; importance_sampling: the same three outcomes, drawn
+    # for other seeds (identical distributions); cispo: clearly lower reward and accuracy.
+    ppo = [([0.8 * (i + 1) / 4 + rng.uniform(-0.02, 0.02) for i in range(4)], [rng.random() < 0.6 for _ in range(n)])
+           for _ in range(3)]
+    cispo = [([0.4 * (i + 1) / 4 + rng.uniform(-0.02, 0.02) for i in range(4)], [rng.random() < 0.2 for _ in range(n)])
+             for _ in range(3)]
+    dirs = []
+    for seed in (0, 1, 2):
+        for loss, (rewards, correct) in (("ppo", ppo[seed]), ("cispo", cispo[seed]),
+                                         ("importance_sampling", ppo[(seed + 1) % 3])):
+            dirs.append(_seeded_run(tmp_path / "runs", loss, seed, rewards, correct))
+    runs = load_runs(dirs)
+    groups = group_by_seed(runs, [summarize(r) for r in runs], {"output_dir", "run_name"})
+    assert [g.label for g in groups] == ["loss_type=ppo", "loss_type=cispo", "loss_type=importance_sampling"]
+    assert [len(g.runs) for g in groups] == [3, 3, 3] and groups[0].seeds == [0, 1, 2]
+
+    report = build_report(dirs, tmp_path / "report")
+    md = (tmp_path / "report" / "report.md").read_text()
+    assert "## Configurations across seeds" in md and "not a ranking" in md
+    row = next(line for line in md.splitlines() if line.startswith("| loss_type=ppo | 3 (0,1,2) |"))
+    assert row.count("[") >= 3  # every figure with its interval
+    by_pair = {}
+    for v in report.verdicts:
+        metric, rest = v.split(": ", 1)
+        by_pair[(metric, rest.split(" = ")[0])] = v
+    sig = "significant at 95%"
+    for metric in ("final reward", "reward AUC/step", "held-out format-independent acc after"):
+        assert by_pair[(metric, "loss_type=ppo − loss_type=cispo")].split(": ")[-1].startswith(sig)
+        assert "not significant" in by_pair[(metric, "loss_type=ppo − loss_type=importance_sampling")]
+    held = by_pair[("held-out boxed acc after", "loss_type=ppo − loss_type=cispo")]
+    assert "paired over 200 problems" in held
+    assert (tmp_path / "report" / "reward_mean_ci.png").stat().st_size > 1000
+    payload = json.loads((tmp_path / "report" / "groups.json").read_text())
+    assert payload["groups"][0]["final_reward"]["n"] == 3 and len(payload["differences"]) == 3 * 5
+    first = payload["differences"][0]
+    assert (first["a"], first["b"], first["metric"]) == ("loss_type=ppo", "loss_type=cispo", "final_reward")
+    assert first["estimate"] == pytest.approx(0.4, abs=0.03) and first["low"] > 0.3
+
+
+def test_one_seed_per_configuration_gives_no_verdict_on_seed_metrics(tmp_path):
+    a = _seeded_run(tmp_path, "ppo", 0, [0.1, 0.9], [True] * 30)
+    b = _seeded_run(tmp_path, "cispo", 0, [0.1, 0.2], [False] * 30)
+    report = build_report([a, b], tmp_path / "report")
+    final = next(v for v in report.verdicts if v.startswith("final reward"))
+    assert "no verdict" in final and "(no interval)" in final
+    held = next(v for v in report.verdicts if v.startswith("held-out boxed acc after"))
+    assert "significant at 95%" in held and "paired over 30 problems" in held  # problem-level interval exists

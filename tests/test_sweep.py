@@ -402,3 +402,28 @@ def test_real_tiny_trl_run_resume_eval_and_compare(tiny_model_path, tmp_path):
     report = build_report([tmp_path / "runs"], tmp_path / "report")
     assert "| loss_type=cispo | trl | 2 |" in report.table and "eval pass@1" in report.table
     assert os.path.getsize(report.plots["reward"]) > 1000
+
+
+def test_seeds_axis_expands_every_configuration_once_per_seed(fake_sweep):
+    spec = fake_sweep(seeds=[0, 1, 2], grid={"loss_type": ["ppo", "cispo"]})
+    runs = expand(spec)
+    assert [r.name for r in runs] == [
+        f"loss_type={loss},seed={seed}" for seed in (0, 1, 2) for loss in ("ppo", "cispo")
+    ]  # seeds outermost: a sweep stopped midway has every configuration at its first seeds
+    assert [r.config["seed"] for r in runs] == [0, 0, 1, 1, 2, 2]  # the base recipe's seed 1 is replaced
+    assert runs[0].params == {"loss_type": "ppo", "seed": 0}
+    assert len({r.run_dir for r in runs}) == 6
+
+
+@pytest.mark.parametrize(
+    "changes, message",
+    [
+        ({"seeds": [0, 0]}, "seed twice"),
+        ({"seeds": ["a"]}, "list of integers"),
+        ({"seeds": []}, "list of integers"),
+        ({"seeds": [0, 1], "grid": {"seed": [3, 4]}}, "both set the seed"),
+    ],
+)
+def test_bad_seeds_fail_clearly(fake_sweep, changes, message):
+    with pytest.raises(ValueError, match=message):
+        fake_sweep(**changes)

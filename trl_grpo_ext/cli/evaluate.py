@@ -1,4 +1,5 @@
-"""`trl-grpo-ext eval`: GSM8K-style accuracy of a model (greedy pass@1, sampled maj@k and pass@k)."""
+"""`trl-grpo-ext eval`: GSM8K-style accuracy of a model (greedy pass@1 boxed and format-independent, sampled maj@k and
+pass@k); with --compare_model, the paired gain over it with its 95% interval. Greedy-only evals are cached."""
 
 from __future__ import annotations
 
@@ -25,6 +26,8 @@ def add_arguments(parser) -> None:
                         help="per-problem results (JSONL); the summary goes next to it as <stem>_summary.json")
     parser.add_argument("--compare_model", "--compare-model", default=None,
                         help="a second model evaluated on the same problems as the 'before' model")
+    parser.add_argument("--no_cache", "--no-cache", dest="cache", action="store_false",
+                        help="always generate: do not read or write the greedy-eval cache ($TRL_GRPO_EXT_CACHE/eval)")
     parser.add_argument("--no-progress", "--no_progress", dest="progress", action="store_false")
 
 
@@ -47,6 +50,7 @@ def run(args) -> int:
         tasks=args.tasks,
         out=args.out,
         progress=args.progress,
+        cache=args.cache,
     )
     try:
         payload = run_eval(cfg)
