@@ -82,3 +82,27 @@ def test_kill_at_three_points_then_resume_loses_and_repeats_no_step(tiny_model_p
     assert summary["logged_steps"] == MAX_STEPS
     state = json.loads((out / f"checkpoint-{MAX_STEPS}" / "trainer_state.json").read_text())
     assert state["global_step"] == MAX_STEPS
+
+
+@pytest.mark.slow
+def test_pytrio_recipe_killed_mid_row_resumes_without_a_glued_row(tiny_model_path, tmp_path):
+    """The PyTRIO loop appends through the same `append_jsonl_row`: killed halfway through step 3's row (after the
+    step-2 checkpoint), `--resume true` drops the fragment and logs step 3 once."""
+    import importlib.util
+
+    out = tmp_path / "pytrio"
+    args = [
+        "--config", str(ROOT / "recipes" / "pytrio" / "embedded.yaml"), "--base_model", tiny_model_path,
+        "--lora_rank", "4", "--max_steps", "3", "--save_every", "1", "--max_completion_length", "8",
+        "--dataset_size", "16", "--output_dir", str(out),
+    ]  # fmt: skip
+    code, log = _run(
+        [sys.executable, str(ROOT / "recipes" / "gsm8k_pytrio.py"), *args], "metrics:3", tmp_path / "p.log"
+    )
+    assert code == -signal.SIGKILL, log[-3000:]
+    assert _steps(out) == ([1, 2], 1)
+    spec = importlib.util.spec_from_file_location("gsm8k_pytrio_kill", ROOT / "recipes" / "gsm8k_pytrio.py")
+    recipe = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(recipe)
+    assert recipe.main([*args, "--resume", "true"]) == 0
+    assert _steps(out) == ([1, 2, 3], 0)
