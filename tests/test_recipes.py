@@ -249,8 +249,11 @@ def _recipe_module():
         (["--dataset_name", "{data}"], "not UTF-8 text"),
         (["--model_name_or_path", "./no/such/model"], "does not exist"),
         (["--resume_from_checkpoint", "{out}/checkpoint-4"], "checkpoint-4 is incomplete"),
+        (["--degenerate_reward", "boxd_reward"], "degenerate_reward='boxd_reward' is not one of"),
+        (["--reward_weights", "1", "2", "3"], "reward_weights has 3 entries for 1 reward functions"),
+        (["--model_name_or_path", "nobody-xyz/not-cached"], "could not load the tokenizer of model"),
     ],
-    ids=["temperature", "beta", "length", "reward", "data", "model", "checkpoint"],
+    ids=["temperature", "beta", "length", "reward", "data", "model", "checkpoint", "degenerate", "weights", "hub"],
 )
 def test_failing_rerun_prints_one_error_exits_2_and_keeps_the_previous_files(
     tiny_model_path, tmp_path, monkeypatch, capsys, extra, message

@@ -111,16 +111,35 @@ def prepare_run(script_args, training_args, model_args) -> PreparedRun:
     tokenizer = load_tokenizer(path, model_args, training_args)
     train_dataset, eval_problems = build_datasets(script_args, training_args, tokenizer)
     funcs = reward_functions(reward_names, training_args, tokenizer)
+    check_reward_options(training_args, funcs)
     return PreparedRun(path, tokenizer, funcs, train_dataset, eval_problems, resume)
+
+
+def check_reward_options(training_args, funcs) -> None:
+    """`reward_weights` and `degenerate_reward` against the reward functions, as the trainers check them at build
+    time (TRL's `GRPOTrainer.__init__`, ours), but before the model loads."""
+    from trl_grpo_ext.reward_aggregation import reward_func_name
+
+    names = [reward_func_name(f) for f in funcs]
+    weights = getattr(training_args, "reward_weights", None)
+    if weights is not None and len(weights) != len(funcs):
+        raise ValueError(f"reward_weights has {len(weights)} entries for {len(funcs)} reward functions ({names})")
+    degenerate = getattr(training_args, "degenerate_reward", None)
+    if degenerate is not None and degenerate not in names:
+        raise ValueError(f"degenerate_reward={degenerate!r} is not one of the reward functions {names}")
 
 
 def load_tokenizer(path: str, model_args, training_args):
     from transformers import AutoTokenizer
 
     trust_remote_code = getattr(training_args, "trust_remote_code", False)
-    tokenizer = AutoTokenizer.from_pretrained(
-        path, revision=model_args.model_revision, trust_remote_code=trust_remote_code
-    )
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(
+            path, revision=model_args.model_revision, trust_remote_code=trust_remote_code
+        )
+    except OSError as err:  # a hub id while offline, or a folder without tokenizer files: one line, not a traceback
+        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise FileNotFoundError(f"could not load the tokenizer of model {path!r}: {first[:300]}") from None
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
     return tokenizer
