@@ -366,3 +366,23 @@ def test_config_validates_the_option(tmp_path):
 
 def test_plan_type_is_exposed():
     assert PrefixPlan.__dataclass_fields__.keys() == {"prompts", "prefix_length", "groups", "row_group"}
+
+
+def test_eval_generator_decodes_what_generate_decodes(tiny_model_path):
+    from trl_grpo_ext.data.prompts import build_prompt
+    from trl_grpo_ext.evaluation import HFGenerator
+
+    gen = HFGenerator(tiny_model_path, max_new_tokens=6, temperature=1.0, seed=0)
+    prompts = [build_prompt(q, one_shot=True, chat=True) for q in ("What is 2 + 3?", "Natalia sold 48 clips.")]
+    texts = [gen._text(p) for p in prompts]
+    enc = gen.tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False)
+    width = enc["input_ids"].size(1)
+    for k, greedy in ((1, True), (3, False)):
+        sampling = dict(do_sample=False) if greedy else dict(do_sample=True, temperature=1.0, top_p=1.0, top_k=0)
+        torch.manual_seed(gen.seed + gen._calls)
+        out = gen.model.generate(
+            **enc, max_new_tokens=6, num_return_sequences=k, pad_token_id=gen.tokenizer.pad_token_id, **sampling
+        )
+        want = gen.tokenizer.batch_decode(out[:, width:], skip_special_tokens=True)
+        got = gen.generate(prompts, k, greedy)
+        assert [s for row in got for s in row] == want, greedy

@@ -664,6 +664,8 @@ class HFGenerator:
     def generate(self, prompts: Sequence[Prompt], num_samples: int, greedy: bool) -> list[list[str]]:
         import torch
 
+        from trl_grpo_ext.prefix import shared_prefix_generate
+
         texts = [self._text(p) for p in prompts]
         # Templated text already holds its special tokens; adding BOS again would shift the prompt.
         templated = not isinstance(prompts[0], str)
@@ -681,8 +683,13 @@ class HFGenerator:
             # One seed per call: sampled results reproduce for the same data, batch size and k.
             torch.manual_seed(self.seed + self._calls)
         self._calls += 1
+        # `generate` with each shared prompt token (the one-shot prefix all prompts share) encoded once per batch;
+        # each prompt repeated as num_return_sequences would repeat it (trl_grpo_ext.prefix, docs/prefix_sharing.md)
+        rows = [ids[mask.bool()].tolist() for ids, mask in zip(enc["input_ids"], enc["attention_mask"], strict=True)]
+        del kwargs["num_return_sequences"]
+        rows = [row for row in rows for _ in range(num_samples)]
         with torch.no_grad():
-            out = self.model.generate(**enc, **kwargs)
+            out = shared_prefix_generate(self.model, rows, **kwargs)
         new = out[:, enc["input_ids"].shape[1] :]
         # Tokens up to the end of each completion (padding after EOS excluded), for the mean length.
         self.last_completion_tokens = (

@@ -29,6 +29,7 @@ Sharing applies only where it is exact (`sharing_unsupported_reason`); elsewhere
 from __future__ import annotations
 
 import collections
+import copy
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -422,10 +423,12 @@ def shared_prefix_generate(
 
     device = next(model.parameters()).device
     padded, padded_mask = _left_pad(prompts, pad_token_id, pad_to_multiple_of, device)
-    kwargs = dict(generate_kwargs)
-    if generation_config is not None:
-        kwargs["generation_config"] = generation_config
-    reason = generation_unsupported_reason(model, generation_config)
+    # the settings generate will use: the given (or the model's) config updated with the keyword arguments
+    config = copy.deepcopy(generation_config if generation_config is not None else model.generation_config)
+    kwargs = {"generation_config": config, **config.update(**generate_kwargs)}
+    if config.pad_token_id is None:
+        config.pad_token_id = pad_token_id  # what generate pads finished rows with
+    reason = generation_unsupported_reason(model, config)
     plan = plan_prefix(prompts) if all(len(p) > 0 for p in prompts) else None
     if reason is None and plan is None:
         reason = "an empty prompt"
