@@ -60,4 +60,4 @@ if [ "$install" = 1 ]; then
   fi
 fi
 
-exec "$PYTHON" bench/gpu_check.py "${pass[@]}"
+exec "$PYTHON" bench/gpu_check.py ${pass[@]+"${pass[@]}"}
