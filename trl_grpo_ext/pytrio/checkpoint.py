@@ -33,7 +33,9 @@ class LoopState:
     @classmethod
     def from_dict(cls, data: dict) -> LoopState:
         if not isinstance(data, dict) or data.get("version") != STATE_VERSION:
-            raise ValueError(f"unsupported loop state (version {data.get('version') if isinstance(data, dict) else None})")
+            raise ValueError(
+                f"unsupported loop state (version {data.get('version') if isinstance(data, dict) else None})"
+            )
         known = {k: data[k] for k in cls.__dataclass_fields__ if k in data}
         state = cls(**known)
         if not isinstance(state.step, int) or state.step < 0:
@@ -73,7 +75,9 @@ def check_resumable(state: LoopState, config) -> None:
     if not state.state_path:
         raise ValueError("the recorded loop state has no checkpoint URI to resume from")
     current = pinned_settings(config)
-    changed = {k: (state.pinned.get(k), current[k]) for k in current if k in state.pinned and state.pinned[k] != current[k]}
+    changed = {
+        k: (state.pinned.get(k), current[k]) for k in current if k in state.pinned and state.pinned[k] != current[k]
+    }
     if changed:
         detail = ", ".join(f"{k}: {old!r} -> {new!r}" for k, (old, new) in changed.items())
         raise ValueError(f"cannot resume: settings changed since the checkpoint ({detail}); use a new output_dir")
