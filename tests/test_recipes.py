@@ -96,6 +96,13 @@ def test_unknown_cli_flag_and_bad_values_fail_early(tmp_path):
         _parse(["--loss_type", "ppo2"])
 
 
+def test_bad_cli_value_is_a_value_error_not_usage_text():
+    with pytest.raises(ValueError, match="argument --learning_rate.*: invalid float value: 'fast'"):
+        _parse(["--learning_rate", "fast"])
+    with pytest.raises(ValueError, match="--loss_type"):
+        _parse(["--loss_type"])  # value missing
+
+
 def test_cli_overrides_yaml_and_no_config_means_embedded():
     script_args, training_args, model_args = _parse(
         ["--max_steps", "3", "--learning_rate", "0.5", "--reward_funcs", "boxed"]

@@ -199,6 +199,10 @@ def check_config_types(config: dict, dataclass_types, path: str) -> None:
         raise ValueError(f"{path}: {key}: expected {_type_name(tp)}, got {type(value).__name__} {value!r}")
 
 
+def _raise_value_error(message: str):
+    raise ValueError(message)
+
+
 def parse_recipe_args(argv: list[str] | None = None, default_config: str | None = None, dataclass_types=None):
     """(script_args, training_args, model_args) from `--config recipe.yaml` and CLI flags (flags win).
 
@@ -213,6 +217,7 @@ def parse_recipe_args(argv: list[str] | None = None, default_config: str | None 
     argv = list(sys.argv[1:] if argv is None else argv)
     classes = dataclass_types or (ScriptArguments, GRPOConfig, ModelConfig)
     parser = TrlParser(classes)
+    parser.error = _raise_value_error  # a bad flag value is one ValueError line, not usage text and SystemExit
     if "--config" not in argv and default_config:
         argv = ["--config", str(default_config), *argv]
     if "--config" in argv:
