@@ -150,11 +150,18 @@ def test_degenerate_reward_marks_groups_where_one_function_is_flat():
 def scored_batch(totals, advantages=None, degenerate=(False, False), lengths=None):
     n = len(totals)
     lengths = lengths or [2] * n
-    rollouts = [Rollout((1, 2), tuple(range(3, 3 + k)), tuple([-0.5] * k), "length" if k == 3 else "stop")
-                for k in lengths]
+    rollouts = [
+        Rollout((1, 2), tuple(range(3, 3 + k)), tuple([-0.5] * k), "length" if k == 3 else "stop") for k in lengths
+    ]
     per_func = torch.tensor([[t] for t in totals])
-    return ScoredBatch([{"prompt": "p"}] * (n // 4), rollouts, per_func, per_func[:, 0],
-                       advantages if advantages is not None else [0.0] * n, list(degenerate))
+    return ScoredBatch(
+        [{"prompt": "p"}] * (n // 4),
+        rollouts,
+        per_func,
+        per_func[:, 0],
+        advantages if advantages is not None else [0.0] * n,
+        list(degenerate),
+    )
 
 
 def test_reward_step_metrics_names_and_values():
@@ -205,7 +212,10 @@ def token_rows(advs=(1.0, -0.5)):
 def test_custom_loss_is_policy_loss_token_mean(loss_type):
     c = cfg(loss_type=loss_type)
     rows = token_rows()
-    new = [torch.tensor([0.0, -0.1, -0.4, -0.6], requires_grad=True), torch.tensor([0.0, 0.0, -0.7], requires_grad=True)]
+    new = [
+        torch.tensor([0.0, -0.1, -0.4, -0.6], requires_grad=True),
+        torch.tensor([0.0, 0.0, -0.7], requires_grad=True),
+    ]
     record = {}
     loss, metrics = make_custom_loss(c, rows, record)(None, new)
     loss.backward()
@@ -408,9 +418,21 @@ def test_full_grpo_loop_on_local_server(pytrio_client, tiny_model_path, tmp_path
     rows = run_metrics(c.output_dir)
     assert [r["step"] for r in rows] == [1, 2]
     for row in rows:
-        for key in ("reward", "reward_std", f"rewards/{_digits_reward.__name__}/mean", "rewards/boxed_reward/mean",
-                    "frac_degenerate", "frac_reward_zero_std", "train_tokens", "ratio_mean", "loss",
-                    "learning_rate", "step_time", "completions/mean_length", "grad_norm"):
+        for key in (
+            "reward",
+            "reward_std",
+            f"rewards/{_digits_reward.__name__}/mean",
+            "rewards/boxed_reward/mean",
+            "frac_degenerate",
+            "frac_reward_zero_std",
+            "train_tokens",
+            "ratio_mean",
+            "loss",
+            "learning_rate",
+            "step_time",
+            "completions/mean_length",
+            "grad_norm",
+        ):
             assert key in row, key
         # sampler and trainer hold the same weights within a step: a misaligned shift would move this far from 1
         assert row["ratio_mean"] == pytest.approx(1.0, abs=2e-3)
@@ -435,7 +457,9 @@ def test_custom_loss_path_matches_builtin_loss(pytrio_client, tiny_model_path):
     service = trio.ServiceClient()
     clients = [service.create_lora_training_client(tiny_model_path, rank=4, seed=11) for _ in range(2)]
     probe = [build_datum(p, t, [-1.0] * len(t), 0.0) for p, t, _ in rollouts]
-    before = [list(o["logprobs"].data) for o in clients[0].forward(probe, "importance_sampling").result().loss_fn_outputs]
+    before = [
+        list(o["logprobs"].data) for o in clients[0].forward(probe, "importance_sampling").result().loss_fn_outputs
+    ]
     # probe the sampled logprobs as the old policy, so the ratio starts at 1
     rows = TokenRows()
     datums_builtin = []
@@ -451,7 +475,9 @@ def test_custom_loss_path_matches_builtin_loss(pytrio_client, tiny_model_path):
     after = []
     for client in clients:
         client.optim_step(adam).result()
-        after.append([list(o["logprobs"].data) for o in client.forward(probe, "importance_sampling").result().loss_fn_outputs])
+        after.append(
+            [list(o["logprobs"].data) for o in client.forward(probe, "importance_sampling").result().loss_fn_outputs]
+        )
     delta = [torch.tensor(sum(a, [])) - torch.tensor(sum(before, [])) for a in after]
     assert delta[0].abs().max() > 1e-4  # the step did something
     assert torch.allclose(delta[0], delta[1], rtol=0.05, atol=1e-6)
@@ -464,8 +490,9 @@ def test_stop_after_checkpoint_then_resume(pytrio_client, tiny_model_path, tmp_p
     assert stopped["stopped_at"] == 3
     assert [r["step"] for r in run_metrics(c.output_dir)] == [1, 2, 3]
     assert load_loop_state(c.output_dir).step == 2
-    resumed_config = loop_config(tmp_path, base_model=tiny_model_path, max_steps=4, save_every=2, mode="async",
-                                 resume=True)
+    resumed_config = loop_config(
+        tmp_path, base_model=tiny_model_path, max_steps=4, save_every=2, mode="async", resume=True
+    )
     summary = run_loop(resumed_config)
     assert summary["steps"] == 4
     steps = [r["step"] for r in run_metrics(c.output_dir)]
@@ -515,8 +542,11 @@ def test_service_failure_is_a_clear_error_and_keeps_the_checkpoint(pytrio_client
     pytrio_client.faults.add("/sample", status=500, times=50)
     try:
         with pytest.raises(PyTrioLoopError, match="sample"):
-            run_loop(loop_config(tmp_path, base_model=tiny_model_path, max_steps=3, save_every=1, resume=True,
-                                 request_timeout_s=60))
+            run_loop(
+                loop_config(
+                    tmp_path, base_model=tiny_model_path, max_steps=3, save_every=1, resume=True, request_timeout_s=60
+                )
+            )
     finally:
         pytrio_client.faults.faults.clear()
         trio.configure(retry_max_attempts=3, sampling_retry_timeout_seconds=900, retry_initial_delay_seconds=1.0)
@@ -536,21 +566,33 @@ def load_recipe():
 
 @pytest.mark.slow
 def test_recipe_runs_end_to_end_offline_from_one_command(pytrio_client, tiny_model_path, tmp_path, capfd, caplog):
-    """`recipes/gsm8k_pytrio.py` with the embedded-default YAML (its `main`, in this process to spare the test
-    budget a second torch import): starts its own local server, generates the data offline, trains, saves."""
+    """`recipes/gsm8k_pytrio.py` without --config (its `main`, in this process to spare the test budget a second
+    torch import): the embedded default starts its own local server, generates the data offline, trains, saves."""
     import logging
     import re
 
     caplog.set_level(logging.DEBUG)
     out = tmp_path / "recipe-run"
+    # no --config: the embedded default (recipes/pytrio/embedded.yaml, pytrio_base_url: local), model shrunk
     args = [
-        "--config", str(ROOT / "recipes/pytrio/embedded.yaml"), "--base_model", tiny_model_path, "--lora_rank", "4",
-        "--max_steps", "2", "--save_every", "1", "--max_completion_length", "8", "--dataset_size", "16",
-        "--output_dir", str(out),
+        "--base_model",
+        tiny_model_path,
+        "--lora_rank",
+        "4",
+        "--max_steps",
+        "2",
+        "--save_every",
+        "1",
+        "--max_completion_length",
+        "8",
+        "--dataset_size",
+        "16",
+        "--output_dir",
+        str(out),
     ]
     assert load_recipe().main(args) == 0
     captured = capfd.readouterr()
-    summary = json.loads(captured.out[captured.out.index("{"):])
+    summary = json.loads(captured.out[captured.out.index("{") :])
     assert summary["steps"] == 2 and summary["sampler_path"].startswith("trio://")
     assert [r["step"] for r in run_metrics(out)] == [1, 2]
     assert "step 2/2" in caplog.text
@@ -562,6 +604,34 @@ def test_recipe_runs_end_to_end_offline_from_one_command(pytrio_client, tiny_mod
     assert "resumed at step 2" in caplog.text
 
 
+def test_recipe_default_is_the_offline_embedded_yaml(tmp_path, monkeypatch):
+    recipe = load_recipe()
+    seen = {}
+
+    def fake_run(config, loop):
+        seen["config"], seen["rows"] = config, loop._rows  # the inputs were checked (data loaded) before this
+        return {}
+
+    monkeypatch.setattr(recipe, "run_from_config", fake_run)
+    assert recipe.main(["--dataset_size", "8", "--output_dir", str(tmp_path / "run")]) == 0
+    from trl import TrlParser
+
+    (expected,) = TrlParser((PyTrioGRPOConfig,)).parse_args_and_config(
+        args=[
+            "--config",
+            str(ROOT / "recipes/pytrio/embedded.yaml"),
+            "--dataset_size",
+            "8",
+            "--output_dir",
+            str(tmp_path / "run"),
+        ]
+    )
+    assert seen["config"] == expected
+    assert seen["config"].pytrio_base_url == "local" and seen["config"].base_model == "embedded"
+    assert len(seen["rows"]) == 8
+    assert not (tmp_path / "run").exists()
+
+
 def test_recipe_reports_bad_config_in_one_line(tmp_path, capsys):
     recipe = load_recipe()
     args = ["--config", str(ROOT / "recipes/pytrio/embedded.yaml"), "--output_dir", str(tmp_path)]
@@ -571,3 +641,76 @@ def test_recipe_reports_bad_config_in_one_line(tmp_path, capsys):
     bad_yaml.write_text("max_steps: 1\nlearning_rat: 0.1\n")
     assert recipe.main(["--config", str(bad_yaml)]) == 2
     assert "learning_rat" in capsys.readouterr().err
+    bad_yaml.write_text("max_steps: many\n")
+    assert recipe.main(["--config", str(bad_yaml)]) == 2
+    err = capsys.readouterr().err
+    assert "max_steps" in err and "bad.yaml" in err
+
+
+def test_failing_rerun_loads_no_model_and_keeps_the_previous_run_files(tmp_path, capsys, monkeypatch):
+    """Bad values, data, reward names, model paths or a refused resume: one `error:` line, exit 2, before the
+    local server starts (no model loads) and before anything in output_dir is written."""
+    import trl_grpo_ext.pytrio.connection as connection
+
+    def no_server(*args, **kwargs):
+        raise AssertionError("the local server started (it loads the model) before the inputs were checked")
+
+    monkeypatch.setattr(connection, "local_server", no_server)
+    out = tmp_path / "run"
+    out.mkdir()
+    previous = {"metrics.jsonl": '{"step": 1, "reward": 0.5}\n', "config.yaml": "max_steps: 1\n"}
+    for name, text in previous.items():
+        (out / name).write_text(text)
+    save_loop_state(
+        out,
+        LoopState(
+            step=1,
+            data_position=3,
+            state_path="trio://x",
+            pinned=pinned_settings(
+                cfg(base_model="embedded", lora_rank=16, seed=0, num_generations=4, per_device_train_batch_size=12)
+            ),
+        ),
+    )
+    state_before = (out / "pytrio_state.json").read_text()
+    bad_data = tmp_path / "bad.jsonl"
+    bad_data.write_text('{"question": "1 + 1?", "answer": "#### 2"}\n{"question": "Name it", "answer": "twelve"}\n')
+    recipe = load_recipe()
+    base = ["--output_dir", str(out), "--dataset_size", "8"]
+    cases = [
+        (["--temperature", "0"], "temperature"),
+        (["--reward_funcs", "boxed,nope"], "nope"),
+        (["--dataset_name", "gsm8k", "--dataset_path", str(bad_data)], "row 1"),
+        (["--dataset_name", "gsm8k", "--dataset_path", str(tmp_path / "missing.jsonl")], "missing.jsonl"),
+        (["--base_model", str(tmp_path / "no-such-model")], "no-such-model"),
+        (["--resume", "true", "--lora_rank", "8"], "lora_rank: 16 -> 8"),
+    ]
+    for extra, match in cases:
+        assert recipe.main(base + extra) == 2, extra
+        err = capsys.readouterr().err.strip()
+        assert err.startswith("error: ") and match in err and len(err.splitlines()) == 1, (extra, err)
+        for name, text in previous.items():
+            assert (out / name).read_text() == text, (extra, name)
+        assert (out / "pytrio_state.json").read_text() == state_before
+        assert sorted(p.name for p in out.iterdir()) == ["config.yaml", "metrics.jsonl", "pytrio_state.json"]
+
+
+def test_pytrio_rows_are_the_trl_recipe_rows(tmp_path):
+    from trl_grpo_ext.data import load_dataset_split
+    from trl_grpo_ext.pytrio.rows import load_train_rows
+
+    data = tmp_path / "train.jsonl"
+    data.write_text(
+        "".join(json.dumps({"question": f"What is {i} + 1?", "answer": f"#### {i + 1}"}) + "\n" for i in range(5))
+        + json.dumps({"question": "Why?", "answer": "because"})
+        + "\n"
+    )
+    c = cfg(dataset_name="gsm8k", dataset_path=str(data), dataset_size=None, on_malformed="drop", one_shot=False)
+    rows = load_train_rows(c)
+    assert rows == load_dataset_split(str(data), num_samples=None, one_shot=False, on_malformed="drop").to_list()
+    assert len(rows) == 5 and set(rows[0]) == {"prompt", "question", "answer"}
+    with pytest.raises(ValueError, match="row 5 has an unparseable answer"):
+        load_train_rows(cfg(dataset_name="gsm8k", dataset_path=str(data)))
+    synthetic = load_train_rows(cfg(dataset_size=6, synthetic_tasks="chain_sum:1", seed=3))
+    trl_rows = load_dataset_split("synthetic", num_samples=6, tasks="chain_sum:1", seed=3).to_list()
+    assert synthetic == trl_rows and {r["task"] for r in synthetic} == {"chain_sum"}

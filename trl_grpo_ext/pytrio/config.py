@@ -15,7 +15,8 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass, field
 
-BUILTIN_LOSSES = ("importance_sampling", "ppo")
+# loss_type values the service computes itself (`forward_backward(datums, loss_type)`); the others run locally.
+SERVICE_BUILTIN_LOSS_TYPES = ("importance_sampling", "ppo")
 
 
 @dataclass
@@ -64,13 +65,19 @@ class PyTrioGRPOConfig:
     dataset_split: str = field(default="train", metadata={"help": "Split to train on."})
     dataset_size: int | None = field(
         default=512,
-        metadata={"help": "Problems to generate ('synthetic'), or the first N rows to keep ('gsm8k'; None: all)."},
+        metadata={
+            "help": "Problems to generate ('synthetic'; None: 1024), or the first N rows to keep ('gsm8k'; None: all)."
+        },
     )
     synthetic_tasks: str = field(
         default="chain_sum,basic_arithmetic",
         metadata={"help": "Task mix for 'synthetic', e.g. 'chain_sum:2,gsm_symbolic:1'."},
     )
     one_shot: bool = field(default=True, metadata={"help": "Prepend the one-shot worked example to each prompt."})
+    on_malformed: str = field(
+        default="error",
+        metadata={"help": "GSM8K rows without a question or a parseable answer: 'error' (name the row) or 'drop'."},
+    )
     # --- GRPO (TRL spelling) ---
     loss_type: str = field(
         default="importance_sampling",
@@ -148,7 +155,9 @@ class PyTrioGRPOConfig:
     curriculum_pass_threshold: float = field(
         default=1.0, metadata={"help": "A completion passes when that reward is >= this."}
     )
-    epsilon: float = field(default=0.2, metadata={"help": "ppo: the ratio is clipped to [1 - epsilon, 1 + epsilon_high]."})
+    epsilon: float = field(
+        default=0.2, metadata={"help": "ppo: the ratio is clipped to [1 - epsilon, 1 + epsilon_high]."}
+    )
     epsilon_high: float | None = field(default=None, metadata={"help": "ppo: upper epsilon; None: `epsilon`."})
     cispo_clip_low: float | None = field(
         default=None, metadata={"help": "cispo: lower ratio bound; None: `trl_grpo_ext.losses.DEFAULT_CLIP`."}
@@ -181,7 +190,9 @@ class PyTrioGRPOConfig:
     swanlab_project: str = field(default="trl-grpo-ext", metadata={"help": "SwanLab project."})
     swanlab_mode: str | None = field(
         default=None,
-        metadata={"help": "SwanLab mode: 'cloud', 'local', 'offline' or 'disabled'; None: $SWANLAB_MODE or 'offline'."},
+        metadata={
+            "help": "SwanLab mode: 'cloud', 'local', 'offline' or 'disabled'; None: $SWANLAB_MODE or 'offline'."
+        },
     )
     request_timeout_s: float = field(
         default=1800.0, metadata={"help": "Longest wait for any one service call before the run stops with an error."}
@@ -206,7 +217,7 @@ class PyTrioGRPOConfig:
 
     @property
     def uses_builtin_loss(self) -> bool:
-        return self.use_builtin_loss and self.loss_type in BUILTIN_LOSSES
+        return self.use_builtin_loss and self.loss_type in SERVICE_BUILTIN_LOSS_TYPES
 
     def validate(self) -> None:
         from trl_grpo_ext.losses import LOSS_FUNCTIONS
@@ -260,12 +271,18 @@ class PyTrioGRPOConfig:
             problems.append("max_steps must be >= 1")
         if self.save_every < 0:
             problems.append("save_every must be >= 0")
+        if self.dataset_name not in ("gsm8k", "synthetic"):
+            problems.append(f"dataset_name must be 'gsm8k' or 'synthetic', got {self.dataset_name!r}")
+        if self.dataset_size is not None and self.dataset_size < 1:
+            problems.append(f"dataset_size must be >= 1 or None, got {self.dataset_size}")
+        if self.on_malformed not in ("error", "drop"):
+            problems.append(f"on_malformed must be 'error' or 'drop', got {self.on_malformed!r}")
         if self.report_to not in ("none", "swanlab"):
             problems.append(f"report_to must be 'none' or 'swanlab', got {self.report_to!r}")
         if self.request_timeout_s <= 0:
             problems.append("request_timeout_s must be > 0")
         if problems:
-            raise ValueError("Invalid PyTRIO GRPO config:\n  - " + "\n  - ".join(problems))
+            raise ValueError("invalid PyTRIO GRPO config: " + "; ".join(problems))
 
     def _sampling_problems(self) -> list[str]:
         from trl_grpo_ext.data.curriculum import check_curriculum_settings

@@ -66,7 +66,9 @@ def local_server(base_model: str, **options):
     try:
         from trl_grpo_ext.pytrio.server import running_server
     except ImportError as error:
-        raise RuntimeError(f"pytrio_base_url: local needs the local server, which cannot be imported: {error}") from None
+        raise RuntimeError(
+            f"pytrio_base_url: local needs the local server, which cannot be imported: {error}"
+        ) from None
     with running_server(base_model, **options) as server:
         yield server
 

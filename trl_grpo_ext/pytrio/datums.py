@@ -75,4 +75,3 @@ def build_datum(prompt_tokens, completion_tokens, completion_logprobs, advantage
             "advantages": seq["advantages"],
         },
     )
-

@@ -24,6 +24,7 @@ from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from trl_grpo_ext.dynamic_sampling import GroupFilter, GroupRef
 from trl_grpo_ext.pytrio.checkpoint import (
     LoopState,
     check_resumable,
@@ -96,7 +97,9 @@ def rollouts_from_response(response, prompt_tokens, num_generations: int, what: 
     if sequences is None or not isinstance(sequences, (list, tuple)):
         raise PyTrioLoopError(f"{what}: reply has no sequences ({type(response).__name__})")
     if len(sequences) != num_generations:
-        raise PyTrioLoopError(f"{what}: asked for {num_generations} completions, the service returned {len(sequences)}")
+        raise PyTrioLoopError(
+            f"{what}: asked for {num_generations} completions, the service returned {len(sequences)}"
+        )
     rollouts = []
     for index, seq in enumerate(sequences):
         tokens = list(getattr(seq, "tokens", None) or [])
@@ -155,7 +158,9 @@ def reward_step_metrics(config: PyTrioGRPOConfig, scored: ScoredBatch, reward_na
     from trl_grpo_ext.reward_aggregation import frac_reward_zero_std, reward_metrics
 
     metrics = reward_metrics(scored.rewards_per_func, scored.rewards, reward_names)
-    metrics["frac_reward_zero_std"] = frac_reward_zero_std(scored.rewards, config.num_generations, config.scale_rewards)
+    metrics["frac_reward_zero_std"] = frac_reward_zero_std(
+        scored.rewards, config.num_generations, config.scale_rewards
+    )
     metrics["frac_degenerate"] = sum(bool(d) for d in scored.degenerate) / max(len(scored.degenerate), 1)
     return metrics
 
@@ -295,6 +300,27 @@ def completion_metrics(rollouts: list[Rollout]) -> dict:
     }
 
 
+def kept_groups(batches: list[ScoredBatch], selection: list[GroupRef], num_generations: int) -> ScoredBatch:
+    """The groups dynamic sampling keeps (`trl_grpo_ext.dynamic_sampling.GroupFilter.selection`) as one batch.
+    Padding groups are left out (fewer datums: what the TRL path's masked-out padding amounts to), unless nothing
+    else is left; then they stay with zero advantages, so the step runs and its gradient is zero."""
+    import torch
+
+    refs = [ref for ref in selection if not ref.padding] or selection
+    g = num_generations
+    spans = [(batches[ref.batch], slice(ref.group * g, (ref.group + 1) * g)) for ref in refs]
+    return ScoredBatch(
+        rows=[batches[ref.batch].rows[ref.group] for ref in refs],
+        rollouts=[r for b, span in spans for r in b.rollouts[span]],
+        rewards_per_func=torch.cat([b.rewards_per_func[span] for b, span in spans]),
+        rewards=torch.cat([b.rewards[span] for b, span in spans]),
+        advantages=[
+            0.0 if ref.padding else a for ref, (b, s) in zip(refs, spans, strict=True) for a in b.advantages[s]
+        ],
+        degenerate=[batches[ref.batch].degenerate[ref.group] for ref in refs],
+    )
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # The loop
 # ----------------------------------------------------------------------------------------------------------------
@@ -335,8 +361,14 @@ class GRPOLoop:
     functions read (``answer``); None loads them from the config's dataset.
     """
 
-    def __init__(self, config: PyTrioGRPOConfig, service_client=None, rows: list[dict] | None = None,
-                 tokenizer=None, stop_after: int | None = None):
+    def __init__(
+        self,
+        config: PyTrioGRPOConfig,
+        service_client=None,
+        rows: list[dict] | None = None,
+        tokenizer=None,
+        stop_after: int | None = None,
+    ):
         self.config = config
         self._service = service_client
         self._rows = rows
@@ -344,6 +376,8 @@ class GRPOLoop:
         # Tests stop a run early (as a kill would) after this many steps of this invocation.
         self._stop_after = stop_after
         self._prompt_cache: dict[int, list[int]] = {}
+        self.curriculum = None  # `trl_grpo_ext.data.curriculum.Curriculum` with ``curriculum: true`` (`prepare`)
+        self._checked: tuple[LoopState | None] | None = None  # (resume state,) once `check_inputs` has passed
 
     # --- setup -------------------------------------------------------------------------------------------------
 
@@ -387,7 +421,16 @@ class GRPOLoop:
         that drive `train_step` themselves)."""
         self.tokenizer = self._load_tokenizer(training_client)
         self.reward_funcs, self.reward_names, self.reward_weights = self._reward_setup()
-        return PromptStream(self._load_rows(), self.config.seed, data_position)
+        rows = self._load_rows()
+        if self.config.curriculum:
+            from trl_grpo_ext.data.curriculum import CurriculumPromptStream, curriculum_from_tasks
+
+            c = self.config
+            self.curriculum = curriculum_from_tasks(
+                [row.get("task") for row in rows], ema=c.curriculum_ema, floor=c.curriculum_floor
+            )
+            return CurriculumPromptStream(rows, self.curriculum, c.seed, data_position)
+        return PromptStream(rows, self.config.seed, data_position)
 
     def _reward_setup(self):
         """Reward functions with the TRL recipe's context (`trl_grpo_ext.recipe.reward_functions`: the length limit
@@ -396,7 +439,11 @@ class GRPOLoop:
         from trl_grpo_ext.reward_aggregation import reward_func_name, reward_weight_tensor
 
         funcs = reward_functions(self.config.reward_funcs, self.config, self.tokenizer)
-        return funcs, [reward_func_name(f) for f in funcs], reward_weight_tensor(self.config.reward_weights, len(funcs))
+        return (
+            funcs,
+            [reward_func_name(f) for f in funcs],
+            reward_weight_tensor(self.config.reward_weights, len(funcs)),
+        )
 
     def _prompt_tokens(self, row: dict) -> list[int]:
         key = id(row)
@@ -481,7 +528,11 @@ class GRPOLoop:
         completions = [[{"role": "assistant", "content": t}] if conversational else t for t in texts]
         inputs = [row for row in rows for _ in range(g)]  # TRL's per-completion inputs
         rewards_per_func = score_completions(
-            self.reward_funcs, self.reward_names, [row["prompt"] for row in inputs], completions, completion_ids,
+            self.reward_funcs,
+            self.reward_names,
+            [row["prompt"] for row in inputs],
+            completions,
+            completion_ids,
             reward_kwargs(inputs),
         )
         rewards = weighted_rewards(rewards_per_func, self.reward_weights)
@@ -489,11 +540,43 @@ class GRPOLoop:
         times.rewards += time.perf_counter() - t0
         return ScoredBatch(rows, rollouts, rewards_per_func, rewards, advantages, degenerate)
 
-    def _sample_and_score(self, training_client, stream: PromptStream, step: int, times: StepTimes) -> ScoredBatch:
-        """The step's rollouts, scored: ``prompts_per_step`` rows from the stream, ``num_generations`` each."""
+    def _sample_and_score(self, training_client, stream: PromptStream, step: int, times: StepTimes):
+        """The step's rollouts, scored: ``prompts_per_step`` rows from the stream, ``num_generations`` each; with
+        ``dynamic_sampling``, more rounds until `GroupFilter` has the step's informative groups (or its budget is
+        spent). Returns ``(batch to train on, sampling metrics)``: the metrics average each round's, as TRL's
+        logging averages each generation batch's."""
+        c = self.config
         sampler = self._sampling_client(training_client, times)
-        rows = stream.take(self.config.prompts_per_step)
-        return self._score(rows, self._sample(sampler, rows, step, times), times)
+        groups = GroupFilter(c.prompts_per_step, c.max_generation_batches) if c.dynamic_sampling else None
+        batches, metrics = [], []
+        while True:
+            rows = stream.take(c.prompts_per_step)
+            first = len(batches) * c.prompts_per_step  # each round's prompts get their own sampling seeds
+            batches.append(self._score(rows, self._sample(sampler, rows, step, times, first), times))
+            metrics.append(self._batch_metrics(batches[-1]))
+            if groups is None:
+                return batches[0], metrics[0]
+            groups.add(batches[-1].degenerate)
+            if groups.done:
+                break
+        averaged = {key: sum(m[key] for m in metrics) / len(metrics) for key in metrics[0]}
+        averaged.update(groups.metrics())  # frac_degenerate after the filter
+        return kept_groups(batches, groups.selection(), c.num_generations), averaged
+
+    def _batch_metrics(self, scored: ScoredBatch) -> dict:
+        """Reward and completion metrics of one sampled batch; with the curriculum, its update and weights."""
+        metrics = reward_step_metrics(self.config, scored, self.reward_names)
+        metrics.update(completion_metrics(scored.rollouts))
+        if self.curriculum is not None:
+            from trl_grpo_ext.data.curriculum import passed_values
+
+            c = self.config
+            name = c.curriculum_reward or c.degenerate_reward
+            rewards = scored.rewards if name is None else scored.rewards_per_func[:, list(c.reward_funcs).index(name)]
+            tasks = [row.get("task") for row in scored.rows for _ in range(c.num_generations)]
+            self.curriculum.update(tasks, passed_values(rewards.tolist(), c.curriculum_pass_threshold))
+            metrics.update(self.curriculum.metrics())
+        return metrics
 
     def _optimizer_step(self, training_client, batch: TrainBatch, learning_rate: float, times: StepTimes):
         """``forward_backward`` (built-in loss) or ``forward_backward_custom``, then ``optim_step``; returns
@@ -502,19 +585,28 @@ class GRPOLoop:
 
         c = self.config
         adam = trio.AdamParams(
-            learning_rate=learning_rate, beta1=c.adam_beta1, beta2=c.adam_beta2, eps=c.adam_epsilon,
-            weight_decay=c.weight_decay, grad_clip_norm=c.max_grad_norm,
+            learning_rate=learning_rate,
+            beta1=c.adam_beta1,
+            beta2=c.adam_beta2,
+            eps=c.adam_epsilon,
+            weight_decay=c.weight_decay,
+            grad_clip_norm=c.max_grad_norm,
         )
         loss_record: dict = {}
         t0 = time.perf_counter()
         if c.uses_builtin_loss:
             fb_future = _call(
-                training_client.forward_backward, "forward_backward", batch.datums, c.loss_type,
+                training_client.forward_backward,
+                "forward_backward",
+                batch.datums,
+                c.loss_type,
                 loss_fn_config=builtin_loss_config(c),
             )
         else:
             fb_future = _call(
-                training_client.forward_backward_custom, "forward_backward_custom", batch.datums,
+                training_client.forward_backward_custom,
+                "forward_backward_custom",
+                batch.datums,
                 make_custom_loss(c, batch.token_rows, loss_record),
             )
         # async: optim_step is queued right behind forward_backward, so the trainer applies it as soon as the
@@ -535,15 +627,14 @@ class GRPOLoop:
         """One GRPO step (0-based ``step``): sample -> score -> build datums -> step -> metrics; returns its metrics."""
         times = StepTimes()
         t_step = time.perf_counter()
-        scored = self._sample_and_score(training_client, stream, step, times)
+        scored, sampling_metrics = self._sample_and_score(training_client, stream, step, times)
         batch = build_train_batch(self.config, scored, step)
         learning_rate = self.config.learning_rate_at(step)
         loss_record, optim_metrics = self._optimizer_step(training_client, batch, learning_rate, times)
 
-        metrics = reward_step_metrics(self.config, scored, self.reward_names)
+        metrics = dict(sampling_metrics)
         metrics.update(loss_record)
         metrics["train_tokens"] = batch.train_tokens
-        metrics.update(completion_metrics(scored.rollouts))
         metrics["learning_rate"] = learning_rate
         metrics["num_datums"] = len(batch.datums)
         if "grad_norm" in optim_metrics:
@@ -556,8 +647,11 @@ class GRPOLoop:
 
     def _checkpoint(self, training_client, state: LoopState, stream: PromptStream, step_done: int) -> None:
         name = f"step-{step_done:06d}"
-        result = _wait(_call(training_client.save_state, "save_state", name, overwrite=True), "save_state",
-                       self.config.request_timeout_s)
+        result = _wait(
+            _call(training_client.save_state, "save_state", name, overwrite=True),
+            "save_state",
+            self.config.request_timeout_s,
+        )
         path = getattr(result, "path", None)
         if not isinstance(path, str) or not path:
             raise PyTrioLoopError(f"save_state returned no checkpoint path ({result!r})")
@@ -569,41 +663,62 @@ class GRPOLoop:
 
     # --- entry point ---------------------------------------------------------------------------------------------
 
+    def check_inputs(self) -> LoopState | None:
+        """Check everything bad input can break before a model loads or a file is written: the data (loaded and
+        kept), the reward names, the local server's model path, and a resume's recorded state against this config.
+        Raises ValueError / FileNotFoundError with one line; returns the state to resume from (None: fresh run)."""
+        from trl_grpo_ext.pytrio.connection import LOCAL_SERVER_NAME
+
+        if self._checked is not None:
+            return self._checked[0]
+        c = self.config
+        self._rows = self._load_rows()
+        get_reward_funcs(c.reward_funcs)  # unknown names: a ValueError listing the valid ones
+        if c.pytrio_base_url == LOCAL_SERVER_NAME and c.base_model.strip().lower() != "embedded":
+            from trl_grpo_ext.models import check_local_model
+
+            check_local_model(c.base_model)  # a local-looking path that is not a model folder
+        previous = load_loop_state(c.output_dir) if c.resume else None
+        if c.resume and previous is None:
+            logger.warning("resume: no loop state in %s; starting from step 0", c.output_dir)
+        if previous is not None:
+            check_resumable(previous, c)
+        self._checked = (previous,)
+        return previous
+
     def run(self) -> dict:
         """Train to ``max_steps`` (or resume to it); returns a summary with the final sampler weights' path."""
         install_log_redaction()
         c = self.config
         out = Path(c.output_dir)
-        # Everything bad input can break runs before the first write to the run folder (config.yaml, then the
-        # metrics truncation below): a failing rerun leaves the previous run's files as they were.
-        self._rows = self._load_rows()
-        get_reward_funcs(c.reward_funcs)  # unknown names: a ValueError listing the valid ones
-        previous = load_loop_state(out) if c.resume else None
-        if c.resume and previous is None:
-            logger.warning("resume: no loop state in %s; starting from step 0", out)
-        if previous is not None:
-            check_resumable(previous, c)
+        # Before the first write to the run folder (config.yaml, then the metrics truncation below): a failing
+        # rerun leaves the previous run's files as they were.
+        previous = self.check_inputs()
+        self._checked = None  # a later run() reads the loop state again
         service = self._service_client()
         if previous is not None:
             state = previous
             training_client = _call(
-                service.create_training_client_from_state_with_optimizer, "restore from checkpoint",
+                service.create_training_client_from_state_with_optimizer,
+                "restore from checkpoint",
                 state.state_path,
             )
             logger.info("resumed at step %d from %s", state.step, state.state_path)
         else:
             state = LoopState(pinned=pinned_settings(c))
             training_client = _call(
-                service.create_lora_training_client, "create_lora_training_client",
-                c.base_model, rank=c.lora_rank, seed=c.seed,
+                service.create_lora_training_client,
+                "create_lora_training_client",
+                c.base_model,
+                rank=c.lora_rank,
+                seed=c.seed,
             )
         stream = self.prepare(training_client, state.data_position)
         out.mkdir(parents=True, exist_ok=True)
         _write_config(c, out)
         # A resumed run drops the rows logged after its checkpoint (those steps run again); a fresh one starts empty.
         truncate_metrics(out / METRICS_FILENAME, state.step)
-        sink = MetricsSink(out, c.report_to, c.to_dict(), c.run_name, c.swanlab_project, c.swanlab_mode,
-                           fresh=False)
+        sink = MetricsSink(out, c.report_to, c.to_dict(), c.run_name, c.swanlab_project, c.swanlab_mode, fresh=False)
         try:
             done_here = 0
             for step in range(state.step, c.max_steps):
@@ -611,8 +726,14 @@ class GRPOLoop:
                 step_done = step + 1
                 # Logged before the checkpoint: a kill in between re-runs this step and the resume drops the row.
                 sink.log(step_done, metrics)
-                logger.info("step %d/%d reward=%.3f loss=%s step_time=%.2fs", step_done, c.max_steps,
-                            metrics["reward"], metrics.get("loss"), metrics["step_time"])
+                logger.info(
+                    "step %d/%d reward=%.3f loss=%s step_time=%.2fs",
+                    step_done,
+                    c.max_steps,
+                    metrics["reward"],
+                    metrics.get("loss"),
+                    metrics["step_time"],
+                )
                 if c.save_every and step_done % c.save_every == 0 and step_done < c.max_steps:
                     self._checkpoint(training_client, state, stream, step_done)
                 done_here += 1
@@ -623,12 +744,17 @@ class GRPOLoop:
                 self._checkpoint(training_client, state, stream, c.max_steps)
             final = _wait(
                 _call(training_client.save_weights_for_sampler, "save_weights_for_sampler", "final"),
-                "save_weights_for_sampler", c.request_timeout_s,
+                "save_weights_for_sampler",
+                c.request_timeout_s,
             )
             state.sampler_path = getattr(final, "path", None)
             save_loop_state(out, state)
-            return {"steps": state.step, "state_path": state.state_path, "sampler_path": state.sampler_path,
-                    "output_dir": str(out)}
+            return {
+                "steps": state.step,
+                "state_path": state.state_path,
+                "sampler_path": state.sampler_path,
+                "output_dir": str(out),
+            }
         finally:
             sink.close()
 
@@ -644,16 +770,19 @@ def run_grpo(config: PyTrioGRPOConfig, service_client=None, **kwargs) -> dict:
     return GRPOLoop(config, service_client, **kwargs).run()
 
 
-def run_from_config(config: PyTrioGRPOConfig, **kwargs) -> dict:
-    """Connect as ``pytrio_base_url`` says (``local``: start the local server first) and train."""
+def run_from_config(config: PyTrioGRPOConfig, loop: GRPOLoop | None = None, **kwargs) -> dict:
+    """Connect as ``pytrio_base_url`` says (``local``: start the local server first) and train ``loop`` (default:
+    ``GRPOLoop(config, **kwargs)``). Its inputs are checked before the local server loads the model."""
     from trl_grpo_ext.pytrio.connection import LOCAL_SERVER_NAME, configure_client, local_server
 
     install_log_redaction()
+    loop = loop or GRPOLoop(config, **kwargs)
+    loop.check_inputs()
     if config.pytrio_base_url == LOCAL_SERVER_NAME:
         # Checkpoints live beside the run, so a resumed run's fresh server finds the earlier process's states.
         with local_server(config.base_model, storage_dir=str(Path(config.output_dir) / "pytrio-server")) as server:
             configure_client(base_url=server.base_url, api_key=server.api_key)
-            return run_grpo(config, **kwargs)
+            return loop.run()
     if config.pytrio_base_url:
         configure_client(base_url=config.pytrio_base_url)
-    return run_grpo(config, **kwargs)
+    return loop.run()

@@ -1,8 +1,7 @@
 """Where the PyTRIO loop's step metrics go: ``<output_dir>/metrics.jsonl`` (the TRL path's format) and SwanLab.
 
-Rewards statistics follow TRL 1.16's definitions so both paths' curves are comparable: ``reward`` / ``reward_std``
-are the NaN-aware mean / std over the step's completions (unscorable completions excluded),
-``frac_reward_zero_std`` counts groups with (numerically) zero reward std.
+The reward statistics are computed by `trl_grpo_ext.reward_aggregation` (TRL 1.16's definitions), so both paths'
+curves are comparable; NaN values (e.g. the std of a step with one scorable completion) are written as null.
 """
 
 from __future__ import annotations
@@ -18,20 +17,6 @@ from trl_grpo_ext.run_files import METRICS_FILENAME, append_jsonl_row, truncate_
 logger = logging.getLogger(__name__)
 
 
-def nanstd(values) -> float:
-    """Bessel-corrected std ignoring NaN (NaN with fewer than two values), as `trl.trainer.utils.nanstd`."""
-    finite = [float(v) for v in values if not math.isnan(float(v))]
-    if len(finite) < 2:
-        return float("nan")
-    mean = sum(finite) / len(finite)
-    return math.sqrt(sum((v - mean) ** 2 for v in finite) / (len(finite) - 1))
-
-
-def nanmean(values) -> float:
-    finite = [float(v) for v in values if not math.isnan(float(v))]
-    return sum(finite) / len(finite) if finite else float("nan")
-
-
 def _jsonable(value):
     if hasattr(value, "item"):
         value = value.item()
@@ -43,8 +28,16 @@ def _jsonable(value):
 class MetricsSink:
     """Appends one JSON object per optimizer step (with ``"step"``) and mirrors it to SwanLab if enabled."""
 
-    def __init__(self, output_dir, report_to: str = "none", run_config: dict | None = None, run_name=None,
-                 project: str = "trl-grpo-ext", swanlab_mode: str | None = None, fresh: bool = True):
+    def __init__(
+        self,
+        output_dir,
+        report_to: str = "none",
+        run_config: dict | None = None,
+        run_name=None,
+        project: str = "trl-grpo-ext",
+        swanlab_mode: str | None = None,
+        fresh: bool = True,
+    ):
         self.path = Path(output_dir) / METRICS_FILENAME
         self.path.parent.mkdir(parents=True, exist_ok=True)
         if fresh:
