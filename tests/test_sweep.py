@@ -348,7 +348,8 @@ def test_shipped_sweep_files_expand():
         assert runs, f
         assert validate_runs(spec, runs) == [], f  # every key is one the recipe accepts
         if f.name == "embedded_losses.yaml":
-            assert sorted(r.params["loss_type"] for r in runs) == ["cispo", "importance_sampling", "ppo"]
+            assert sorted({r.params["loss_type"] for r in runs}) == ["cispo", "importance_sampling", "ppo"]
+            assert len(runs) == 9 and sorted({r.config["seed"] for r in runs}) == [0, 1, 2]  # >= 3 seeds per loss
 
 
 @pytest.mark.slow
