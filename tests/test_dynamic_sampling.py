@@ -326,3 +326,147 @@ def test_two_processes_take_the_same_decision(tiny_model_path, tmp_path):
         assert len(rank["trained"]) == 3
         for pids in rank["trained"]:
             assert len(pids) == 4 and all(p % 2 == 1 for p in pids)
+
+
+# --------------------------------------------------------------------------------------------- the PyTRIO loop
+
+PYTRIO_REWARD = "e2_flat_or_varied"
+
+
+def _pytrio_flat_or_varied(completions, flat, **kwargs):
+    from trl_grpo_ext.answers import completion_text
+
+    return [
+        0.5 if f else (zlib.crc32(completion_text(c).encode()) % 997) / 997
+        for c, f in zip(completions, flat, strict=True)
+    ]
+
+
+@pytest.fixture
+def pytrio_reward():
+    from trl_grpo_ext.rewards import REWARD_REGISTRY, register_reward
+
+    register_reward(PYTRIO_REWARD)(_pytrio_flat_or_varied)
+    yield PYTRIO_REWARD
+    REWARD_REGISTRY.pop(PYTRIO_REWARD, None)  # other modules iterate over the registry
+
+
+class _Reply:
+    def __init__(self, value):
+        self.value = value
+
+    def result(self, timeout=None):
+        return self.value
+
+
+class FakeSampler:
+    """pytrio sampling client stand-in: completions are a function of the request's seed."""
+
+    def __init__(self, vocab):
+        self.vocab, self.requests = vocab, 0
+
+    def sample(self, model_input, num_samples, sampling_params, return_text=False):
+        import random as rnd
+        from types import SimpleNamespace
+
+        self.requests += 1
+        rng = rnd.Random(sampling_params.seed)
+        seqs = []
+        for _ in range(num_samples):
+            tokens = [rng.randrange(3, self.vocab) for _ in range(rng.randint(1, 5))]
+            seqs.append(SimpleNamespace(tokens=tokens, logprobs=[-1.0] * len(tokens), stop_reason="stop"))
+        return _Reply(SimpleNamespace(sequences=seqs))
+
+
+class FakeTrainingClient:
+    def __init__(self, vocab):
+        self.sampler = FakeSampler(vocab)
+
+    def save_weights_and_get_sampling_client(self):
+        return self.sampler
+
+
+def _pytrio_loop(tiny_model_path, flat_ids, **kw):
+    from transformers import AutoTokenizer
+
+    from trl_grpo_ext.pytrio.config import PyTrioGRPOConfig
+    from trl_grpo_ext.pytrio.loop import GRPOLoop
+
+    rows = [
+        {"prompt": [{"role": "user", "content": f"What is {i} + 4?"}], "answer": f"#### {i + 4}", "flat": i in flat_ids,
+         "pid": i, "task": "even" if i % 2 == 0 else "odd"}
+        for i in range(N_PROMPTS)
+    ]  # fmt: skip
+    base = dict(num_generations=4, per_device_train_batch_size=8, reward_funcs=[PYTRIO_REWARD], dynamic_sampling=True)
+    config = PyTrioGRPOConfig(**{**base, **kw})
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_path)
+    loop = GRPOLoop(config, rows=rows, tokenizer=tokenizer)
+    client = FakeTrainingClient(len(tokenizer))
+    return loop, client, loop.prepare(client)
+
+
+def test_pytrio_step_samples_until_its_groups_are_informative(tiny_model_path, pytrio_reward):
+    from trl_grpo_ext.pytrio.loop import StepTimes
+
+    flat = set(range(0, N_PROMPTS, 2))
+    loop, client, stream = _pytrio_loop(tiny_model_path, flat, max_generation_batches=8)
+    for step in range(3):
+        before = stream.position
+        scored, metrics = loop._sample_and_score(client, stream, step, StepTimes())
+        rounds = int(metrics["generation_batches"])
+        assert stream.position - before == 2 * rounds  # two prompts a round
+        assert metrics["frac_degenerate"] == 0.0 and 0.0 <= metrics["frac_degenerate_before_filter"] < 1.0
+        assert len(scored.rows) == 2 and not any(row["flat"] for row in scored.rows)
+        assert len(scored.rollouts) == len(scored.advantages) == scored.rewards.shape[0] == 8
+        assert scored.degenerate == [False, False]
+        for key in (
+            "reward",
+            "reward_std",
+            f"rewards/{_pytrio_flat_or_varied.__name__}/mean",
+            "completions/mean_length",
+        ):
+            assert key in metrics
+    assert client.sampler.requests > 6, "no step needed a second round; the test shows nothing"
+
+
+def test_pytrio_budget_trains_on_what_there_is(tiny_model_path, pytrio_reward):
+    from trl_grpo_ext.pytrio.loop import StepTimes, build_train_batch
+
+    loop, client, stream = _pytrio_loop(tiny_model_path, set(range(N_PROMPTS)), max_generation_batches=2)
+    scored, metrics = loop._sample_and_score(client, stream, 0, StepTimes())
+    assert metrics["generation_batches"] == 2 and metrics["frac_degenerate"] == 1.0
+    assert metrics["frac_degenerate_before_filter"] == 1.0
+    # nothing informative: the padding stays, with zero advantages, so the step runs and moves nothing
+    assert len(scored.rows) == 2 and all(a == 0.0 for a in scored.advantages)
+    assert build_train_batch(loop.config, scored, 0).train_tokens == 0
+
+    loop, client, stream = _pytrio_loop(tiny_model_path, set(range(N_PROMPTS)) - {5}, max_generation_batches=3)
+    found = False
+    for step in range(6):
+        scored, metrics = loop._sample_and_score(client, stream, step, StepTimes())
+        kept = round(2 * (1 - metrics["frac_degenerate"]))
+        if 0 < kept < 2:  # fewer groups than a full step: the padding is left out
+            found = True
+            assert [row["pid"] for row in scored.rows] == [5] * kept and len(scored.rollouts) == 4 * kept
+    assert found, "no step ended with part of its groups; the test shows nothing"
+
+
+def test_pytrio_without_dynamic_sampling_is_one_round(tiny_model_path, pytrio_reward):
+    from trl_grpo_ext.pytrio.loop import StepTimes
+
+    loop, client, stream = _pytrio_loop(tiny_model_path, set(range(0, N_PROMPTS, 2)), dynamic_sampling=False)
+    scored, metrics = loop._sample_and_score(client, stream, 0, StepTimes())
+    assert "generation_batches" not in metrics and stream.position == 2 and client.sampler.requests == 2
+    assert len(scored.rows) == 2
+
+
+def test_pytrio_curriculum_updates_from_each_round(tiny_model_path, pytrio_reward):
+    from trl_grpo_ext.data.curriculum import CurriculumPromptStream
+    from trl_grpo_ext.pytrio.loop import StepTimes
+
+    # even prompts: always 0.5 (never pass at threshold 1.0); odd: a hash below 1 (never pass either) -> p falls
+    loop, client, stream = _pytrio_loop(tiny_model_path, set(range(0, N_PROMPTS, 2)), curriculum=True)
+    assert isinstance(stream, CurriculumPromptStream)
+    _, metrics = loop._sample_and_score(client, stream, 0, StepTimes())
+    assert loop.curriculum.updates == metrics["generation_batches"]
+    assert metrics["curriculum/even/pass_rate"] < 0.5 and "curriculum/odd/weight" in metrics
