@@ -470,3 +470,36 @@ def test_pytrio_curriculum_updates_from_each_round(tiny_model_path, pytrio_rewar
     _, metrics = loop._sample_and_score(client, stream, 0, StepTimes())
     assert loop.curriculum.updates == metrics["generation_batches"]
     assert metrics["curriculum/even/pass_rate"] < 0.5 and "curriculum/odd/weight" in metrics
+
+
+@pytest.mark.slow
+def test_pytrio_run_on_local_server_logs_both_options(tiny_model_path, tmp_path, pytrio_reward):
+    """train_step end to end (local pytrio server, tiny model): dynamic sampling and the curriculum together."""
+    from trl_grpo_ext.pytrio.config import PyTrioGRPOConfig
+    from trl_grpo_ext.pytrio.loop import GRPOLoop
+    from trl_grpo_ext.pytrio.server import running_server
+    from trl_grpo_ext.run_files import run_metrics
+
+    rows = [
+        {"prompt": [{"role": "user", "content": f"What is {i} + 4?"}], "answer": f"#### {i + 4}", "flat": i % 2 == 0,
+         "task": "even" if i % 2 == 0 else "odd"}
+        for i in range(N_PROMPTS)
+    ]  # fmt: skip
+    config = PyTrioGRPOConfig(
+        base_model=tiny_model_path, lora_rank=4, num_generations=4, per_device_train_batch_size=8,
+        max_completion_length=6, max_steps=2, save_every=0, reward_funcs=[PYTRIO_REWARD], learning_rate=5e-3,
+        output_dir=str(tmp_path / "run"), seed=3, dynamic_sampling=True, max_generation_batches=4, curriculum=True,
+    )  # fmt: skip
+    home = tmp_path / "home"
+    home.mkdir()
+    with running_server(tiny_model_path, api_key="trio-local-e2-test-key", ephemeral_storage=True) as server:
+        server.configure_client(home=str(home))
+        GRPOLoop(config, rows=rows).run()
+    logged = run_metrics(config.output_dir)
+    assert [r["step"] for r in logged] == [1, 2]
+    for row in logged:
+        for key in ("generation_batches", "frac_degenerate_before_filter", "frac_degenerate", "loss", "train_tokens",
+                    "curriculum/even/weight", "curriculum/odd/pass_rate", "num_datums"):  # fmt: skip
+            assert key in row, key
+        full = row["frac_degenerate"] == 0.0
+        assert row["num_datums"] <= 8 and (not full or row["train_tokens"] > 0)
