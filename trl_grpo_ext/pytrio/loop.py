@@ -765,11 +765,6 @@ def _write_config(config: PyTrioGRPOConfig, out: Path) -> None:
     atomic_write_text(out / CONFIG_FILENAME, yaml.safe_dump({**config.to_dict(), "backend": "pytrio"}, sort_keys=True))
 
 
-def run_grpo(config: PyTrioGRPOConfig, service_client=None, **kwargs) -> dict:
-    """Convenience wrapper: ``GRPOLoop(config, service_client, **kwargs).run()``."""
-    return GRPOLoop(config, service_client, **kwargs).run()
-
-
 def run_from_config(config: PyTrioGRPOConfig, loop: GRPOLoop | None = None, **kwargs) -> dict:
     """Connect as ``pytrio_base_url`` says (``local``: start the local server first) and train ``loop`` (default:
     ``GRPOLoop(config, **kwargs)``). Its inputs are checked before the local server loads the model."""
