@@ -11,6 +11,8 @@
   get exactly zero advantage (``zero_degenerate_advantages``) and ``frac_degenerate`` is logged.
 - Rows that share prompt tokens are encoded once in the log-prob forward and in non-vLLM generation
   (``share_prompt_prefix``, `trl_grpo_ext.prefix.PrefixSharingMixin`; docs/prefix_sharing.md).
+- ``dynamic_sampling`` (DAPO's group filter) and the task ``curriculum`` are the mixins of
+  `trl_grpo_ext.trl_sampling`; they read the degenerate mask this class computes for each generation batch.
 """
 
 from __future__ import annotations
