@@ -1,7 +1,8 @@
 """Offline GSM8K-style problems generated with reasoning-gym, in the GSM8K schema (`question`, `answer`).
 
 Tasks are reasoning-gym generators with fixed difficulty settings (`TASKS`); a mix draws each problem's task
-by weight, which gives an easy-to-hard curriculum inside every batch. Train and eval are disjoint by
+by weight, which gives an easy-to-hard curriculum inside every batch. Every problem carries its `task`, which the
+adaptive curriculum (`trl_grpo_ext.data.curriculum`) reweights during training by each task's pass rate. Train and eval are disjoint by
 construction: a problem belongs to the eval split iff a hash of its text says so, so even tiny problem
 spaces ("4 + 5") never leak from train into eval whatever the seeds.
 """
