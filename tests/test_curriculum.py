@@ -161,8 +161,7 @@ def task_reward(completions, task, **kwargs):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("dynamic", [False, True])
-def test_trainer_curriculum_logs_weights_and_moves_to_informative_task(tiny_model_path, tmp_path, dynamic):
+def test_trainer_curriculum_logs_weights_and_moves_to_informative_task(tiny_model_path, tmp_path):
     from trl_grpo_ext.trainer import GRPOTrainer
 
     n = 12
@@ -184,8 +183,6 @@ def test_trainer_curriculum_logs_weights_and_moves_to_informative_task(tiny_mode
         curriculum=True,
         curriculum_ema=0.8,
         curriculum_floor=0.01,
-        dynamic_sampling=dynamic,
-        max_generation_batches=2,
     )
     data = Dataset.from_dict({"prompt": prompts, "task": tasks})
     trainer = GRPOTrainer(tiny_model_path, [task_reward], args=args, train_dataset=data)
