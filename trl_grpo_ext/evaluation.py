@@ -336,11 +336,22 @@ def format_paired(paired: dict, indent: str = "") -> list[str]:
     lines = [indent + format_gain(HELDOUT_METRICS[name][1], g) for name, g in paired["metrics"].items()]
     for task, entry in paired.get("per_task", {}).items():
         parts = [
-            format_gain(HELDOUT_METRICS[name][1], entry["metrics"][name], with_n=False)
-            for name in ("accuracy_any_format", "accuracy")
+            _short_gain(short, entry["metrics"][name])
+            for name, short in (("accuracy_any_format", "format-independent"), ("accuracy", "boxed"))
         ]
         lines.append(f"{indent}  {task} (n={entry['n']}): " + "; ".join(parts))
     return lines
+
+
+def _short_gain(label: str, g: dict) -> str:
+    """`boxed 0.02 -> 0.30, gain +0.280 [+0.200, +0.360] (p=1e-9)`: a per-task part of `format_paired`."""
+    from trl_grpo_ext.stats import format_p, signed
+
+    ci = f" [{signed(g['ci_low'], 3)}, {signed(g['ci_high'], 3)}]" if g.get("ci_low") is not None else ""
+    return (
+        f"{label} {g['before']:.2f} -> {g['after']:.2f}, gain {signed(g['gain'], 3)}{ci} "
+        f"(p={format_p(g['mcnemar_p'])})"
+    )
 
 
 # -------------------------------------------------------------------------------------------- data
