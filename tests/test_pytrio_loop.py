@@ -595,6 +595,8 @@ def test_recipe_runs_end_to_end_offline_from_one_command(pytrio_client, tiny_mod
     summary = json.loads(captured.out[captured.out.index("{") :])
     assert summary["steps"] == 2 and summary["sampler_path"].startswith("trio://")
     assert [r["step"] for r in run_metrics(out)] == [1, 2]
+    # what `hybrid` reports through TRL's log_metric reaches metrics.jsonl here too
+    assert "rewards/hybrid_reward/vetoed" in run_metrics(out)[0]
     assert "step 2/2" in caplog.text
     # the server's random key
     assert not re.search(r"trio-local-[A-Za-z0-9_\-]{8,}", captured.out + captured.err + caplog.text)

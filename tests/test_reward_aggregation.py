@@ -10,6 +10,7 @@ from datasets import Dataset
 
 from trl_grpo_ext.reward_aggregation import (
     RewardFunctionError,
+    RewardMetricLog,
     frac_reward_zero_std,
     reward_func_name,
     reward_kwargs,
@@ -79,9 +80,12 @@ def test_frac_reward_zero_std_follows_trl():
         frac_reward_zero_std(rewards, 4, "std")
 
 
-def correct_or_none(completions, **kwargs):
+def correct_or_none(completions, log_metric=None, **kwargs):
     """1/0 by content length parity, None for every fourth completion (unscorable by this function)."""
-    return [None if i % 4 == 3 else float(len(c[0]["content"]) % 2) for i, c in enumerate(completions)]
+    values = [None if i % 4 == 3 else float(len(c[0]["content"]) % 2) for i, c in enumerate(completions)]
+    log_metric("rewards/correct_or_none/odd", sum(v or 0.0 for v in values) / len(values))
+    log_metric("rewards/correct_or_none/odd", 0.1)  # two values for one name: averaged, as TRL does
+    return values
 
 
 def half_unscored(completions, **kwargs):
@@ -116,6 +120,7 @@ def test_metrics_equal_what_trl_logs(tiny_model_path, tmp_path, scale):
     original = trainer._calculate_rewards
 
     def capture(*a, **kw):
+        captured["args"] = a
         captured["rewards_per_func"] = original(*a, **kw)
         return captured["rewards_per_func"]
 
@@ -127,9 +132,22 @@ def test_metrics_equal_what_trl_logs(tiny_model_path, tmp_path, scale):
 
     names = [reward_func_name(f) for f in funcs]
     assert names == trainer.reward_func_names
+    # the PyTRIO path's scoring of the same completions: same rewards, same log_metric values
+    inputs, prompts, completions, completion_ids = captured["args"]
+    log = RewardMetricLog()
+    kwargs = {**reward_kwargs(inputs), "log_metric": log}
+    torch.testing.assert_close(
+        score_completions(funcs, names, prompts, completions, completion_ids, kwargs),
+        per_func,
+        rtol=0,
+        atol=0,
+        equal_nan=True,
+    )
     rewards = weighted_rewards(per_func, reward_weight_tensor(args.reward_weights, 2))
     ours = reward_metrics(per_func, rewards, names)
     ours["frac_reward_zero_std"] = frac_reward_zero_std(rewards, 8, scale)
+    ours.update(log.metrics())
+    assert "rewards/correct_or_none/odd" in ours
     logged = {key: values[-1] for key, values in trainer._metrics["train"].items()}
     for key, value in ours.items():
         assert value == logged[key] or (math.isnan(value) and math.isnan(logged[key])), key

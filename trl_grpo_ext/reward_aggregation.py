@@ -3,7 +3,8 @@
 The TRL path lets `trl.GRPOTrainer._calculate_rewards` call the reward functions and
 ``_generate_and_score_completions`` log the reward metrics; `trl_grpo_ext.trainer` needs only the weighted total
 (`weighted_rewards`, for the degenerate-group rule). The PyTRIO loop has no trainer to do any of this, so it calls
-the functions here, which mirror those two TRL 1.16 methods line by line (``multi_objective_aggregation=
+the functions here (with TRL's columns and ``log_metric``; TRL's ``trainer_state`` / ``log_extra`` / environments
+have no counterpart there), which mirror those two TRL 1.16 methods line by line (``multi_objective_aggregation=
 "sum_then_normalize"``, TRL's default): both paths' ``reward``, ``reward_std``, ``rewards/<name>/mean|std`` and
 ``frac_reward_zero_std`` are the same numbers for the same rewards (tests/test_reward_aggregation.py checks them
 against a real `trl.GRPOTrainer`).
@@ -35,6 +36,26 @@ def reward_weight_tensor(weights, num_funcs: int) -> torch.Tensor:
     if len(weights) != num_funcs:
         raise ValueError(f"{len(weights)} reward weights for {num_funcs} reward functions")
     return torch.tensor(weights, dtype=torch.float32)
+
+
+class RewardMetricLog:
+    """TRL 1.16's ``log_metric`` reward keyword argument for a path without a trainer: a reward function calls
+    ``log_metric(name, value)`` (`hybrid` logs its components and vetoes); `metrics` gives each name's mean over
+    the batch as ``_generate_and_score_completions`` flushes ``_pending_metrics`` (float32 sum and count)."""
+
+    def __init__(self):
+        self._values: dict[str, list[float]] = {}
+
+    def __call__(self, name: str, value: float) -> None:
+        self._values.setdefault(name, []).append(value)
+
+    def metrics(self) -> dict[str, float]:
+        out = {}
+        for name in sorted(self._values):
+            values = self._values[name]
+            total, count = torch.tensor([sum(values), len(values)], dtype=torch.float32).tolist()
+            out[name] = total / count
+        return out
 
 
 def reward_kwargs(inputs: list[dict]) -> dict[str, list]:

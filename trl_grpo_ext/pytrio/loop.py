@@ -151,6 +151,7 @@ class ScoredBatch:
     rewards: object  # torch (N,), `trl_grpo_ext.reward_aggregation.weighted_rewards`
     advantages: list[float]
     degenerate: list[bool]  # per prompt group
+    logged: dict = field(default_factory=dict)  # what the reward functions sent to ``log_metric``
 
 
 def reward_step_metrics(config: PyTrioGRPOConfig, scored: ScoredBatch, reward_names) -> dict:
@@ -162,6 +163,7 @@ def reward_step_metrics(config: PyTrioGRPOConfig, scored: ScoredBatch, reward_na
         scored.rewards, config.num_generations, config.scale_rewards
     )
     metrics["frac_degenerate"] = sum(bool(d) for d in scored.degenerate) / max(len(scored.degenerate), 1)
+    metrics.update(scored.logged)
     return metrics
 
 
@@ -518,7 +520,12 @@ class GRPOLoop:
 
     def _score(self, rows: list[dict], rollouts: list[Rollout], times: StepTimes) -> ScoredBatch:
         """Rewards as TRL computes them (`trl_grpo_ext.reward_aggregation`), then group advantages."""
-        from trl_grpo_ext.reward_aggregation import reward_kwargs, score_completions, weighted_rewards
+        from trl_grpo_ext.reward_aggregation import (
+            RewardMetricLog,
+            reward_kwargs,
+            score_completions,
+            weighted_rewards,
+        )
 
         t0 = time.perf_counter()
         g = self.config.num_generations
@@ -527,18 +534,19 @@ class GRPOLoop:
         conversational = isinstance(rows[0]["prompt"], list)
         completions = [[{"role": "assistant", "content": t}] if conversational else t for t in texts]
         inputs = [row for row in rows for _ in range(g)]  # TRL's per-completion inputs
+        log = RewardMetricLog()
         rewards_per_func = score_completions(
             self.reward_funcs,
             self.reward_names,
             [row["prompt"] for row in inputs],
             completions,
             completion_ids,
-            reward_kwargs(inputs),
+            {**reward_kwargs(inputs), "log_metric": log},
         )
         rewards = weighted_rewards(rewards_per_func, self.reward_weights)
         advantages, degenerate = advantages_for(self.config, rewards, rewards_per_func)
         times.rewards += time.perf_counter() - t0
-        return ScoredBatch(rows, rollouts, rewards_per_func, rewards, advantages, degenerate)
+        return ScoredBatch(rows, rollouts, rewards_per_func, rewards, advantages, degenerate, log.metrics())
 
     def _sample_and_score(self, training_client, stream: PromptStream, step: int, times: StepTimes):
         """The step's rollouts, scored: ``prompts_per_step`` rows from the stream, ``num_generations`` each; with
