@@ -1,15 +1,18 @@
 """GRPO on the PyTRIO client: rollouts, rewards and advantages here; forward/backward, optimizer and sampling remote.
 
-One optimizer step:
+One optimizer step (`GRPOLoop.train_step`), phase by phase:
 
-1. ``save_weights_and_get_sampling_client()``: the sampler holds the current weights (the "old" policy);
-2. ``sample(prompt, num_samples=num_generations)`` per prompt (``mode: async`` submits all prompts at once);
-3. rewards (`trl_grpo_ext.rewards`, aggregated by `trl_grpo_ext.reward_aggregation` as the TRL path does), group
-   advantages (`trl_grpo_ext.losses.group_advantages`);
-4. one `Datum` per completion (`trl_grpo_ext.pytrio.datums`);
-5. ``forward_backward(datums, loss_type)`` for the service's built-in ``importance_sampling`` / ``ppo``, or
-   ``forward_backward_custom`` with `trl_grpo_ext.losses.policy_loss` for ``cispo`` and the other losses;
-6. ``optim_step(AdamParams(...))``; metrics to ``metrics.jsonl`` (and SwanLab).
+1. sample (`GRPOLoop._sampling_client`, `GRPOLoop._sample`): ``save_weights_and_get_sampling_client()`` (the
+   sampler holds the current weights, the "old" policy), then ``sample(prompt, num_samples=num_generations)`` per
+   prompt (``mode: async`` submits all prompts at once);
+2. score (`GRPOLoop._score`; `GRPOLoop._sample_and_score` joins 1 and 2, and runs more rounds with dynamic
+   sampling): rewards (`trl_grpo_ext.rewards`, aggregated by `trl_grpo_ext.reward_aggregation` as the TRL path
+   does), group advantages (`trl_grpo_ext.losses.group_advantages`);
+3. build datums (`build_train_batch`): one `Datum` per completion (`trl_grpo_ext.pytrio.datums`);
+4. step (`GRPOLoop._optimizer_step`): ``forward_backward(datums, loss_type)`` for the service's built-in
+   ``importance_sampling`` / ``ppo``, or ``forward_backward_custom`` with `trl_grpo_ext.losses.policy_loss` for
+   ``cispo`` and the other losses, then ``optim_step(AdamParams(...))``;
+5. metrics (`reward_step_metrics`, `completion_metrics`, the loss's): one row of ``metrics.jsonl`` (and SwanLab).
 
 Every ``save_every`` steps ``save_state`` checkpoints weights + optimizer remotely and
 `trl_grpo_ext.pytrio.checkpoint` records step and data position locally; ``resume: true`` continues from there.
