@@ -275,7 +275,8 @@ def _seeded_run(root, loss, seed, rewards, correct):
     )
     problems = [Problem(f"q{i}", str(i), f"q{i}") for i in range(len(correct))]
     results = [
-        score_problem(i, p, f"\\boxed{{{i if ok else -1}}}", []) for i, (p, ok) in enumerate(zip(problems, correct))
+        score_problem(i, p, f"\\boxed{{{i if ok else -1}}}", [])
+        for i, (p, ok) in enumerate(zip(problems, correct, strict=True))
     ]
     write_results(d / EVAL_AFTER_PROBLEMS_FILENAME, results)
     acc = sum(correct) / len(correct)
