@@ -245,12 +245,15 @@ def hierarchical_diff_ci(
         return Interval(diff, None, None, n, "hierarchical bootstrap")
     rng = np.random.default_rng(seed)
     stats = np.empty(n_resamples)
-    for r in range(n_resamples):
-        # Seeds first, problems second: a fixed order of draws, so the result never depends on array sizes.
-        pa = ma[rng.integers(0, len(ma), size=len(ma))].mean(axis=0)
-        pb = mb[rng.integers(0, len(mb), size=len(mb))].mean(axis=0)
-        weights = np.bincount(rng.integers(0, n, size=n), minlength=n)
-        stats[r] = float((pa - pb) @ weights) / n
+    # Chunks of a fixed size, drawn in a fixed order (A's seeds, B's seeds, problems): the same draws on every
+    # machine, memory bounded by _CHUNK * seeds * problems values.
+    chunk = max(1, _CHUNK // max(len(ma), len(mb)))
+    for start in range(0, n_resamples, chunk):
+        size = min(chunk, n_resamples - start)
+        pa = ma[rng.integers(0, len(ma), size=(size, len(ma)))].mean(axis=1)  # (size, n): per-problem means
+        pb = mb[rng.integers(0, len(mb), size=(size, len(mb)))].mean(axis=1)
+        problems = rng.integers(0, n, size=(size, n))
+        stats[start : start + size] = np.take_along_axis(pa - pb, problems, axis=1).mean(axis=1)
     return Interval(diff, *_percentiles(stats, confidence), n, "hierarchical bootstrap")
 
 
