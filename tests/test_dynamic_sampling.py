@@ -475,6 +475,9 @@ def test_pytrio_curriculum_updates_from_each_round(tiny_model_path, pytrio_rewar
 @pytest.mark.slow
 def test_pytrio_run_on_local_server_logs_both_options(tiny_model_path, tmp_path, pytrio_reward):
     """train_step end to end (local pytrio server, tiny model): dynamic sampling and the curriculum together."""
+    import dataclasses
+
+    from trl_grpo_ext.pytrio.checkpoint import load_loop_state
     from trl_grpo_ext.pytrio.config import PyTrioGRPOConfig
     from trl_grpo_ext.pytrio.loop import GRPOLoop
     from trl_grpo_ext.pytrio.server import running_server
@@ -487,15 +490,21 @@ def test_pytrio_run_on_local_server_logs_both_options(tiny_model_path, tmp_path,
     ]  # fmt: skip
     config = PyTrioGRPOConfig(
         base_model=tiny_model_path, lora_rank=4, num_generations=4, per_device_train_batch_size=8,
-        max_completion_length=6, max_steps=2, save_every=0, reward_funcs=[PYTRIO_REWARD], learning_rate=5e-3,
+        max_completion_length=6, max_steps=2, save_every=1, reward_funcs=[PYTRIO_REWARD], learning_rate=5e-3,
         output_dir=str(tmp_path / "run"), seed=3, dynamic_sampling=True, max_generation_batches=4, curriculum=True,
     )  # fmt: skip
     home = tmp_path / "home"
     home.mkdir()
     with running_server(tiny_model_path, api_key="trio-local-e2-test-key", ephemeral_storage=True) as server:
         server.configure_client(home=str(home))
-        GRPOLoop(config, rows=rows).run()
+        GRPOLoop(config, rows=rows, stop_after=1).run()  # step 1, checkpoint, stop (as a kill would)
+        saved = load_loop_state(config.output_dir).curriculum
+        resumed = GRPOLoop(dataclasses.replace(config, resume=True), rows=rows)
+        resumed.run()
     logged = run_metrics(config.output_dir)
+    # the loop state carried the pass rates: the resumed curriculum counts step 1's rounds, then step 2's
+    assert saved["updates"] == logged[0]["generation_batches"]
+    assert resumed.curriculum.updates == logged[0]["generation_batches"] + logged[1]["generation_batches"]
     assert [r["step"] for r in logged] == [1, 2]
     for row in logged:
         for key in ("generation_batches", "frac_degenerate_before_filter", "frac_degenerate", "loss", "train_tokens",

@@ -202,9 +202,9 @@ class CurriculumPromptStream:
     """The PyTRIO loop's prompt stream (`trl_grpo_ext.pytrio.loop.PromptStream`'s interface: ``take(n)``,
     ``position``) with each prompt's task drawn from the curriculum's current weights. ``rows`` carry ``task``.
 
-    ``position`` counts prompts handed out; a stream rebuilt at a position (a resumed run) replays that many draws
-    with the weights it is given. The PyTRIO loop state does not record the pass rates, so a resumed run's
-    curriculum restarts from the prior and its prompts differ from an uninterrupted run's (deterministically)."""
+    ``position`` counts prompts handed out; a stream rebuilt at a position (a resumed run, whose loop state restored
+    the pass rates) replays that many draws with the weights it is given, so its later prompts differ from an
+    uninterrupted run's, deterministically."""
 
     def __init__(self, rows: list[dict], curriculum: Curriculum, seed: int, position: int = 0):
         if not rows:

@@ -27,6 +27,7 @@ class LoopState:
     state_path: str | None = None
     sampler_path: str | None = None
     pinned: dict = field(default_factory=dict)
+    curriculum: dict | None = None  # `Curriculum.state_dict()` with ``curriculum: true``
     checkpoints: list[dict] = field(default_factory=list)
     version: int = STATE_VERSION
 

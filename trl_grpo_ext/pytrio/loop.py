@@ -421,9 +421,9 @@ class GRPOLoop:
                 f"no tokenizer for {base!r} ({type(error).__name__}: {redact(error)}); set tokenizer_name_or_path"
             ) from None
 
-    def prepare(self, training_client, data_position: int = 0) -> PromptStream:
+    def prepare(self, training_client, data_position: int = 0, curriculum_state: dict | None = None) -> PromptStream:
         """Tokenizer, reward functions and the prompt stream for ``training_client`` (`run` calls it; so do benches
-        that drive `train_step` themselves)."""
+        that drive `train_step` themselves). ``curriculum_state``: a resumed run's saved pass rates."""
         self.tokenizer = self._load_tokenizer(training_client)
         self.reward_funcs, self.reward_names, self.reward_weights = self._reward_setup()
         rows = self._load_rows()
@@ -434,6 +434,8 @@ class GRPOLoop:
             self.curriculum = curriculum_from_tasks(
                 [row.get("task") for row in rows], ema=c.curriculum_ema, floor=c.curriculum_floor
             )
+            if curriculum_state is not None:
+                self.curriculum.load_state_dict(curriculum_state)
             return CurriculumPromptStream(rows, self.curriculum, c.seed, data_position)
         return PromptStream(rows, self.config.seed, data_position)
 
@@ -668,6 +670,7 @@ class GRPOLoop:
             raise PyTrioLoopError(f"save_state returned no checkpoint path ({result!r})")
         state.step = step_done
         state.data_position = stream.position
+        state.curriculum = self.curriculum.state_dict() if self.curriculum is not None else None
         state.state_path = path
         state.checkpoints.append({"step": step_done, "path": path, "time": time.time()})
         save_loop_state(self.config.output_dir, state)
@@ -724,7 +727,7 @@ class GRPOLoop:
                 rank=c.lora_rank,
                 seed=c.seed,
             )
-        stream = self.prepare(training_client, state.data_position)
+        stream = self.prepare(training_client, state.data_position, state.curriculum)
         out.mkdir(parents=True, exist_ok=True)
         _write_config(c, out)
         # A resumed run drops the rows logged after its checkpoint (those steps run again); a fresh one starts empty.
