@@ -129,6 +129,16 @@ def test_unsupported_models_are_named():
     assert sharing_unsupported_reason(llama) is None
     llama.config._attn_implementation = "flash_attention_2"
     assert "does not take a custom 4D mask" in sharing_unsupported_reason(llama)
+    dynamic = LlamaForCausalLM(LlamaConfig(**small, rope_parameters={"rope_type": "dynamic", "factor": 2.0}))
+    assert "RoPE type 'dynamic'" in sharing_unsupported_reason(dynamic)
+    from peft import LoraConfig, PrefixTuningConfig, get_peft_model
+
+    lora = get_peft_model(LlamaForCausalLM(LlamaConfig(**small)), LoraConfig(r=2, target_modules=["q_proj"]))
+    assert sharing_unsupported_reason(lora) is None
+    prefix_tuning = get_peft_model(
+        LlamaForCausalLM(LlamaConfig(**small)), PrefixTuningConfig(num_virtual_tokens=2, task_type="CAUSAL_LM")
+    )
+    assert "prompt-learning" in sharing_unsupported_reason(prefix_tuning)
 
 
 # ---------------------------------------------------------------------------------------------------------- forward
@@ -386,3 +396,14 @@ def test_eval_generator_decodes_what_generate_decodes(tiny_model_path):
         want = gen.tokenizer.batch_decode(out[:, width:], skip_special_tokens=True)
         got = gen.generate(prompts, k, greedy)
         assert [s for row in got for s in row] == want, greedy
+
+
+def test_fallback_reason_is_logged_once(caplog):
+    from trl_grpo_ext.prefix import log_fallback_once
+
+    with caplog.at_level("WARNING", logger="trl_grpo_ext.prefix"):
+        for _ in range(3):
+            log_fallback_once("test reason 42")
+    assert [r.getMessage() for r in caplog.records].count(
+        "prompt-prefix sharing not applied, plain forward used: test reason 42"
+    ) == 1

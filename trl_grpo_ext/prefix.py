@@ -42,6 +42,8 @@ logger = logging.getLogger(__name__)
 SUPPORTED_ATTENTION = ("sdpa", "eager")
 # Decoder families with standard RoPE on explicit position_ids and one full-attention mask for every layer.
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral", "granite", "olmo2", "phi3", "smollm3")
+# RoPE variants whose frequencies don't depend on the sequence length ("dynamic" and "longrope" do).
+STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 # Packed sequence length above which rows go to another bin: attention over a packed row costs T^2, so very long
 # packed rows would spend on attention what sharing saves in the feed-forward layers.
 DEFAULT_MAX_PACKED_TOKENS = 4096
@@ -130,13 +132,18 @@ def prompts_from_left_padded(input_ids: torch.Tensor, attention_mask: torch.Tens
 
 
 # ---------------------------------------------------------------------------------------------------------- support
-def _config_of(model):
-    """The text config of a (possibly PEFT- or DDP-wrapped) model."""
+def _unwrap(model):
+    """The model inside DDP-style wrappers (``.module``); a PEFT model stays itself."""
     inner = model
-    for _ in range(4):  # DDP/accelerate wrapper -> PeftModel -> LoraModel -> PreTrainedModel
+    for _ in range(4):
         if hasattr(inner, "module") and not hasattr(inner, "config"):
             inner = inner.module
-    config = getattr(inner, "config", None)
+    return inner
+
+
+def _config_of(model):
+    """The text config of a (possibly PEFT- or DDP-wrapped) model."""
+    config = getattr(_unwrap(model), "config", None)
     if config is None:
         return None
     return config.get_text_config() if hasattr(config, "get_text_config") else config
@@ -158,8 +165,13 @@ def sharing_unsupported_reason(model) -> str | None:
     if (layer_types and any(t != "full_attention" for t in layer_types)) or sliding is not None:
         return "sliding-window layers need their own mask"
     rope = getattr(config, "rope_scaling", None) or getattr(config, "rope_parameters", None) or {}
-    if isinstance(rope, dict) and rope.get("rope_type", rope.get("type", "default")) not in ("default", "linear"):
-        return f"RoPE type {rope.get('rope_type', rope.get('type'))!r} depends on sequence length"
+    rope_type = rope.get("rope_type", rope.get("type", "default")) if isinstance(rope, dict) else "default"
+    if rope_type not in STATIC_ROPE_TYPES:
+        return f"RoPE type {rope_type!r} depends on the sequence length"
+    inner = _unwrap(model)
+    peft_config = getattr(inner, "active_peft_config", None) if hasattr(inner, "peft_config") else None
+    if getattr(peft_config, "is_prompt_learning", False):
+        return "prompt-learning PEFT adapters prepend virtual tokens to every row"
     return None
 
 
