@@ -36,6 +36,8 @@ SEED_METRICS = (
 )
 # Held-out figures compared problem by problem: (summary key, ProblemResult field).
 PAIRED_HELDOUT = (("heldout_after_any_format", "greedy_any_correct"), ("heldout_after", "greedy_correct"))
+# Curves drawn as each configuration's mean over seeds with its 95% band (`<metric>_mean_ci.png`).
+BAND_PLOTS = ("reward", "frac_degenerate")
 # In the table only: configurations trained from one base model share its "before" eval, so a difference of
 # gains is the difference of the after-accuracies, already tested problem by problem.
 TABLE_ONLY = {"heldout_gain_any_format"}
@@ -278,9 +280,10 @@ def seed_section(groups: list[ConfigGroup], out: Path, smooth_window: int = 1) -
         md += ["(one configuration: no differences to test)", ""]
     plots = {}
     if any(len(g.runs) > 1 for g in groups):
-        path = out / "reward_mean_ci.png"
-        if plot_mean_curves(groups, "reward", path, smooth_window):
-            plots["reward (mean over seeds, 95% band)"] = path
+        for metric in BAND_PLOTS:
+            path = out / f"{metric}_mean_ci.png"
+            if plot_mean_curves(groups, metric, path, smooth_window):
+                plots[f"{metric} (mean over seeds, 95% band)"] = path
     payload = {
         "groups": [
             {
