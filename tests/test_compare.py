@@ -352,3 +352,19 @@ def test_one_seed_per_configuration_gives_no_verdict_on_seed_metrics(tmp_path):
     assert "no verdict" in final and "(no interval)" in final
     held = next(v for v in report.verdicts if v.startswith("held-out boxed acc after"))
     assert "significant at 95%" in held and "paired over 30 problems" in held  # problem-level interval exists
+
+
+def test_heldout_differences_pair_only_on_one_common_eval_set(tmp_path):
+    a = [_seeded_run(tmp_path / "a", "ppo", s, [0.1, 0.5], [True] * 20 + [False] * 20) for s in (0, 1)]
+    b = [_seeded_run(tmp_path / "b", "cispo", s, [0.1, 0.2], [False] * 40) for s in (0, 1)]
+    report = build_report([*a, *b], tmp_path / "report")
+    held = next(v for v in report.verdicts if v.startswith("held-out boxed acc after"))
+    assert "paired over 40 problems" in held and "significant at 95%" in held
+    # one run evaluated on other problems: no pairing on a partial overlap, the seeds' accuracies instead
+    from trl_grpo_ext.evaluation import EVAL_AFTER_PROBLEMS_FILENAME, Problem, score_problem, write_results
+
+    other = [score_problem(i, Problem(f"other{i}", "1", "p"), "\\boxed{1}", []) for i in range(40)]
+    write_results(b[1] / EVAL_AFTER_PROBLEMS_FILENAME, other)
+    report = build_report([*a, *b], tmp_path / "report2")
+    held = next(v for v in report.verdicts if v.startswith("held-out boxed acc after"))
+    assert "no per-problem results on one common eval set" in held

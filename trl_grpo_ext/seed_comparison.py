@@ -134,7 +134,9 @@ def _problem_matrix(group: ConfigGroup, attr: str, questions: list[str]) -> list
 
 
 def common_problems(groups: list[ConfigGroup]) -> list:
-    """(question, answer) pairs every run of `groups` was evaluated on after training, in the first run's order."""
+    """The (question, answer) pairs of the eval set every run of `groups` was evaluated on after training, in the
+    first run's order; [] unless all runs have per-problem results on the same set (a partial overlap, e.g. eval
+    sets drawn with each run's seed, would pair a biased subset: easy problems repeat more often)."""
     sets = []
     for group in groups:
         for run in group.runs:
@@ -142,8 +144,9 @@ def common_problems(groups: list[ConfigGroup]) -> list:
             if not after:
                 return []
             sets.append({(r.question, r.answer) for r in after})
-    first = next((run.heldout_problems["after"] for run in groups[0].runs), [])
-    return [(r.question, r.answer) for r in first if all((r.question, r.answer) in s for s in sets)]
+    if any(s != sets[0] for s in sets):
+        return []
+    return [(r.question, r.answer) for r in groups[0].runs[0].heldout_problems["after"]]
 
 
 def pair_difference(a: ConfigGroup, b: ConfigGroup, key: str) -> tuple[Interval | None, str]:
@@ -159,6 +162,8 @@ def pair_difference(a: ConfigGroup, b: ConfigGroup, key: str) -> tuple[Interval 
     va, vb = a.values(key), b.values(key)
     if not va or not vb:
         return None, "not logged by both"
+    if attr is not None:
+        return welch_diff_ci(va, vb), "Welch t over seeds: no per-problem results on one common eval set"
     return welch_diff_ci(va, vb), "Welch t over seeds"
 
 
