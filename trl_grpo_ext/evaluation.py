@@ -319,15 +319,14 @@ def paired_comparison(before: Sequence[ProblemResult], after: Sequence[ProblemRe
     return out
 
 
-def format_gain(label: str, g: dict, with_n: bool = True) -> str:
+def format_gain(label: str, g: dict) -> str:
     """`format-independent accuracy 0.220 -> 0.330, paired gain +0.110 [+0.070, +0.150] (n=400, McNemar p=1e-5)`."""
     from trl_grpo_ext.stats import format_p, signed
 
     ci = f" [{signed(g['ci_low'], 3)}, {signed(g['ci_high'], 3)}]" if g.get("ci_low") is not None else " (no interval)"
-    n = f"n={g['n']}, " if with_n else ""
     return (
         f"{label} {g['before']:.3f} -> {g['after']:.3f}, paired gain {signed(g['gain'], 3)}{ci} "
-        f"({n}McNemar p={format_p(g['mcnemar_p'])})"
+        f"(n={g['n']}, McNemar p={format_p(g['mcnemar_p'])})"
     )
 
 
