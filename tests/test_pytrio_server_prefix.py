@@ -1,7 +1,8 @@
 """Local PyTRIO server engine: prompt-prefix sharing is exact.
 
 `forward_backward` data that share a prefix encode it once; per-token log-probs must match the unshared computation
-to 1e-4 absolute and gradients to 1e-5 relative, for every built-in loss, with and without ``auto_shift``; a batch
+to 1e-4 absolute and gradients to 1e-5 relative, for every built-in loss, with and without ``auto_shift``, with the
+head common to all prompts encoded once (level 1) and without (each group's prompt once, level 2); a batch
 with nothing shared must give exactly the old result; greedy samples (prompt encoded once, KV expanded to the rows)
 must equal ``model.generate``.
 """
@@ -71,8 +72,11 @@ def _run(engine, data, loss, auto_shift, share):
 
 
 def test_grouping_finds_the_shared_prompts(engine):
-    pieces = engine._pieces(_grpo_batch())
+    data = _grpo_batch()
+    pieces = engine._pieces(data)
     assert pieces == [([0, 1, 2], 11), ([3, 5, 6], 9), ([4], 0)]
+    assert engine._head_length(data, pieces[:2]) == 6  # the system-like head both prompts start with: level 1
+    assert engine._head_length(data, pieces[:1]) == 0
     engine.share_prefix = False
     try:
         assert engine._pieces(_grpo_batch()) == [(list(range(7)), 0)]
@@ -80,11 +84,18 @@ def test_grouping_finds_the_shared_prompts(engine):
         engine.share_prefix = True
 
 
+@pytest.mark.parametrize("levels", [2, 1])
 @pytest.mark.parametrize("auto_shift", [False, True])
 @pytest.mark.parametrize("loss", LOSSES)
-def test_shared_prefix_forward_backward_equals_unshared(engine, loss, auto_shift):
+def test_shared_prefix_forward_backward_equals_unshared(engine, loss, auto_shift, levels):
     data = _grpo_batch()
-    shared_out, shared_metrics, shared_grads = _run(engine, data, loss, auto_shift, share=True)
+    if levels == 1:  # the 6-token head falls below the minimum: each group's prompt is encoded once, no level 1
+        engine.min_shared_prefix = 7
+        assert engine._head_length(data, engine._pieces(data)[:2]) == 0
+    try:
+        shared_out, shared_metrics, shared_grads = _run(engine, data, loss, auto_shift, share=True)
+    finally:
+        engine.min_shared_prefix = 4
     plain_out, plain_metrics, plain_grads = _run(engine, data, loss, auto_shift, share=False)
     assert shared_metrics["token_count"] == plain_metrics["token_count"]
     assert shared_metrics["loss_sum"] == pytest.approx(plain_metrics["loss_sum"], rel=1e-5, abs=1e-5)

@@ -410,20 +410,54 @@ class ModelEngine:
             return everything
         return shared + ([(plain, 0)] if plain else [])
 
-    def _shared_target_logprobs(self, data: list[ForwardDatum], shared: int, auto_shift: bool):
-        """`_batch_target_logprobs` of rows whose first `shared` tokens are equal, those encoded once.
+    def _head_length(self, chunk: list[ForwardDatum], groups: list[tuple[list[int], int]]) -> int:
+        """Leading tokens common to every group of the chunk (system prompt, one-shot example): encoded once for
+        all of them; 0 when fewer than `min_shared_prefix` or only one group."""
+        if len(groups) < 2:
+            return 0
+        first = chunk[groups[0][0][0]].tokens
+        head = min(shared for _, shared in groups)
+        for rows, _ in groups[1:]:
+            head = min(head, _common_prefix(first, chunk[rows[0]].tokens))
+        return head if head >= self.min_shared_prefix else 0
 
-        The prefix runs as one row; its KV cache is repeated to the rows (a differentiable copy: gradients of every
-        row flow back into the one prefix encoding) and the rows' suffixes run on top of it, right-padded, with
-        their own positions. Log-probs at prefix positions come from the prefix's logits, gathered per row with
-        that row's targets.
+    def _shared_target_logprobs(
+        self, groups: list[list[ForwardDatum]], shared: list[int], head: int, auto_shift: bool
+    ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """`_batch_target_logprobs` of each group, whose rows' first ``shared[g]`` tokens are equal, those encoded
+        once; with ``head > 0`` the first `head` tokens, common to all groups, are encoded once for all.
+
+        Level 1, the head, runs as one row; level 2, each group's rest of prefix, as one row on a copy of the head's
+        KV cache; that cache is repeated to the group's rows (a differentiable copy: every row's gradient flows back
+        into the one prefix encoding) and the rows' suffixes run on top, right-padded, with their own positions.
+        Log-probs at prefix positions come from the prefix's logits, gathered with each row's own targets.
         """
+        head_cache = head_logits = None
+        if head:
+            out = self.peft(input_ids=torch.tensor([groups[0][0].tokens[:head]], device=self.device), use_cache=True)
+            head_cache, head_logits = _cache_of(out), out.logits.float()
+        results = []
+        for data, length in zip(groups, shared, strict=True):
+            tokens = data[0].tokens
+            if head:
+                cache, prefix_logits = _copy_cache(head_cache), head_logits
+                if length > head:
+                    ids = torch.tensor([tokens[head:length]], device=self.device)
+                    out = self.peft(input_ids=ids, attention_mask=torch.ones(1, length, dtype=torch.long, device=self.device),
+                                    position_ids=torch.arange(head, length, device=self.device)[None], use_cache=True,
+                                    **{self._cache_kw: cache})  # fmt: skip
+                    cache, prefix_logits = _cache_of(out), torch.cat([head_logits, out.logits.float()], dim=1)
+            else:
+                out = self.peft(input_ids=torch.tensor([tokens[:length]], device=self.device), use_cache=True)
+                cache, prefix_logits = _cache_of(out), out.logits.float()  # (1, length, V)
+            results.append(self._suffix_target_logprobs(data, length, cache, prefix_logits, auto_shift))
+        return results
+
+    def _suffix_target_logprobs(self, data, shared: int, cache, prefix_logits: torch.Tensor, auto_shift: bool):
+        """Rows `data` continuing a cached one-row prefix of `shared` tokens whose logits are `prefix_logits`."""
         n_rows = len(data)
         lengths = [len(d.tokens) for d in data]
         width = max(lengths)
-        prefix = torch.tensor([data[0].tokens[:shared]], device=self.device)
-        out = self.peft(input_ids=prefix, use_cache=True)
-        cache, prefix_logits = _cache_of(out), out.logits.float()  # (1, shared, V)
         cache.batch_repeat_interleave(n_rows)
         suffix_width = width - shared
         ids = self._padded([d.tokens[shared:] for d in data], suffix_width, torch.long)
@@ -460,19 +494,33 @@ class ModelEngine:
             outputs, loss_sum, token_count = [], 0.0, 0
             for chunk in self._chunks([d for d in data if d.tokens]):
                 chunk_outputs: list[dict | None] = [None] * len(chunk)
-                for rows, shared in self._pieces(chunk):
-                    piece = [chunk[i] for i in rows]
-                    with torch.set_grad_enabled(backward):
-                        if shared:
-                            logprobs, valid = self._shared_target_logprobs(piece, shared, auto_shift)
-                        else:
-                            logprobs, valid = self._batch_target_logprobs(piece, auto_shift)
+                pieces = self._pieces(chunk)
+                groups = [(rows, shared) for rows, shared in pieces if shared]
+                plain = [rows for rows, shared in pieces if not shared]
+                results = []  # (rows, logprobs, loss, per-token loss, mask)
+                with torch.set_grad_enabled(backward):
+                    if groups:  # one backward for all groups: they may share the head's encoding
+                        head = self._head_length(chunk, groups)
+                        members = [[chunk[i] for i in rows] for rows, _ in groups]
+                        shared_rows = self._shared_target_logprobs(members, [s for _, s in groups], head, auto_shift)
+                        total = 0
+                        for (rows, _), piece, (logprobs, valid) in zip(groups, members, shared_rows, strict=True):
+                            loss, loss_tok, mask = self._piece_loss(piece, spec, logprobs, valid)
+                            results.append((rows, logprobs, loss, loss_tok, mask))
+                            total = total + loss
+                        if backward:
+                            total.backward()
+                    for rows in plain:  # the loss is a sum: a backward per piece accumulates the same gradient
+                        piece = [chunk[i] for i in rows]
+                        logprobs, valid = self._batch_target_logprobs(piece, auto_shift)
                         loss, loss_tok, mask = self._piece_loss(piece, spec, logprobs, valid)
-                        if backward:  # the loss is a sum: a backward per piece accumulates the same gradient
+                        if backward:
                             loss.backward()
+                        results.append((rows, logprobs, loss, loss_tok, mask))
+                for rows, logprobs, loss, loss_tok, mask in results:
                     logprobs_np, loss_np = logprobs.detach().cpu().numpy(), loss_tok.detach().cpu().numpy()
-                    for row, (i, datum) in enumerate(zip(rows, piece, strict=True)):
-                        n = len(datum.tokens)
+                    for row, i in enumerate(rows):
+                        n = len(chunk[i].tokens)
                         chunk_outputs[i] = {"logprobs": logprobs_np[row, :n], "elementwise_loss": loss_np[row, :n]}
                     loss_sum += float(loss.detach())
                     token_count += int(mask.sum())
@@ -807,3 +855,11 @@ def _common_prefix(a: list[int], b: list[int]) -> int:
             break
         n += 1
     return n
+
+
+def _copy_cache(cache):
+    """A cache holding the same KV tensors as `cache`, which appending to leaves `cache` as it is (DynamicLayer's
+    update concatenates into new tensors)."""
+    twin = copy.copy(cache)
+    twin.layers = [copy.copy(layer) for layer in cache.layers]
+    return twin
