@@ -72,7 +72,9 @@ FAKE_RECIPE = textwrap.dedent(
 def fake_sweep(tmp_path):
     """Write a base recipe, the fake script and a sweep file; return a function making variants of it."""
     (tmp_path / "fake_recipe.py").write_text(FAKE_RECIPE)
-    (tmp_path / "base.yaml").write_text("max_steps: 3\nlearning_rate: 1.0e-6\nloss_type: importance_sampling\nseed: 1\n")
+    (tmp_path / "base.yaml").write_text(
+        "max_steps: 3\nlearning_rate: 1.0e-6\nloss_type: importance_sampling\nseed: 1\n"
+    )
 
     def make(**changes):
         data = {
@@ -217,8 +219,16 @@ def test_unknown_recipe_keys_are_caught_before_running(tmp_path, capsys):
     from trl_grpo_ext.cli import main
 
     path = tmp_path / "s.yaml"
-    path.write_text(yaml.safe_dump({"backend": "pytrio", "grid": {"loss_type": ["ppo"]}, "overrides": {"lora_rnak": 8},
-                                    "output_root": str(tmp_path / "runs")}))
+    path.write_text(
+        yaml.safe_dump(
+            {
+                "backend": "pytrio",
+                "grid": {"loss_type": ["ppo"]},
+                "overrides": {"lora_rnak": 8},
+                "output_root": str(tmp_path / "runs"),
+            }
+        )
+    )
     spec = load_sweep(path)
     assert validate_runs(spec, expand(spec)) == [
         "loss_type=ppo: the pytrio recipe has no key 'lora_rnak' (did you mean 'lora_rank'?)"
@@ -240,7 +250,9 @@ def test_pytrio_backend_resumes_through_its_flag(fake_sweep):
 
 def test_accelerate_launcher_command(fake_sweep, tmp_path):
     (tmp_path / "acc.yaml").write_text("compute_environment: LOCAL_MACHINE\n")
-    spec = fake_sweep(grid={"loss_type": ["ppo"]}, launcher="accelerate", accelerate_config="acc.yaml", num_processes=2)
+    spec = fake_sweep(
+        grid={"loss_type": ["ppo"]}, launcher="accelerate", accelerate_config="acc.yaml", num_processes=2
+    )
     cmd = build_command(spec, expand(spec)[0])
     assert cmd[:3] == [sys.executable, "-m", "accelerate.commands.launch"]
     assert cmd[cmd.index("--config_file") + 1] == str(tmp_path / "acc.yaml")
@@ -263,9 +275,19 @@ def test_sigterm_stops_trainers_and_records_interruption(fake_sweep, tmp_path, p
     )
     spec = fake_sweep(grid={"loss_type": ["ppo", "cispo", "dapo"]}, scripts={"trl": "slow.py"})
     sweep = subprocess.Popen(
-        [sys.executable, "-c", "import sys; from trl_grpo_ext.cli import main; sys.exit(main())", "sweep",
-         str(spec.source), "--no-progress", "--parallel", str(parallel)],
-        cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+        [
+            sys.executable,
+            "-c",
+            "import sys; from trl_grpo_ext.cli import main; sys.exit(main())",
+            "sweep",
+            str(spec.source),
+            "--no-progress",
+            "--parallel",
+            str(parallel),
+        ],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
     )
     pid_file = tmp_path / "runs" / "loss_type=ppo" / "pid"
     deadline = time.monotonic() + 60
@@ -308,7 +330,10 @@ def test_cli_set_overrides_every_run(fake_sweep, tmp_path, capsys):
     from trl_grpo_ext.cli.sweep import parse_set_values
 
     assert parse_set_values(["max_steps=5", "learning_rate=4e-5", "reward_funcs=[boxed, format]"]) == {
-        "max_steps": 5, "learning_rate": 4e-05, "reward_funcs": ["boxed", "format"]}
+        "max_steps": 5,
+        "learning_rate": 4e-05,
+        "reward_funcs": ["boxed", "format"],
+    }
     with pytest.raises(ValueError, match="KEY=VALUE"):
         parse_set_values(["max_steps"])
     spec = fake_sweep(grid={"loss_type": ["ppo"]})

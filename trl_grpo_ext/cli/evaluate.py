@@ -7,12 +7,20 @@ import sys
 
 
 def add_arguments(parser) -> None:
-    parser.add_argument("--model", required=True, help="'embedded', a local path or a hub id (a run's output_dir works)")
+    parser.add_argument(
+        "--model", required=True, help="'embedded', a local path or a hub id (a run's output_dir works)"
+    )
     parser.add_argument("--adapter", default=None, help="LoRA adapter folder to apply on top of --model")
-    parser.add_argument("--data", default="embedded",
-                        help="'embedded' (offline reasoning-gym eval split), 'gsm8k-test', or a JSONL of question/answer rows")
-    parser.add_argument("--tasks", default=None,
-                        help="with --data embedded: reasoning-gym task mix, as the recipe's synthetic_tasks (e.g. chain_sum_easy,chain_sum)")
+    parser.add_argument(
+        "--data",
+        default="embedded",
+        help="'embedded' (offline reasoning-gym eval split), 'gsm8k-test', or a JSONL of question/answer rows",
+    )
+    parser.add_argument(
+        "--tasks",
+        default=None,
+        help="with --data embedded: reasoning-gym task mix, as the recipe's synthetic_tasks (e.g. chain_sum_easy,chain_sum)",
+    )
     parser.add_argument("--limit", type=int, default=None, help="evaluate the first N problems only")
     parser.add_argument("--k", type=int, default=1, help="samples per problem for maj@k / pass@k (1: greedy only)")
     parser.add_argument("--batch_size", "--batch-size", type=int, default=8, help="problems per generate() call")
@@ -20,14 +28,31 @@ def add_arguments(parser) -> None:
     parser.add_argument("--temperature", type=float, default=0.7, help="sampling temperature for the k samples")
     parser.add_argument("--top_p", "--top-p", type=float, default=1.0)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--no_one_shot", "--no-one-shot", dest="one_shot", action="store_false",
-                        help="prompt without the one-shot worked example (the training default includes it)")
-    parser.add_argument("--out", default="eval_results.jsonl",
-                        help="per-problem results (JSONL); the summary goes next to it as <stem>_summary.json")
-    parser.add_argument("--compare_model", "--compare-model", default=None,
-                        help="a second model evaluated on the same problems as the 'before' model")
-    parser.add_argument("--no_cache", "--no-cache", dest="cache", action="store_false",
-                        help="always generate: do not read or write the greedy-eval cache ($TRL_GRPO_EXT_CACHE/eval)")
+    parser.add_argument(
+        "--no_one_shot",
+        "--no-one-shot",
+        dest="one_shot",
+        action="store_false",
+        help="prompt without the one-shot worked example (the training default includes it)",
+    )
+    parser.add_argument(
+        "--out",
+        default="eval_results.jsonl",
+        help="per-problem results (JSONL); the summary goes next to it as <stem>_summary.json",
+    )
+    parser.add_argument(
+        "--compare_model",
+        "--compare-model",
+        default=None,
+        help="a second model evaluated on the same problems as the 'before' model",
+    )
+    parser.add_argument(
+        "--no_cache",
+        "--no-cache",
+        dest="cache",
+        action="store_false",
+        help="always generate: do not read or write the greedy-eval cache ($TRL_GRPO_EXT_CACHE/eval)",
+    )
     parser.add_argument("--no-progress", "--no_progress", dest="progress", action="store_false")
 
 
