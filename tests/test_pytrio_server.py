@@ -406,7 +406,10 @@ def test_old_sampler_hand_offs_are_pruned_and_snapshots_reload_from_disk(server,
 
     small = LocalPyTrioServer(
         ServerConfig(
-            model=tiny_model_path, api_key=server.api_key, snapshot_cache_size=1, max_temporary_checkpoints=2,
+            model=tiny_model_path,
+            api_key=server.api_key,
+            snapshot_cache_size=1,
+            max_temporary_checkpoints=2,
             ephemeral_storage=True,
         ),
         engine=server.engine,
