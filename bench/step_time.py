@@ -21,9 +21,12 @@ repeated ``(2048 x 576) @ (576 x 1536)`` products, the embedded model's MLP shap
 Last line: ``step time ours/vanilla: <x> (G=4), <y> (G=8); ours at <z>x the compute bound`` (z for G=4).
 Targets (issue 11): x <= 0.55, y <= 0.40, z <= 1.5.
 
-Run on an idle machine: ``python bench/step_time.py`` (embedded model, 4 timed steps per trainer and config,
-~15 min on 2 CPU cores); ``--quick`` runs the tiny random test model for a smoke test (seconds, numbers
-meaningless).
+``--eval N`` also times the eval's greedy pass (``trl-grpo-ext eval``'s generator, batches of 8, 64 new tokens)
+over N held-out problems with plain ``generate`` (before this change) and with the shared prefix, alternated.
+
+Run on an idle machine: ``python bench/step_time.py --eval 400`` (embedded model, 4 timed steps per trainer and
+config; tens of minutes on 2 CPU cores); ``--quick`` runs the tiny random test model for a smoke test (about a
+minute, numbers meaningless).
 """
 
 from __future__ import annotations
@@ -257,10 +260,51 @@ def report(result, rate):
     return ratio, phases["ours"]["total"] / (result["flops"]["ours"] / rate)
 
 
+def plain_generate(model, prompts, pad_token_id, generation_config=None, pad_to_multiple_of=None, **kwargs):
+    """`shared_prefix_generate`'s contract without sharing: ``model.generate`` on the left-padded prompts."""
+    from trl_grpo_ext.prefix import _left_pad
+
+    ids, mask = _left_pad(prompts, pad_token_id, pad_to_multiple_of, next(model.parameters()).device)
+    kwargs.setdefault("pad_token_id", pad_token_id)
+    return model.generate(input_ids=ids, attention_mask=mask, generation_config=generation_config, **kwargs)
+
+
+def eval_time(model_name: str, limit: int, max_new_tokens: int = 64):
+    """Seconds of the eval's greedy pass over `limit` held-out problems (``trl-grpo-ext eval`` without the
+    cache), with the generator's plain ``generate`` (before this change) and with prefix sharing, alternated."""
+    import trl_grpo_ext.prefix as prefix
+    from trl_grpo_ext.evaluation import (
+        EMBEDDED_DATA,
+        HELDOUT_SEED,
+        HFGenerator,
+        evaluate,
+        load_rows,
+        problems_from_rows,
+    )
+
+    gen = HFGenerator(model_name, max_new_tokens=max_new_tokens, seed=0)
+    problems = problems_from_rows(load_rows(EMBEDDED_DATA, limit, HELDOUT_SEED, None), one_shot=True, chat=gen.chat)
+    shared = prefix.shared_prefix_generate
+    seconds, texts = defaultdict(list), {}
+    try:
+        for name in ("before", "after", "before", "after"):
+            prefix.shared_prefix_generate = shared if name == "after" else plain_generate
+            start = time.perf_counter()
+            results, _ = evaluate(problems, gen, k=1, batch_size=8, progress=False)
+            seconds[name].append(time.perf_counter() - start)
+            texts[name] = [r.greedy_completion for r in results]
+    finally:
+        prefix.shared_prefix_generate = shared
+    return {name: min(v) for name, v in seconds.items()}, texts["before"] == texts["after"]
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--steps", type=int, default=4, help="timed steps per trainer and config (plus a warm-up)")
     parser.add_argument("--quick", action="store_true", help="tiny random model, 8 new tokens: a smoke test")
+    parser.add_argument(
+        "--eval", type=int, default=0, metavar="N", help="also time the eval's greedy pass over N problems x 64 tokens"
+    )
     args = parser.parse_args(argv)
     warnings.filterwarnings("ignore")
     logging.getLogger("transformers").setLevel(logging.ERROR)
@@ -284,6 +328,14 @@ def main(argv=None):
         f"fp32 matmul rate: {rate / 1e9:.1f} GFLOP/s (best of {len(rates)} measurements, median {statistics.median(rates) / 1e9:.1f})"
     )
     (x, z), (y, _) = (report(r, rate) for r in results)
+    if args.eval:
+        model_name = base[1] if args.quick else "embedded"
+        seconds, same = eval_time(model_name, args.eval)
+        print(
+            f"\neval, greedy, {args.eval} problems x 64 new tokens: {seconds['before']:.1f} s plain generate, "
+            f"{seconds['after']:.1f} s shared prefix ({seconds['after'] / seconds['before']:.2f}x); "
+            f"identical completions: {same}"
+        )
     print(f"\nstep time ours/vanilla: {x:.2f} (G=4), {y:.2f} (G=8); ours at {z:.2f}x the compute bound")
 
 

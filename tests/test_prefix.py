@@ -68,10 +68,16 @@ def grads_of(model, value):
 
 
 def assert_grads_close(got, want):
+    """Relative difference of all parameter gradients together <= 1e-5, and of each tensor <= 5e-5: on the
+    embedded model TRL's own forward with one more padding column moves single tensors by up to 1.7e-5 (fp32
+    rounding of RoPE at other absolute positions), all of them together by 4e-6."""
     assert got.keys() == want.keys() and want
+    diff = sum((got[n] - want[n]).double().norm() ** 2 for n in want) ** 0.5
+    total = sum(want[n].double().norm() ** 2 for n in want) ** 0.5
+    assert diff / total <= GRAD_RTOL, (diff / total).item()
     for name in want:
         rel = ((got[name] - want[name]).norm() / want[name].norm().clamp(min=1e-30)).item()
-        assert rel <= GRAD_RTOL, (name, rel)
+        assert rel <= 5 * GRAD_RTOL, (name, rel)
 
 
 def batch(vocab, seed=0, common=24, rests=(5, 9, 2), rows=(0, 1, 0, 2, 1, 0), completion=7):
@@ -326,9 +332,15 @@ def test_trainer_lora_gradient_checkpointing(tiny_model_path, tmp_path):
 
     lora = LoraConfig(r=4, target_modules=["q_proj", "v_proj"], lora_dropout=0.0, init_lora_weights=False)
     trainer = make_trainer(
-        tiny_model_path, tmp_path, peft_config=lora, beta=0.04, num_generations=4, gradient_checkpointing=True
+        tiny_model_path,
+        tmp_path,
+        peft_config=lora,
+        beta=0.04,
+        num_generations=2,
+        per_device_train_batch_size=2,
+        gradient_checkpointing=True,
     )
-    inputs = check_generation_batch(trainer, group=4)
+    inputs = check_generation_batch(trainer, group=2)
     check_losses(trainer, micro_batch(inputs, seed=1), [("dapo", 0.04, 1), ("cispo", 0.04, 1)])
 
 
@@ -407,3 +419,31 @@ def test_fallback_reason_is_logged_once(caplog):
     assert [r.getMessage() for r in caplog.records].count(
         "prompt-prefix sharing not applied, plain forward used: test reason 42"
     ) == 1
+
+
+@pytest.mark.slow
+def test_embedded_model_forward(tmp_path):
+    """The embedded SmolLM2-135M (fp32) with its one-shot prompts: log-probs and entropies."""
+    from transformers import AutoTokenizer
+
+    from trl_grpo_ext.data.prompts import build_prompt
+    from trl_grpo_ext.models import resolve_model
+
+    path = resolve_model("embedded")
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    model = load(path)
+    questions = ("What is 3 + 4?", "Natalia sold 48 clips in April and half as many in May. How many in all?")
+    distinct = [
+        tokenizer.apply_chat_template(build_prompt(q, one_shot=True, chat=True), add_generation_prompt=True)
+        for q in questions
+    ]
+    distinct = [d["input_ids"] if isinstance(d, dict) or hasattr(d, "keys") else d for d in distinct]
+    g = torch.Generator().manual_seed(0)
+    prompts = [distinct[0], distinct[1], distinct[0]]
+    completions = [rand_tokens(6, model.config.vocab_size, g) for _ in prompts]
+    ids, mask, keep = trl_layout(prompts, completions, [6, 4, 6])
+    with torch.no_grad():  # gradients: the tiny-model tests (a backward here would double the test's time)
+        logps, entropies = plain_fused(model, ids, mask, keep)
+        got_logps, got_entropies = shared_prefix_logps_and_entropies(model, ids, mask, keep, compute_entropy=True)
+    torch.testing.assert_close(got_logps, logps, atol=LOGP_ATOL, rtol=0)
+    torch.testing.assert_close(got_entropies, entropies, atol=LOGP_ATOL, rtol=0)
