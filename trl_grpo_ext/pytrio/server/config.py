@@ -51,7 +51,7 @@ class ServerConfig:
     max_num_samples: int = 128
     # Concurrent sample requests on the same weights share decode steps, up to this many rows in one batch.
     max_sampling_rows: int = 64
-    idle_timeout_seconds: float = 120.0
+    idle_timeout_seconds: float = 300.0  # above a slow CPU step (forward_backward measured up to ~100 s loaded)
 
     def __post_init__(self):
         if isinstance(self.served_names, str):
