@@ -344,7 +344,8 @@ def shared_prefix_logps_and_entropies(
     completion_masks = [row[:n] for row, n in zip(masks, kept.tolist(), strict=True)]
     packed = pack_rows(plan, completions, completion_masks, max_packed_tokens, pad_token_id, input_ids.device)
     outputs = model(**_packed_forward_kwargs(model, packed), labels=packed.labels, fused_lm_head=True)
-    # the fused head scores slot t + 1 from hidden state t: shift back one so a row's segment start lines up
+    # log_probs[:, t] scores the token in slot t + 1 (from hidden state t): completion token j of a row whose
+    # segment starts at slot s (its last prompt token) is at t = s + j
     logps = _unpack(outputs.log_probs, packed, logits_to_keep)
     entropies = _unpack(outputs.entropy, packed, logits_to_keep) if compute_entropy else None
     return logps, entropies
