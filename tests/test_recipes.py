@@ -212,7 +212,10 @@ def test_embedded_default_runs_for_real(tmp_path):
     assert [r["step"] for r in rows] == [1]
     assert rows[0]["completions/max_length"] <= 8
     summary = json.loads((out / "run_summary.json").read_text())
-    assert set(summary["eval"]) == {"before", "after"}
+    assert {"before", "after", "paired"} <= set(summary["eval"])
+    paired = summary["eval"]["paired"]
+    assert paired["n"] == 2 and {"accuracy_any_format", "accuracy", "boxed_rate"} <= set(paired["metrics"])
+    assert summary["heldout_gain"] == paired["metrics"]
     assert (out / "model.safetensors").exists() and (out / "tokenizer_config.json").exists()
 
 

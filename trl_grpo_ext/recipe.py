@@ -235,11 +235,23 @@ def build_datasets(script_args, training_args, tokenizer):
         )
     eval_problems = []
     if script_args.eval_num_samples:
+        from trl_grpo_ext.evaluation import HELDOUT_SEED
+
+        # One held-out set whatever the training seed: seeds of a sweep are then compared on the same problems
+        # (paired), and the cached "before" eval of the model on that set is reused across runs.
         rows = load_problems(
-            script_args.dataset_name, script_args.dataset_test_split, script_args.eval_num_samples, **common
+            script_args.dataset_name,
+            script_args.dataset_test_split,
+            script_args.eval_num_samples,
+            **{**common, "seed": HELDOUT_SEED},
         )
         eval_problems = [
-            {"prompt": build_prompt(r["question"], one_shot=script_args.one_shot, chat=chat), "answer": r["answer"]}
+            {
+                "prompt": build_prompt(r["question"], one_shot=script_args.one_shot, chat=chat),
+                "answer": r["answer"],
+                "question": r["question"],
+                "task": r.get("task"),
+            }
             for r in rows
         ]
     return train, eval_problems
