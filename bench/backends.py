@@ -45,7 +45,9 @@ TARGET = 1.5
 def rows(n: int = 32) -> list[dict]:
     from trl_grpo_ext.data.prompts import build_prompt
 
-    return [{"prompt": build_prompt(f"What is {i} + {i % 7 + 3}?"), "answer": f"#### {i + i % 7 + 3}"} for i in range(n)]
+    return [
+        {"prompt": build_prompt(f"What is {i} + {i % 7 + 3}?"), "answer": f"#### {i + i % 7 + 3}"} for i in range(n)
+    ]
 
 
 class EngineClock:
@@ -133,17 +135,27 @@ def main(argv=None) -> int:
         else:
             model_path = resolve_model(args.model)
         data = rows()
-        print(f"model {args.model}  torch threads {torch.get_num_threads()}  batch {args.batch} "
-              f"({args.batch // args.group} prompts x {args.group})  max_completion_length {args.completion_length}")
+        print(
+            f"model {args.model}  torch threads {torch.get_num_threads()}  batch {args.batch} "
+            f"({args.batch // args.group} prompts x {args.group})  max_completion_length {args.completion_length}"
+        )
 
         with running_server(model_path) as server:
             server.configure_client(home=tmp)
             clock = EngineClock(server.engine)
             pcfg = PyTrioGRPOConfig(
-                base_model=model_path, lora_rank=args.rank, num_generations=args.group,
-                per_device_train_batch_size=args.batch, max_completion_length=args.completion_length,
-                learning_rate=0.0, loss_type="importance_sampling", mode="async", max_steps=args.steps,
-                reward_funcs=["boxed"], output_dir=str(Path(tmp) / "pytrio"), seed=0,
+                base_model=model_path,
+                lora_rank=args.rank,
+                num_generations=args.group,
+                per_device_train_batch_size=args.batch,
+                max_completion_length=args.completion_length,
+                learning_rate=0.0,
+                loss_type="importance_sampling",
+                mode="async",
+                max_steps=args.steps,
+                reward_funcs=["boxed"],
+                output_dir=str(Path(tmp) / "pytrio"),
+                seed=0,
             )
             loop = GRPOLoop(pcfg, rows=data)
             import pytrio as trio
@@ -166,16 +178,28 @@ def main(argv=None) -> int:
                 }
 
             tcfg = GRPOConfig(
-                output_dir=str(Path(tmp) / "trl"), report_to="none", use_cpu=True, bf16=False,
-                loss_type="importance_sampling", per_device_train_batch_size=args.batch, num_generations=args.group,
-                max_completion_length=args.completion_length, max_steps=args.steps, logging_steps=1,
-                save_strategy="no", disable_tqdm=True, learning_rate=0.0, seed=0,
+                output_dir=str(Path(tmp) / "trl"),
+                report_to="none",
+                use_cpu=True,
+                bf16=False,
+                loss_type="importance_sampling",
+                per_device_train_batch_size=args.batch,
+                num_generations=args.group,
+                max_completion_length=args.completion_length,
+                max_steps=args.steps,
+                logging_steps=1,
+                save_strategy="no",
+                disable_tqdm=True,
+                learning_rate=0.0,
+                seed=0,
             )
             peft_config = server.engine.peft_config(LoraSettings(rank=args.rank, train_unembed=False))
             from trl_grpo_ext.rewards import get_reward_funcs
 
             trainer = GRPOTrainer(
-                model_path, get_reward_funcs(["boxed"]), args=tcfg,
+                model_path,
+                get_reward_funcs(["boxed"]),
+                args=tcfg,
                 train_dataset=Dataset.from_list([{"prompt": r["prompt"], "answer": r["answer"]} for r in data]),
                 peft_config=peft_config,
             )
@@ -183,9 +207,7 @@ def main(argv=None) -> int:
             alt = Alternate(pytrio_step)
             trainer.add_callback(alt)
             trainer.train()
-            trl_lengths = [
-                v for v in trainer.state.log_history if "completions/mean_length" in v
-            ]
+            trl_lengths = [v for v in trainer.state.log_history if "completions/mean_length" in v]
 
         trl_wall, trl_cpu = alt.trl_wall[1:], alt.trl_cpu[1:]
         py = alt.pytrio[1:]
@@ -198,23 +220,34 @@ def main(argv=None) -> int:
             ratio = med(b) / med(a)
             ok &= ratio <= TARGET if label == "wall" else True
             print(f"  {label:8s} {med(a):8.2f}s {med(b):8.2f}s {ratio:6.2f}x")
-        trl_len = statistics.mean(v["completions/mean_length"] for v in trl_lengths[1:]) if len(trl_lengths) > 1 else float("nan")
+        trl_len = (
+            statistics.mean(v["completions/mean_length"] for v in trl_lengths[1:])
+            if len(trl_lengths) > 1
+            else float("nan")
+        )
         py_len = statistics.mean(p["metrics"]["completions/mean_length"] for p in py)
         print(f"  mean completion length: TRL {trl_len:.1f}  PyTRIO {py_len:.1f} tokens")
         ratio = med(py_wall) / med(trl_wall)
         print(f"  PyTRIO / TRL wall: {ratio:.2f}x (target <= {TARGET}x) {'ok' if ratio <= TARGET else 'OVER'}")
 
         print("\nwhere the PyTRIO step's time goes (median seconds; server = engine compute timed in-process)")
-        phases = [("save_weights", ("snapshot",)), ("sampling", ("sample",)), ("rewards", ()),
-                  ("forward_backward", ("forward",)), ("optim_step", ("optim_step",))]
+        phases = [
+            ("save_weights", ("snapshot",)),
+            ("sampling", ("sample",)),
+            ("rewards", ()),
+            ("forward_backward", ("forward",)),
+            ("optim_step", ("optim_step",)),
+        ]
         print(f"  {'phase':18s} {'client':>8s} {'server':>8s} {'other':>8s}")
         for phase, engine_names in phases:
             client = med([p["metrics"][f"time/{phase}"] for p in py])
             server_time = med([sum(p["engine"].get(n, 0.0) for n in engine_names) for p in py])
             print(f"  {phase:18s} {client:8.3f} {server_time:8.3f} {client - server_time:8.3f}")
         total_other = med([p["wall"] - sum(p["engine"].values()) for p in py])
-        print(f"  {'whole step':18s} {med(py_wall):8.3f} {med([sum(p['engine'].values()) for p in py]):8.3f} "
-              f"{total_other:8.3f}")
+        print(
+            f"  {'whole step':18s} {med(py_wall):8.3f} {med([sum(p['engine'].values()) for p in py]):8.3f} "
+            f"{total_other:8.3f}"
+        )
     print("\ntarget met" if ok else "\ntarget missed (see OVER)")
     return 0
 

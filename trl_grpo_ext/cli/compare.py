@@ -6,11 +6,20 @@ import sys
 
 
 def add_arguments(parser) -> None:
-    parser.add_argument("run_dirs", nargs="+", metavar="RUN_DIR",
-                        help="run output folders (each with metrics.jsonl), or a sweep's output root for all its runs")
+    parser.add_argument(
+        "run_dirs",
+        nargs="+",
+        metavar="RUN_DIR",
+        help="run output folders (each with metrics.jsonl), or a sweep's output root for all its runs",
+    )
     parser.add_argument("--out", default="comparison", help="report folder (report.md, summary.json, PNGs)")
-    parser.add_argument("--smooth", type=int, default=1, metavar="N",
-                        help="moving average over N steps for plots and final/best reward (default 1: raw)")
+    parser.add_argument(
+        "--smooth",
+        type=int,
+        default=1,
+        metavar="N",
+        help="moving average over N steps for plots and final/best reward (default 1: raw)",
+    )
 
 
 def run(args) -> int:

@@ -7,19 +7,43 @@ import sys
 
 def add_arguments(parser) -> None:
     parser.add_argument("sweep_file", help="sweep YAML (base recipe + grid + overrides); see docs/comparison.md")
-    parser.add_argument("--dry-run", "--dry_run", dest="dry_run", action="store_true", help="list the runs, run nothing")
+    parser.add_argument(
+        "--dry-run", "--dry_run", dest="dry_run", action="store_true", help="list the runs, run nothing"
+    )
     parser.add_argument("--parallel", type=int, default=None, help="runs at once (default: the file's, else 1)")
     parser.add_argument("--output_root", "--output-root", default=None, help="override the file's output_root")
-    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", dest="set_values",
-                        help="extra override for every run, on top of the file's (repeatable; VALUE is YAML: 10, 1e-5, [a, b])")
-    parser.add_argument("--only", action="append", default=None, metavar="SUBSTRING",
-                        help="run only runs whose name contains SUBSTRING (repeatable)")
-    parser.add_argument("--force", action="store_true",
-                        help="delete the selected runs' folders and run them again from scratch")
-    parser.add_argument("--skip-validation", "--skip_validation", dest="validate", action="store_false",
-                        help="do not check run configs against the recipe's known keys before starting")
-    parser.add_argument("--no-progress", "--no_progress", dest="progress", action="store_false",
-                        help="no progress bar (plain lines only)")
+    parser.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        dest="set_values",
+        help="extra override for every run, on top of the file's (repeatable; VALUE is YAML: 10, 1e-5, [a, b])",
+    )
+    parser.add_argument(
+        "--only",
+        action="append",
+        default=None,
+        metavar="SUBSTRING",
+        help="run only runs whose name contains SUBSTRING (repeatable)",
+    )
+    parser.add_argument(
+        "--force", action="store_true", help="delete the selected runs' folders and run them again from scratch"
+    )
+    parser.add_argument(
+        "--skip-validation",
+        "--skip_validation",
+        dest="validate",
+        action="store_false",
+        help="do not check run configs against the recipe's known keys before starting",
+    )
+    parser.add_argument(
+        "--no-progress",
+        "--no_progress",
+        dest="progress",
+        action="store_false",
+        help="no progress bar (plain lines only)",
+    )
 
 
 def parse_set_values(items: list[str]) -> dict:
