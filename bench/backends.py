@@ -51,15 +51,17 @@ def rows(n: int = 32) -> list[dict]:
 
 
 class EngineClock:
-    """Wraps the in-process server engine's methods to time the compute the PyTRIO path waits for.
+    """Wraps the in-process server's sampler and engine methods to time the compute the PyTRIO path waits for.
 
-    Concurrent calls (async sampling) queue on the engine's lock, so each name's time is the union of its calls'
+    Concurrent calls (async sampling share a decode batch) overlap, so each name's time is the union of its calls'
     intervals, not their sum."""
 
-    def __init__(self, engine, names=("sample", "forward", "optim_step", "snapshot")):
+    def __init__(self, server):
         self.intervals = defaultdict(list)
-        for name in names:
-            original = getattr(engine, name)
+        # Sampling goes through the server's batcher (concurrent requests share a decode batch), not engine.sample.
+        targets = [(server.sampler, "sample"), *((server.engine, n) for n in ("forward", "optim_step", "snapshot"))]
+        for obj, name in targets:
+            original = getattr(obj, name)
 
             def timed(*a, _original=original, _name=name, **kw):
                 start = time.perf_counter()
@@ -68,7 +70,7 @@ class EngineClock:
                 finally:
                     self.intervals[_name].append((start, time.perf_counter()))
 
-            setattr(engine, name, timed)
+            setattr(obj, name, timed)
 
     @staticmethod
     def _union(spans) -> float:
@@ -142,7 +144,7 @@ def main(argv=None) -> int:
 
         with running_server(model_path) as server:
             server.configure_client(home=tmp)
-            clock = EngineClock(server.engine)
+            clock = EngineClock(server)
             pcfg = PyTrioGRPOConfig(
                 base_model=model_path,
                 lora_rank=args.rank,
