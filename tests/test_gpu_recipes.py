@@ -117,6 +117,9 @@ def test_gpu_check_dry_runs_on_cpu(tmp_path):
 
     env = {**os.environ, "PYTHON": sys.executable}
     cmd = ["bash", str(ROOT / "bench" / "gpu_check.sh"), "--dry-run", "--out", str(tmp_path / "out")]
+    if not (ROOT.parent / "shared" / "data" / "gsm8k" / "train.jsonl").exists():
+        # A clone without shared/ beside it (the default data): the same dry run on generated GSM8K files.
+        cmd += ["--data", str(_gsm8k_folder(tmp_path / "gsm8k", 200))]
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
     out = proc.stdout
