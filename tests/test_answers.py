@@ -247,7 +247,12 @@ FAST_CASES = [
     ("\\sqrt{8}", "2\\sqrt{2}", True),
     ("\\sqrt{8}", "3\\sqrt{2}", False),
     ("2^{1/2}", "\\sqrt{2}", True),
-    ("3\\times 6", "18", True),
+    ("3\\times 6", "18", False),  # arithmetic left to do is not the value (values.is_unevaluated_arithmetic)
+    ("1 - 8", "-7", False),
+    ("32 + 28", "60", False),
+    ("\\frac{1+2}{3}", "1", False),
+    ("(-7)", "-7", True),
+    ("-3/4", "-0.75", True),
     ("2\\frac{1}{2}", "2.5", True),
     ("\\sqrt{2}", "1.414", True),
     ("\\sqrt{2}", "1.41", False),
@@ -454,3 +459,34 @@ def test_gsm8k_scoring_needs_no_sympy():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.stdout.strip() == "ok", out.stderr
+
+
+@pytest.mark.parametrize(
+    "answer, expected",
+    [
+        ("1 - 8", True),
+        ("32 + 28", True),
+        ("3 \\times 4", True),
+        ("36 \\div 2", True),
+        ("2(4+5)", True),
+        ("-(3-8)", True),
+        ("\\frac{1+2}{3}", True),
+        ("2^{3}+1", True),
+        ("-7", False),
+        ("(-7)", False),
+        ("-3/4", False),
+        ("2 1/2", False),
+        ("2\\frac{1}{2}", False),
+        ("1.5 \\times 10^{3}", False),
+        ("10^{-2}", False),
+        ("1.5e-3", False),
+        ("2^{3}", False),
+        ("4!", False),
+        ("\\sqrt[3]{27}", False),
+        ("2\\sqrt{2}", False),
+    ],
+)
+def test_unevaluated_arithmetic_is_told_from_value_notations(answer, expected):
+    from trl_grpo_ext.answers.values import is_unevaluated_arithmetic
+
+    assert is_unevaluated_arithmetic(answer) is expected

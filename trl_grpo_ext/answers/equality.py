@@ -2,7 +2,9 @@
 
 1. Normalised text equal -> equal.
 2. Both sides exact numbers (`values.exact_value`) -> compared exactly; a side past a size limit
-   (`values.Refused`) -> not equal. This covers what GSM8K-style answers use, with no sympy.
+   (`values.Refused`) -> not equal. This covers what GSM8K-style answers use, with no sympy. A prediction
+   that is arithmetic left to do (`1 - 8`, `3 \\times 6`; `values.is_unevaluated_arithmetic`) is not
+   equal to a numeric truth: it restates the question instead of answering it.
 3. Plain-text rules: a hedged answer (`17 or 18`) against a single truth, words against words, a
    number against words or against an expression in free variables -> decided here.
 4. What is left (symbols: `\\pi`, `x^2+1`, sets, unlike roots) goes to math-verify in a worker process
@@ -22,7 +24,7 @@ from functools import lru_cache
 
 from .normalise import MAX_ANSWER_CHARS, is_hedged, normalize_answer
 from .text import completion_text
-from .values import Refused, exact_value, values_equal
+from .values import Refused, exact_value, is_unevaluated_arithmetic, values_equal
 
 logger = logging.getLogger(__name__)
 
@@ -91,6 +93,8 @@ def decide(p: str, t: str) -> bool | None:
     if refused_p or refused_t:
         return False
     if vp is not None and vt is not None:
+        if is_unevaluated_arithmetic(p) and not is_unevaluated_arithmetic(t):
+            return False  # `1 - 8` against `-7`: the question's arithmetic, not its value
         return values_equal(p, vp, t, vt)
     if _NON_MATH.fullmatch(p) and _NON_MATH.fullmatch(t):
         return p.strip().lower() == t.strip().lower()  # words (`yes`, `B`): compare as words

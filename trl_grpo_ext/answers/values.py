@@ -447,6 +447,35 @@ def _surd_within(s: Surd, lo: Fraction, hi: Fraction) -> bool:
     return lower <= 0 or s.radicand >= lower**s.index
 
 
+# Value notations that contain an operator sign without being arithmetic left to do: a leading or bracketed sign,
+# exponents (`10^{-2}`, `2^-1`), scientific notation (`1.5e-3`, `1.5 \\times 10^{3}`), a fraction of two integers
+# (`3/4`, `-3/4`), a mixed number (`2 1/2`).
+_SIGN_AFTER_BRACKET = re.compile(r"(^|[({\[])\s*[+-]")
+_EXPONENT_PART = re.compile(r"\^\s*(?:\{[^{}]*\}|[+-]?\d+)|(?<=\d)[eE][+-]?\d+")
+_SCIENTIFIC = re.compile(r"(?:\d+(?:\.\d*)?|\.\d+)\s*(?:\*|\\times|\\cdot)\s*10\s*\^")
+_INTEGER_FRACTION = re.compile(r"[+-]?(?:\d+ )?\d+\s*/\s*\d+")
+_ARITHMETIC_OPERATOR = re.compile(r"[-+*/]|\\(?:times|cdot|div|ast)(?![A-Za-z])")
+
+
+def is_unevaluated_arithmetic(answer: str) -> bool:
+    """Whether a normalised answer is arithmetic left to do (`1 - 8`, `32 + 28`, `3 \\times 6`, `2(4+5)`,
+    `\\frac{1+2}{3}`) rather than one value in one notation (`-7`, `3/4`, `2\\frac{1}{2}`, `2^{3}`, `4!`, `\\sqrt{2}`,
+    `1.5 \\times 10^{3}`).
+
+    A final answer that still holds the question's arithmetic is not credited against a numeric truth
+    (`equality.decide`): on arithmetic tasks copying the question into the box would otherwise score as
+    solving it, and RL finds that within a few dozen steps (docs/rewards.md)."""
+    s = answer.strip()
+    if _INTEGER_FRACTION.fullmatch(s):
+        return False
+    s = _SCIENTIFIC.sub("", s)
+    s = _EXPONENT_PART.sub("", s)
+    s = _SIGN_AFTER_BRACKET.sub(r"\1", s)
+    if re.search(r"\d\s*\(|\)\s*\(|\)\s*\d", s):  # implicit products: `2(4+5)`, `(2)(9)`
+        return True
+    return _ARITHMETIC_OPERATOR.search(s) is not None
+
+
 def values_equal(p: str, vp: Value, t: str, vt: Value) -> bool:
     """Equality of two exact values (`p`, `t`: the normalised texts they came from).
 
