@@ -325,6 +325,14 @@ def test_before_eval_cache_reused_and_invalidated(tmp_path, monkeypatch):
     again, info = cached_greedy_eval(problems, make, model_identity(str(folder)), settings, 2, progress=False)
     assert info["cached"] and len(built) == 1  # the generator was not even built
     assert [r.greedy_completion for r in again] == [r.greedy_completion for r in first]
+    # verdicts are graded again from the cached completions: a change of the grading rules applies to them
+    import trl_grpo_ext.evaluation as evaluation
+
+    monkeypatch.setattr(evaluation, "is_correct", lambda pred, truth: False)
+    regraded, info = cached_greedy_eval(problems, make, model_identity(str(folder)), settings, 2, progress=False)
+    assert info["cached"] and len(built) == 1 and [r.greedy_correct for r in regraded] == [False] * 4
+    monkeypatch.undo()
+    monkeypatch.setenv("TRL_GRPO_EXT_CACHE", str(tmp_path / "cache"))
     # the eval set changes (one problem less, or another prompt): evaluated again
     cached_greedy_eval(problems[:3], make, model_identity(str(folder)), settings, 2, progress=False)
     assert len(built) == 2

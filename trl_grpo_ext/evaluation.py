@@ -591,6 +591,12 @@ def cached_greedy_eval(
         key, material = eval_cache_key(identity, problems, {**settings, "batch_size": batch_size})
         results = load_cached_eval(key, len(problems))
         if results is not None:
+            # The cache holds what is expensive, the completions; verdicts are graded again here, so a change of
+            # the grading rules (trl_grpo_ext.answers) never leaves a stale "before" figure.
+            results = [
+                score_problem(r.index, problem, r.greedy_completion, r.samples, r.greedy_tokens)
+                for r, problem in zip(results, problems, strict=True)
+            ]
             return results, {"cached": True, "key": key, "seconds": round(time.monotonic() - start, 2)}
     results, _ = evaluate(problems, make_generator(), 1, batch_size, progress=progress, desc=desc)
     if key is not None and write:
