@@ -323,7 +323,7 @@ def format_gain(label: str, g: dict) -> str:
     """`format-independent accuracy 0.220 -> 0.330, paired gain +0.110 [+0.070, +0.150] (n=400, McNemar p=1e-5)`."""
     from trl_grpo_ext.stats import format_p, signed
 
-    ci = f" [{signed(g['ci_low'], 3)}, {signed(g['ci_high'], 3)}]" if g.get("ci_low") is not None else " (no interval)"
+    ci = _interval(g, missing=" (no interval)")
     return (
         f"{label} {g['before']:.3f} -> {g['after']:.3f}, paired gain {signed(g['gain'], 3)}{ci} "
         f"(n={g['n']}, McNemar p={format_p(g['mcnemar_p'])})"
@@ -346,11 +346,17 @@ def _short_gain(label: str, g: dict) -> str:
     """`boxed 0.02 -> 0.30, gain +0.280 [+0.200, +0.360] (p=1e-9)`: a per-task part of `format_paired`."""
     from trl_grpo_ext.stats import format_p, signed
 
-    ci = f" [{signed(g['ci_low'], 3)}, {signed(g['ci_high'], 3)}]" if g.get("ci_low") is not None else ""
     return (
-        f"{label} {g['before']:.2f} -> {g['after']:.2f}, gain {signed(g['gain'], 3)}{ci} "
+        f"{label} {g['before']:.2f} -> {g['after']:.2f}, gain {signed(g['gain'], 3)}{_interval(g)} "
         f"(p={format_p(g['mcnemar_p'])})"
     )
+
+
+def _interval(g: dict, missing: str = "") -> str:
+    """` [+0.070, +0.150]`: a paired gain's 95% interval as printed, or `missing` when it has none."""
+    from trl_grpo_ext.stats import signed
+
+    return f" [{signed(g['ci_low'], 3)}, {signed(g['ci_high'], 3)}]" if g.get("ci_low") is not None else missing
 
 
 # -------------------------------------------------------------------------------------------- data
