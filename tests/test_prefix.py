@@ -8,12 +8,14 @@ import pytest
 import torch
 import trl
 from datasets import Dataset
-from transformers import AutoModelForCausalLM, GenerationConfig
+from transformers import AutoModelForCausalLM, GenerationConfig, TrainerCallback
 from trl.trainer.utils import add_fused_lm_head, shuffle_sequence_dict, split_tensor_dict
 
 from trl_grpo_ext.config import GRPOConfig
 from trl_grpo_ext.prefix import (
     PrefixPlan,
+    context_logps_and_entropies,
+    encode_prompt_context,
     pack_rows,
     plan_prefix,
     prompts_from_left_padded,
@@ -447,3 +449,165 @@ def test_embedded_model_forward(tmp_path):
         got_logps, got_entropies = shared_prefix_logps_and_entropies(model, ids, mask, keep, compute_entropy=True)
     torch.testing.assert_close(got_logps, logps, atol=LOGP_ATOL, rtol=0)
     torch.testing.assert_close(got_entropies, entropies, atol=LOGP_ATOL, rtol=0)
+
+
+# ---------------------------------------------------------------------------------------------------------- per cycle
+# The shared prompt parts of a whole generation batch encoded once per accumulation cycle (with gradients) and once
+# per no-grad log-prob call, against the plain computation: real training runs (TRL's shuffled micro-batches,
+# gradient accumulation over 3 micro-batches, SGD so parameters move linearly in the gradients).
+CYCLE = dict(
+    gradient_accumulation_steps=3,
+    num_generations=4,
+    max_steps=2,
+    optim="sgd",
+    learning_rate=0.05,
+    max_grad_norm=0.0,
+    gradient_checkpointing=False,  # TRL's default is on; with it each micro-batch shares on its own
+)
+
+
+class GradRecorder(TrainerCallback):
+    """Each optimizer step's accumulated gradients (what the optimizer is about to apply)."""
+
+    def __init__(self):
+        self.grads = []
+
+    def on_pre_optimizer_step(self, args, state, control, model=None, **kwargs):
+        self.grads.append({n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
+
+
+def train_run(path, tmp_path, share, peft_config=None, **kwargs):
+    trainer = make_trainer(path, tmp_path, peft_config=peft_config, share_prompt_prefix=share, **{**CYCLE, **kwargs})
+    recorder = GradRecorder()
+    trainer.add_callback(recorder)
+    torch.manual_seed(0)
+    trainer.train()
+    params = {n: p.detach().clone() for n, p in trainer.model.named_parameters() if p.requires_grad}
+    losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
+    return trainer, recorder.grads, params, losses
+
+
+def check_runs(shared, plain):
+    _, grads, params, losses = shared
+    _, want_grads, want_params, want_losses = plain
+    assert len(grads) == len(want_grads) == CYCLE["max_steps"]
+    for got, want in zip(grads, want_grads, strict=True):
+        assert_grads_close(got, want)
+    assert params.keys() == want_params.keys()
+    for name in want_params:
+        torch.testing.assert_close(params[name], want_params[name], atol=1e-6, rtol=1e-5, msg=name)
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(want_losses), atol=1e-6, rtol=1e-5)
+
+
+@pytest.fixture(scope="module")
+def plain_dapo_run(tiny_model_path, tmp_path_factory):
+    return train_run(tiny_model_path, tmp_path_factory.mktemp("plain-dapo"), share=False, loss_type="dapo")
+
+
+def test_cycle_context_trains_like_plain_and_encodes_each_prompt_once(tiny_model_path, tmp_path, plain_dapo_run):
+    shared = train_run(tiny_model_path, tmp_path, share=True, loss_type="dapo")
+    check_runs(shared, plain_dapo_run)
+    trainer = shared[0]
+    stats = trainer.prefix_sharing_stats
+    # beta 0, num_iterations 1: the training forwards are the only log-prob calls; one context per optimizer step
+    assert stats["cycle_contexts"] == CYCLE["max_steps"] and stats["call_contexts"] == 0
+    assert stats["cycle_chunks"] == stats["shared_chunks"] == CYCLE["max_steps"] * CYCLE["gradient_accumulation_steps"]
+    assert trainer._prefix_cycle is None  # the last cycle's graph was sent back and dropped
+    # per cycle: each distinct prompt token of the generation batch once, plus each row's last prompt token
+    rows = [
+        row
+        for mb in trainer._buffered_inputs
+        for row in prompts_from_left_padded(mb["prompt_ids"], mb["prompt_mask"], mb["prompt_ids"].size(1))
+    ]
+    plan = plan_prefix(list(dict.fromkeys(map(tuple, rows))))
+    assert len(rows) == 12 and len(plan.groups) == 3
+    distinct_tokens = plan.shared_prompt_tokens - len(plan.groups)  # prefix + each rest, without the last tokens
+    assert stats["context_tokens"] == CYCLE["max_steps"] * distinct_tokens
+    assert stats["prompt_tokens_encoded"] == CYCLE["max_steps"] * (distinct_tokens + len(rows))
+    assert stats["prompt_tokens"] == CYCLE["max_steps"] * sum(map(len, rows))
+
+
+def test_cycle_without_the_context_backward_fails(tiny_model_path, tmp_path, plain_dapo_run, monkeypatch):
+    # the check above can fail: drop the context's gradient (the micro-batches' leaf gradients never reach the
+    # parameters through the shared encoding) and the gradients are no longer the plain ones
+    def drop(self):
+        self._prefix_cycle = None
+
+    monkeypatch.setattr(GRPOTrainer, "_flush_prefix_cycle", drop)
+    shared = train_run(tiny_model_path, tmp_path, share=True, loss_type="dapo")
+    assert shared[0].prefix_sharing_stats["cycle_contexts"] == CYCLE["max_steps"]
+    with pytest.raises(AssertionError):
+        assert_grads_close(shared[1][0], plain_dapo_run[1][0])
+
+
+@pytest.mark.parametrize(
+    ("loss_type", "beta", "iterations"), [("cispo", 0.04, 2), ("importance_sampling", 0.0, 2), ("dapo", 0.04, 1)]
+)
+def test_cycle_context_loss_types(tiny_model_path, tmp_path, loss_type, beta, iterations):
+    kwargs = dict(loss_type=loss_type, beta=beta, num_iterations=iterations)
+    shared = train_run(tiny_model_path, tmp_path / "shared", share=True, **kwargs)
+    check_runs(shared, train_run(tiny_model_path, tmp_path / "plain", share=False, **kwargs))
+    stats = shared[0].prefix_sharing_stats
+    # num_iterations 2: two cycles on one generation batch, each encoding the context with its own parameters
+    assert stats["cycle_contexts"] == CYCLE["max_steps"]
+    # old (num_iterations 2) and reference (beta > 0) log-probs: one context per call over the generation batch
+    calls = CYCLE["max_steps"] // iterations * ((iterations > 1) + (beta > 0))
+    assert stats["call_contexts"] == calls and stats["call_chunks"] == 3 * calls
+
+
+def test_cycle_context_lora(tiny_model_path, tmp_path):
+    from peft import LoraConfig
+
+    lora = LoraConfig(r=4, target_modules=["q_proj", "v_proj"], lora_dropout=0.0, init_lora_weights=False)
+    kwargs = dict(loss_type="dapo", beta=0.04, num_iterations=2)  # the reference is the adapter switched off
+    shared = train_run(tiny_model_path, tmp_path / "shared", share=True, peft_config=lora, **kwargs)
+    check_runs(shared, train_run(tiny_model_path, tmp_path / "plain", share=False, peft_config=lora, **kwargs))
+    assert shared[0].prefix_sharing_stats["cycle_contexts"] == CYCLE["max_steps"]
+
+
+def test_cycle_context_falls_back_per_micro_batch(tiny_model_path, tmp_path, caplog):
+    # gradient checkpointing drops the cache in a forward with gradients: each micro-batch shares on its own
+    with caplog.at_level("WARNING", logger="trl_grpo_ext.prefix"):
+        trainer, *_ = train_run(tiny_model_path, tmp_path, share=True, gradient_checkpointing=True, max_steps=1)
+    stats = trainer.prefix_sharing_stats
+    assert stats["cycle_contexts"] == 0 and stats["shared_chunks"] == CYCLE["gradient_accumulation_steps"]
+    assert any("gradient checkpointing drops the cache" in r.getMessage() for r in caplog.records)
+    trainer.args.gradient_checkpointing = False
+    assert trainer._cycle_unsupported_reason(grad=True) is None
+    trainer.args.steps_per_generation = 1
+    assert "steps_per_generation" in trainer._cycle_unsupported_reason(grad=True)
+    assert trainer._cycle_unsupported_reason(grad=False) is None  # no-grad calls don't care
+    trainer.share_prompt_prefix_across_microbatches = False
+    assert trainer._cycle_unsupported_reason(grad=False) == ""
+
+
+def test_context_forward_equals_plain(tiny_model_path):
+    """`encode_prompt_context` + `context_logps_and_entropies` over two chunks (bins split too) against the plain
+    forward: log-probs, entropies, and gradients through detached leaves sent back through the context once."""
+    for attn, budget in (("sdpa", 4096), ("eager", 30)):
+        model = load(tiny_model_path, attn, temperature=0.7)
+        prompts, completions, lengths = batch(model.config.vocab_size)
+        ids, mask, keep = trl_layout(prompts, completions, lengths)
+        weights = torch.randn(ids.size(0), keep, generator=torch.Generator().manual_seed(3))
+        logps, entropies = plain_fused(model, ids, mask, keep)
+        want = grads_of(model, (logps * weights).sum() + entropies.sum())
+        model.zero_grad()
+        context = encode_prompt_context(model, prompts, max_packed_tokens=budget)
+        assert (len(context.prefix_slots) > 1) == (budget < 4096)
+        leaves = context.with_kv(
+            [k.detach().requires_grad_() for k in context.keys], [v.detach().requires_grad_() for v in context.values]
+        )
+        got_logps, got_entropies = [], []
+        for rows in (slice(0, 4), slice(4, None)):
+            lp, ent = context_logps_and_entropies(model, leaves, ids[rows], mask[rows], keep, True, budget)
+            ((lp * weights[rows]).sum() + ent.sum()).backward()
+            got_logps.append(lp.detach())
+            got_entropies.append(ent.detach())
+        torch.autograd.backward(context.keys + context.values, [leaf.grad for leaf in leaves.keys + leaves.values])
+        got = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+        torch.testing.assert_close(torch.cat(got_logps), logps, atol=LOGP_ATOL, rtol=0)
+        torch.testing.assert_close(torch.cat(got_entropies), entropies, atol=LOGP_ATOL, rtol=0)
+        assert_grads_close(got, want)
+        # a prompt the context doesn't hold: the caller falls back
+        other = trl_layout([[5, 6, 7]], [[3, 4]], [2])
+        assert context_logps_and_entropies(model, context, other[0], other[1], other[2]) is None

@@ -136,6 +136,16 @@ class GRPOConfig(trl.GRPOConfig):
             "inputs where that can't hold use TRL's path (see docs/prefix_sharing.md)."
         },
     )
+    share_prompt_prefix_across_microbatches: bool = field(
+        default=True,
+        metadata={
+            "help": "With share_prompt_prefix: encode the shared prompt parts of the whole generation batch once per "
+            "gradient-accumulation cycle (with gradients; micro-batches then encode only their rows' own tokens) "
+            "and once per no-grad log-prob call (old/reference log-probs). Applies on a single process without "
+            "DeepSpeed/FSDP; the training part also needs no gradient checkpointing and steps_per_generation == "
+            "gradient_accumulation_steps; elsewhere each micro-batch shares on its own (docs/prefix_sharing.md)."
+        },
+    )
 
     def __post_init__(self):
         if isinstance(self.scale_rewards, str) and self.scale_rewards.lower() in ("true", "false"):
@@ -197,8 +207,9 @@ class GRPOConfig(trl.GRPOConfig):
                 f"cispo_clip_low ({self.cispo_clip_low}) must be <= cispo_clip_high ({self.cispo_clip_high}); both "
                 "are bounds of the importance ratio r, not epsilons"
             )
-        if not isinstance(self.share_prompt_prefix, bool):
-            raise ValueError(f"share_prompt_prefix={self.share_prompt_prefix!r} must be true or false")
+        for name in ("share_prompt_prefix", "share_prompt_prefix_across_microbatches"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name}={getattr(self, name)!r} must be true or false")
         if self.degenerate_reward is not None and (
             not isinstance(self.degenerate_reward, str) or not self.degenerate_reward.strip()
         ):

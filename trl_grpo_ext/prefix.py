@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import collections
 import copy
+import dataclasses
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -53,9 +54,14 @@ _LOGGED: set[str] = set()
 
 def log_fallback_once(reason: str) -> None:
     """Log (once per process and reason) why the plain path is used."""
-    if reason not in _LOGGED:
-        _LOGGED.add(reason)
-        logger.warning("prompt-prefix sharing not applied, plain forward used: %s", reason)
+    log_prefix_once(f"prompt-prefix sharing not applied, plain forward used: {reason}")
+
+
+def log_prefix_once(message: str) -> None:
+    """Log `message` once per process."""
+    if message not in _LOGGED:
+        _LOGGED.add(message)
+        logger.warning("%s", message)
 
 
 # ---------------------------------------------------------------------------------------------------------- plan
@@ -292,13 +298,13 @@ def _packed_forward_kwargs(model, packed: PackedBatch) -> dict:
     }
 
 
-def _unpack(values: torch.Tensor, packed: PackedBatch, width: int) -> torch.Tensor:
+def _unpack(values: torch.Tensor, row_slots: Sequence[tuple[int, int, int]], width: int) -> torch.Tensor:
     """(bins, T) per-slot values -> (rows, width): row r's value predicting its j-th completion token at [r, j]
-    (zero past the row's completion), from the slot before that token."""
-    index = torch.zeros((len(packed.row_slots), width), dtype=torch.long, device=values.device)
-    keep = torch.zeros((len(packed.row_slots), width), dtype=torch.bool, device=values.device)
-    bin_of = torch.zeros(len(packed.row_slots), dtype=torch.long, device=values.device)
-    for row, (b, first, n) in enumerate(packed.row_slots):
+    (zero past the row's completion), from the slot before that token; ``row_slots`` as `PackedBatch`'s."""
+    index = torch.zeros((len(row_slots), width), dtype=torch.long, device=values.device)
+    keep = torch.zeros((len(row_slots), width), dtype=torch.bool, device=values.device)
+    bin_of = torch.zeros(len(row_slots), dtype=torch.long, device=values.device)
+    for row, (b, first, n) in enumerate(row_slots):
         n = min(n, width)
         index[row, :n] = torch.arange(first, first + n)
         keep[row, :n] = True
@@ -308,6 +314,17 @@ def _unpack(values: torch.Tensor, packed: PackedBatch, width: int) -> torch.Tens
 
 
 # ---------------------------------------------------------------------------------------------------------- training
+def _completions(input_ids: torch.Tensor, attention_mask: torch.Tensor, prompt_length: int):
+    """Each row's completion tokens and their mask from TRL's layout, trailing padding left out (it is never
+    attended to nor scored)."""
+    completion_mask = attention_mask[:, prompt_length:].bool()
+    kept = torch.where(completion_mask.any(1), completion_mask.size(1) - completion_mask.flip(1).int().argmax(1), 0)
+    ids, masks = input_ids[:, prompt_length:].tolist(), completion_mask.tolist()
+    completions = [row[:n] for row, n in zip(ids, kept.tolist(), strict=True)]
+    completion_masks = [row[:n] for row, n in zip(masks, kept.tolist(), strict=True)]
+    return completions, completion_masks
+
+
 def shared_prefix_logps_and_entropies(
     model,
     input_ids: torch.Tensor,
@@ -336,18 +353,13 @@ def shared_prefix_logps_and_entropies(
         plan = plan_prefix(prompts)
     if not plan.shares:
         return None
-    completion_mask = attention_mask[:, prompt_length:].bool()
-    # trailing padding is never attended to nor scored: leave it out of the packed rows
-    kept = torch.where(completion_mask.any(1), completion_mask.size(1) - completion_mask.flip(1).int().argmax(1), 0)
-    ids, masks = input_ids[:, prompt_length:].tolist(), completion_mask.tolist()
-    completions = [row[:n] for row, n in zip(ids, kept.tolist(), strict=True)]
-    completion_masks = [row[:n] for row, n in zip(masks, kept.tolist(), strict=True)]
+    completions, completion_masks = _completions(input_ids, attention_mask, prompt_length)
     packed = pack_rows(plan, completions, completion_masks, max_packed_tokens, pad_token_id, input_ids.device)
     outputs = model(**_packed_forward_kwargs(model, packed), labels=packed.labels, fused_lm_head=True)
     # log_probs[:, t] scores the token in slot t + 1 (from hidden state t): completion token j of a row whose
     # segment starts at slot s (its last prompt token) is at t = s + j
-    logps = _unpack(outputs.log_probs, packed, logits_to_keep)
-    entropies = _unpack(outputs.entropy, packed, logits_to_keep) if compute_entropy else None
+    logps = _unpack(outputs.log_probs, packed.row_slots, logits_to_keep)
+    entropies = _unpack(outputs.entropy, packed.row_slots, logits_to_keep) if compute_entropy else None
     return logps, entropies
 
 
@@ -373,6 +385,221 @@ def shared_prefix_logits(
     packed = pack_rows(plan, completions, None, max_packed_tokens, pad_token_id, device)
     logits = model(**_packed_forward_kwargs(model, packed)).logits
     return [logits[b, first : first + n] for b, first, n in packed.row_slots]
+
+
+# ---------------------------------------------------------------------------------------------------------- context
+# Level 1 and 2 encoded once for many chunks of rows (a whole generation batch), each chunk then encoding only its
+# rows' own tokens on top of the stored keys/values.
+@dataclass
+class PromptContext:
+    """The shared prompt parts of a set of prompts, encoded once: the level-1 prefix and each distinct prompt's rest.
+
+    Attributes:
+        plan: the plan of the distinct prompts (`plan.groups[g]` is the g-th distinct prompt).
+        group_of: prompt tokens -> group index.
+        keys, values: per layer, (heads, slots, head_dim): every encoded slot of every context bin, flattened
+            (slot ``b * bin_length + t`` is bin b's slot t); gradients flow to the model through them.
+        prefix_slots: per context bin, the slots of its copy of the level-1 prefix.
+        rest_slots: per group, the slots of its prompt's rest (prompt minus prefix minus last token).
+        group_bin: per group, the context bin holding its rest.
+        tokens: prompt tokens encoded (the prefix once per context bin, each rest once).
+    """
+
+    plan: PrefixPlan
+    group_of: dict[tuple[int, ...], int]
+    keys: list[torch.Tensor]
+    values: list[torch.Tensor]
+    prefix_slots: list[list[int]]
+    rest_slots: list[list[int]]
+    group_bin: list[int]
+    tokens: int
+
+    def with_kv(self, keys: list[torch.Tensor], values: list[torch.Tensor]) -> PromptContext:
+        """The same context reading other key/value tensors (e.g. detached leaves of these)."""
+        return dataclasses.replace(self, keys=keys, values=values)
+
+
+def _mask_for(model, visible: torch.Tensor) -> torch.Tensor:
+    """`visible` (bool) as the 4D mask the model's attention implementation takes (additive float for eager)."""
+    if _config_of(model)._attn_implementation == "eager":
+        dtype = next(model.parameters()).dtype
+        return torch.where(visible, torch.zeros((), dtype=dtype, device=visible.device), torch.finfo(dtype).min)
+    return visible
+
+
+def encode_prompt_context(
+    model,
+    prompts: Sequence[Sequence[int]],
+    max_packed_tokens: int = DEFAULT_MAX_PACKED_TOKENS,
+    pad_token_id: int = 0,
+) -> PromptContext | None:
+    """Encode the shared parts of `prompts` (token id lists, repeats allowed) once, keeping every layer's keys/values.
+
+    Context bins ``[level-1 prefix][rest of prompt g1][rest of prompt g2]...`` (a new bin, with its own copy of the
+    prefix, when the next rest would push a bin past `max_packed_tokens`), with each token at its position in its own
+    prompt and a 4D mask under which a rest sees the prefix and its own earlier tokens: the keys/values the plain
+    forward computes for those tokens. Runs with gradients if they are enabled. ``None`` when there is nothing to
+    encode (no common prefix and every prompt one token long).
+    """
+    from transformers import DynamicCache
+
+    distinct = list(dict.fromkeys(tuple(int(t) for t in p) for p in prompts))
+    plan = plan_prefix(distinct)
+    length = plan.prefix_length
+    prefix = plan.prompts[0][:length]
+    rests = [plan.remainder(g) for g in range(len(plan.groups))]
+    if not length and not any(rests):
+        return None
+    bins: list[list[tuple[int, int, int]]] = []  # (token, position, group or -1 for the prefix)
+    group_bin, rest_start = [], []
+    for group, rest in enumerate(rests):
+        if not bins or (len(bins[-1]) > length and len(bins[-1]) + len(rest) > max_packed_tokens):
+            bins.append([(tok, pos, -1) for pos, tok in enumerate(prefix)])
+        group_bin.append(len(bins) - 1)
+        rest_start.append(len(bins[-1]))
+        bins[-1].extend((tok, length + i, group) for i, tok in enumerate(rest))
+    width = max(len(b) for b in bins)
+    device = next(model.parameters()).device
+    ids = torch.full((len(bins), width), pad_token_id, dtype=torch.long)
+    pos = torch.zeros((len(bins), width), dtype=torch.long)
+    group_of = torch.full((len(bins), width), -2, dtype=torch.long)
+    for b, slots in enumerate(bins):
+        tok, p, g = zip(*slots, strict=True)
+        ids[b, : len(slots)], pos[b, : len(slots)], group_of[b, : len(slots)] = map(torch.tensor, (tok, p, g))
+    gq, gk = group_of.unsqueeze(2), group_of.unsqueeze(1)
+    visible = torch.ones(width, width, dtype=torch.bool).tril() & ((gk == -1) | (gk == gq)) & (gk != -2)
+    visible |= torch.eye(width, dtype=torch.bool) & (group_of == -2).unsqueeze(2)  # padding sees itself (no NaN)
+    cache = DynamicCache(config=_config_of(model))
+    model(input_ids=ids.to(device), position_ids=pos.to(device), attention_mask=_mask_for(model, visible.unsqueeze(1).to(device)),
+          cache=cache, use_cache=True, logits_to_keep=1)  # fmt: skip
+    flat = [(layer.keys, layer.values) for layer in cache.layers]
+    keys = [k.transpose(0, 1).reshape(k.size(1), -1, k.size(3)) for k, _ in flat]
+    values = [v.transpose(0, 1).reshape(v.size(1), -1, v.size(3)) for _, v in flat]
+    return PromptContext(
+        plan=plan,
+        group_of={p: g for g, p in enumerate(plan.prompts)},
+        keys=keys,
+        values=values,
+        prefix_slots=[list(range(b * width, b * width + length)) for b in range(len(bins))],
+        rest_slots=[
+            list(range(group_bin[g] * width + rest_start[g], group_bin[g] * width + rest_start[g] + len(r)))
+            for g, r in enumerate(rests)
+        ],
+        group_bin=group_bin,
+        tokens=sum(len(b) for b in bins),
+    )
+
+
+def context_logps_and_entropies(
+    model,
+    context: PromptContext,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    logits_to_keep: int,
+    compute_entropy: bool = False,
+    max_packed_tokens: int = DEFAULT_MAX_PACKED_TOKENS,
+    pad_token_id: int = 0,
+):
+    """`shared_prefix_logps_and_entropies` for rows whose shared prompt parts `context` holds: the forward encodes
+    only each row's last prompt token and completion, attending to the stored keys/values.
+
+    Rows are packed in bins ``[row 1: last prompt token + completion][row 2 ...]`` (a new bin past
+    `max_packed_tokens`, stored slots included); each bin's cache holds the context slots its rows read (their
+    context bin's prefix, their prompts' rests), gathered from ``context.keys/values``, and a 4D mask lets a row see
+    those of its own prompt and its own earlier tokens: the attention the plain forward gives it. Returns
+    ``(logps, entropies or None)`` of shape (rows, logits_to_keep), or ``None`` if a row's prompt is not in
+    `context` or the layout isn't TRL's.
+    """
+    from transformers import DynamicCache
+
+    prompt_length = input_ids.size(1) - logits_to_keep
+    prompts = prompts_from_left_padded(input_ids, attention_mask, prompt_length)
+    if prompts is None:
+        return None
+    groups = [context.group_of.get(tuple(p)) for p in prompts]
+    if any(g is None for g in groups):
+        return None
+    completions, completion_masks = _completions(input_ids, attention_mask, prompt_length)
+    # one bin: context slots (slot, context bin, group or -1 for the prefix) and own slots (token, position, row,
+    # key_valid, label)
+    bins: list[tuple[list, list, set, set]] = []
+    row_slots: list[tuple[int, int, int] | None] = [None] * len(prompts)
+    for row in sorted(range(len(prompts)), key=lambda r: (groups[r], r)):
+        group, completion = groups[row], completions[row]
+        home = context.group_bin[group]
+        cost = 1 + len(completion)
+        if bins:
+            stored, own, homes, seen = bins[-1]
+            cost += (0 if home in homes else len(context.prefix_slots[home])) + (
+                0 if group in seen else len(context.rest_slots[group])
+            )
+        if not bins or (bins[-1][1] and len(bins[-1][0]) + len(bins[-1][1]) + cost > max_packed_tokens):
+            bins.append(([], [], set(), set()))
+        stored, own, homes, seen = bins[-1]
+        if home not in homes:
+            stored.extend((slot, home, -1) for slot in context.prefix_slots[home])
+            homes.add(home)
+        if group not in seen:
+            stored.extend((slot, home, group) for slot in context.rest_slots[group])
+            seen.add(group)
+        row_slots[row] = (len(bins) - 1, len(own), len(completion))
+        base = len(prompts[row]) - 1
+        own.append((prompts[row][-1], base, row, True, -100))
+        for j, (tok, valid) in enumerate(zip(completion, completion_masks[row], strict=True)):
+            own.append((tok, base + 1 + j, row, bool(valid), tok if valid else -100))
+
+    n_bins = len(bins)
+    n_stored, n_own = max(len(b[0]) for b in bins), max(len(b[1]) for b in bins)
+    slot = torch.zeros((n_bins, n_stored), dtype=torch.long)
+    stored_home = torch.full((n_bins, n_stored), -3, dtype=torch.long)
+    stored_group = torch.full((n_bins, n_stored), -3, dtype=torch.long)
+    ids = torch.full((n_bins, n_own), pad_token_id, dtype=torch.long)
+    pos = torch.zeros((n_bins, n_own), dtype=torch.long)
+    row_of = torch.full((n_bins, n_own), -2, dtype=torch.long)
+    valid = torch.zeros((n_bins, n_own), dtype=torch.bool)
+    labels = torch.full((n_bins, n_own), -100, dtype=torch.long)
+    for b, (stored, own, _, _) in enumerate(bins):
+        if stored:
+            s, h, g = zip(*stored, strict=True)
+            slot[b, : len(s)], stored_home[b, : len(s)], stored_group[b, : len(s)] = map(torch.tensor, (s, h, g))
+        tok, p, r, v, lab = zip(*own, strict=True)
+        n = len(own)
+        ids[b, :n], pos[b, :n], row_of[b, :n], valid[b, :n], labels[b, :n] = map(torch.tensor, (tok, p, r, v, lab))
+    row_group = torch.tensor(groups + [-2], dtype=torch.long)[row_of]  # row -2 (padding) -> group -2
+    row_home = torch.tensor([context.group_bin[g] for g in groups] + [-2], dtype=torch.long)[row_of]
+    # a row's token sees its context bin's prefix and its prompt's rest ...
+    sees_stored = ((stored_group == -1).unsqueeze(1) & (stored_home.unsqueeze(1) == row_home.unsqueeze(2))) | (
+        stored_group.unsqueeze(1) == row_group.unsqueeze(2)
+    )
+    sees_stored &= (row_of >= 0).unsqueeze(2)
+    # ... and its own row's earlier unpadded tokens (padding slots see themselves only: no NaN)
+    causal = torch.ones(n_own, n_own, dtype=torch.bool).tril()
+    sees_own = causal & (row_of.unsqueeze(1) == row_of.unsqueeze(2)) & valid.unsqueeze(1)
+    sees_own |= torch.eye(n_own, dtype=torch.bool) & (row_of == -2).unsqueeze(2)
+    visible = torch.cat([sees_stored, sees_own], dim=2).unsqueeze(1)
+
+    device = input_ids.device
+    slot = slot.to(device)
+    cache = None
+    if n_stored:
+        # (heads, slots, dim)[:, (bins, n_stored)] -> (bins, heads, n_stored, dim); autograd scatters gradients back
+        cache = DynamicCache(
+            ddp_cache_data=[
+                (k[:, slot].transpose(0, 1), v[:, slot].transpose(0, 1))
+                for k, v in zip(context.keys, context.values, strict=True)
+            ]
+        )
+    outputs = model(
+        input_ids=ids.to(device),
+        position_ids=pos.to(device),
+        attention_mask=_mask_for(model, visible.to(device)),
+        cache=cache,
+        labels=labels.to(device),
+        fused_lm_head=True,
+    )
+    logps = _unpack(outputs.log_probs, row_slots, logits_to_keep)
+    entropies = _unpack(outputs.entropy, row_slots, logits_to_keep) if compute_entropy else None
+    return logps, entropies
 
 
 # ---------------------------------------------------------------------------------------------------------- generation
@@ -495,27 +722,52 @@ def shared_prefix_generate(
 
 
 # ---------------------------------------------------------------------------------------------------------- trainer
+@dataclass
+class _Cycle:
+    """The prompt context of one gradient-accumulation cycle: `context` holds the graph-attached keys/values, the
+    micro-batches read detached leaf copies of them (``leaves``), whose ``.grad`` accumulates over the cycle's
+    backward calls until `PrefixSharingMixin._flush_prefix_cycle` sends it through the graph once."""
+
+    model: object
+    context: PromptContext
+    leaves: PromptContext
+
+
 class PrefixSharingMixin:
     """`trl.GRPOTrainer` mixin: log-probs/entropies and non-vLLM generation with each shared prompt token encoded once.
 
-    Put it before `trl.GRPOTrainer` in the bases. It overrides two hooks and leaves every other part of TRL alone, so
+    Put it before `trl.GRPOTrainer` in the bases. It overrides three hooks and leaves every other part of TRL alone, so
     loss types, ``beta > 0`` (reference model or PEFT adapter toggle), ``num_iterations > 1`` (old log-probs),
     LoRA, gradient checkpointing and the fused LM head all go through TRL's code with the same numbers:
 
-    - ``_get_per_token_logps_and_entropies``: each chunk of rows TRL asks for (the micro-batch, or
-      ``batch_size`` rows of the generation batch) is packed by `shared_prefix_logps_and_entropies`. Groups split
-      across micro-batches just share less: each micro-batch shares what its own rows have in common.
+    - ``_get_per_token_logps_and_entropies``:
+      - training forward/backward (inside ``training_step``): the shared prompt parts of the whole generation batch
+        are encoded once per gradient-accumulation cycle (`encode_prompt_context`, with gradients) and every
+        micro-batch encodes only its rows' own tokens on top of them (`context_logps_and_entropies`); the micro-
+        batches read detached leaf copies of the context, and after the cycle's last backward the gradient those
+        leaves accumulated goes through the context's graph once (``training_step``), so every parameter gets
+        the gradient of the plain computation. Single process without DeepSpeed/FSDP, no gradient checkpointing,
+        ``steps_per_generation == gradient_accumulation_steps`` (`_cycle_unsupported_reason`); elsewhere each
+        micro-batch shares what its own rows have in common (`shared_prefix_logps_and_entropies`).
+      - no-grad calls over many chunks (old log-probs, reference log-probs over the generation batch): the
+        context is encoded once for the whole call, each chunk of ``batch_size`` rows on top of it.
     - ``_generate_single_turn`` (transformers ``generate`` path only): `shared_prefix_generate`.
 
-    ``args.share_prompt_prefix`` (default on) switches both off; where sharing can't be exact (see
+    ``args.share_prompt_prefix`` (default on) switches all of it off, ``args.share_prompt_prefix_across_microbatches``
+    (default on) the once-per-cycle / once-per-call context; where sharing can't be exact (see
     `sharing_unsupported_reason`, multimodal inputs, MoE aux loss, vLLM/continuous batching) TRL's own code runs and
     the reason is logged once.
     """
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        # an attribute (not only the frozen args) so a caller can compare both paths on one trainer
+        # attributes (not only the frozen args) so a caller can compare the paths on one trainer
         self.share_prompt_prefix = getattr(self.args, "share_prompt_prefix", True)
+        self.share_prompt_prefix_across_microbatches = getattr(
+            self.args, "share_prompt_prefix_across_microbatches", True
+        )
+        self._prefix_cycle: _Cycle | None = None
+        self._in_training_step = False
 
     def _count_prefix_tokens(self, plan: PrefixPlan | None, rows: int, shared: bool, kind: str = "chunks") -> None:
         """``prefix_sharing_stats``: log-prob chunks / generate calls run shared and plain, and the log-prob
@@ -527,6 +779,23 @@ class PrefixSharingMixin:
             stats["prompt_tokens"] += plan.plain_prompt_tokens
             stats["prompt_tokens_encoded"] += plan.shared_prompt_tokens if shared else plan.plain_prompt_tokens
 
+    def _count_context(self, context: PromptContext, grad: bool) -> None:
+        """``prefix_sharing_stats``: contexts encoded (``cycle_contexts`` with gradients once per accumulation cycle,
+        ``call_contexts`` without, once per log-prob call) and their tokens, which count as encoded prompt tokens."""
+        stats = self.__dict__.setdefault("prefix_sharing_stats", collections.Counter())
+        stats["cycle_contexts" if grad else "call_contexts"] += 1
+        stats["context_tokens"] += context.tokens
+        stats["prompt_tokens_encoded"] += context.tokens
+
+    def _count_context_chunk(self, prompts: list, grad: bool) -> None:
+        """A chunk run on a context: its plain prompt tokens against the one token per row it encodes itself."""
+        stats = self.__dict__.setdefault("prefix_sharing_stats", collections.Counter())
+        stats["shared_chunks"] += 1
+        stats["cycle_chunks" if grad else "call_chunks"] += 1
+        stats["rows"] += len(prompts)
+        stats["prompt_tokens"] += sum(len(p) for p in prompts)
+        stats["prompt_tokens_encoded"] += len(prompts)
+
     def _sharing_enabled(self) -> bool:
         return getattr(self, "share_prompt_prefix", getattr(self.args, "share_prompt_prefix", True))
 
@@ -534,6 +803,79 @@ class PrefixSharingMixin:
         if any(value is not None for value in model_inputs.values()):
             return "multimodal inputs"
         return sharing_unsupported_reason(model)
+
+    def _cycle_unsupported_reason(self, grad: bool) -> str | None:
+        """Why the prompt context can't serve many chunks exactly and simply ("" when switched off), or ``None``."""
+        if not getattr(self, "share_prompt_prefix_across_microbatches", True):
+            return ""
+        if self.accelerator.num_processes != 1:
+            return "more than one process (each process's backward must see its own gradient sync)"
+        if getattr(self, "is_deepspeed_enabled", False) or getattr(self, "is_fsdp_enabled", False):
+            return "DeepSpeed/FSDP shard or gather parameters around each forward"
+        if grad and self.args.gradient_checkpointing:
+            return "gradient checkpointing drops the cache from the forward"
+        if grad and self.args.steps_per_generation != self.args.gradient_accumulation_steps:
+            return "steps_per_generation != gradient_accumulation_steps (a cycle is not one generation batch)"
+        return None
+
+    def training_step(self, model, inputs, num_items_in_batch):
+        self._in_training_step = True
+        try:
+            loss = super().training_step(model, inputs, num_items_in_batch)
+        finally:
+            self._in_training_step = False
+        # transformers sets sync_gradients before the cycle's last training_step; the optimizer steps after it
+        if self._prefix_cycle is not None and self.accelerator.sync_gradients:
+            self._flush_prefix_cycle()
+        return loss
+
+    def _flush_prefix_cycle(self) -> None:
+        """Send the gradient the cycle's micro-batches left on the context leaves through the context's graph (one
+        backward, then the graph is freed). Exact at any point before the optimizer step: the parameters the context
+        was encoded with are still the current ones."""
+        cycle, self._prefix_cycle = self._prefix_cycle, None
+        tensors, grads = [], []
+        for tensor, leaf in zip(
+            cycle.context.keys + cycle.context.values, cycle.leaves.keys + cycle.leaves.values, strict=True
+        ):
+            if leaf.grad is not None and tensor.requires_grad:  # frozen parts (LoRA without k_proj) have no graph
+                tensors.append(tensor)
+                grads.append(leaf.grad)
+        if tensors:
+            torch.autograd.backward(tensors, grads)
+
+    def _generation_batch_prompts(self, prompts: list) -> list:
+        """The prompts of the buffered generation batch (TRL's ``_buffered_inputs``, all its micro-batches) and
+        `prompts`."""
+        everything = list(prompts)
+        for micro_batch in getattr(self, "_buffered_inputs", None) or []:
+            ids, mask = micro_batch.get("prompt_ids"), micro_batch.get("prompt_mask")
+            if isinstance(ids, torch.Tensor) and isinstance(mask, torch.Tensor):
+                everything.extend(prompts_from_left_padded(ids, mask, ids.size(1)) or [])
+        return everything
+
+    def _cycle_context(self, model, prompts: list, pad_token_id: int) -> PromptContext | None:
+        """The leaf context of the current accumulation cycle (encoded at its first micro-batch), or ``None``."""
+        cycle = self._prefix_cycle
+        if cycle is not None and (
+            cycle.model is not model or any(tuple(p) not in cycle.context.group_of for p in prompts)
+        ):
+            self._flush_prefix_cycle()  # not this generation batch: settle the old one, encode anew (still exact)
+            cycle = None
+        if cycle is None:
+            with self.accelerator.autocast():
+                context = encode_prompt_context(
+                    model, self._generation_batch_prompts(prompts), pad_token_id=pad_token_id
+                )
+            if context is None:
+                return None
+            self._count_context(context, grad=True)
+            leaves = context.with_kv(
+                [k.detach().requires_grad_(k.requires_grad) for k in context.keys],
+                [v.detach().requires_grad_(v.requires_grad) for v in context.values],
+            )
+            cycle = self._prefix_cycle = _Cycle(model, context, leaves)
+        return cycle.leaves
 
     def _get_per_token_logps_and_entropies(
         self,
@@ -557,23 +899,35 @@ class PrefixSharingMixin:
             log_fallback_once(reason)
             return plain(model, input_ids, attention_mask, logits_to_keep, batch_size, compute_entropy,
                          compute_aux_loss, **model_inputs)  # fmt: skip
-        # TRL 1.16 chunks the rows by `batch_size` to bound memory; so do we, sharing within each chunk
+        # TRL 1.16 chunks the rows by `batch_size` to bound memory; so do we
         batch_size = batch_size or input_ids.size(0)
         pad_token_id = getattr(getattr(self, "_tokenizer", None), "pad_token_id", None) or 0
+        prompt_length = input_ids.size(1) - logits_to_keep
+        context = self._call_context(model, input_ids, attention_mask, prompt_length, batch_size, pad_token_id)
         all_logps, all_entropies = [], []
         for start in range(0, input_ids.size(0), batch_size):
             ids, mask = input_ids[start : start + batch_size], attention_mask[start : start + batch_size]
-            prompts = prompts_from_left_padded(ids, mask, ids.size(1) - logits_to_keep)
-            plan = plan_prefix(prompts) if prompts is not None else None
             result = None
-            if plan is None:
-                log_fallback_once("a prompt is empty or not left-padded")
-            elif plan.shares:
+            if context is not None:  # the prompt parts are encoded already: only the rows' own tokens
                 with self.accelerator.autocast():
-                    result = shared_prefix_logps_and_entropies(
-                        model, ids, mask, logits_to_keep, compute_entropy, pad_token_id=pad_token_id, plan=plan
+                    result = context_logps_and_entropies(
+                        model, context, ids, mask, logits_to_keep, compute_entropy, pad_token_id=pad_token_id
                     )
-            self._count_prefix_tokens(plan, ids.size(0), result is not None)
+                if result is not None:
+                    self._count_context_chunk(
+                        prompts_from_left_padded(ids, mask, prompt_length), torch.is_grad_enabled()
+                    )
+            if result is None:
+                prompts = prompts_from_left_padded(ids, mask, prompt_length)
+                plan = plan_prefix(prompts) if prompts is not None else None
+                if plan is None:
+                    log_fallback_once("a prompt is empty or not left-padded")
+                elif plan.shares:
+                    with self.accelerator.autocast():
+                        result = shared_prefix_logps_and_entropies(
+                            model, ids, mask, logits_to_keep, compute_entropy, pad_token_id=pad_token_id, plan=plan
+                        )
+                self._count_prefix_tokens(plan, ids.size(0), result is not None)
             if result is None:  # nothing shared in this chunk: TRL's forward, bit for bit
                 result = plain(model, ids, mask, logits_to_keep, compute_entropy=compute_entropy)[:2]
             all_logps.append(result[0])
@@ -581,6 +935,31 @@ class PrefixSharingMixin:
         logps = torch.cat(all_logps, dim=0)
         entropies = torch.cat(all_entropies, dim=0) if compute_entropy else None
         return logps, entropies, None
+
+    def _call_context(self, model, input_ids, attention_mask, prompt_length, batch_size, pad_token_id):
+        """The prompt context the chunks of this call read, or ``None`` (then each chunk shares on its own): the
+        accumulation cycle's in a training forward with gradients; one encoded for the call when it runs without
+        gradients over more than one chunk (old and reference log-probs of the generation batch)."""
+        grad = torch.is_grad_enabled()
+        if grad and not (self._in_training_step and model.training):
+            return None
+        if not grad and input_ids.size(0) <= batch_size:
+            return None  # one chunk: the per-chunk packing encodes each shared token once already
+        reason = self._cycle_unsupported_reason(grad)
+        if reason is not None:
+            if reason:
+                log_prefix_once(f"prompt parts encoded per micro-batch, not once per generation batch: {reason}")
+            return None
+        prompts = prompts_from_left_padded(input_ids, attention_mask, prompt_length)
+        if prompts is None:
+            return None
+        if grad:
+            return self._cycle_context(model, prompts, pad_token_id)
+        with self.accelerator.autocast():
+            context = encode_prompt_context(model, prompts, pad_token_id=pad_token_id)
+        if context is not None:
+            self._count_context(context, grad=False)
+        return context
 
     def _generate_single_turn(self, prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False):
         reason = None
