@@ -253,7 +253,9 @@ def report(result, rate):
     if stats.get("prompt_tokens"):
         print(
             f"ours: log-prob forwards encoded {stats['prompt_tokens_encoded']} of {stats['prompt_tokens']} prompt "
-            f"tokens ({stats.get('shared_chunks', 0)} shared chunks, {stats.get('plain_chunks', 0)} plain)"
+            f"tokens ({stats.get('shared_chunks', 0)} shared chunks, {stats.get('plain_chunks', 0)} plain; prompt "
+            f"contexts: {stats.get('cycle_contexts', 0)} per accumulation cycle, {stats.get('call_contexts', 0)} per "
+            f"no-grad call, {stats.get('context_tokens', 0)} tokens)"
         )
     print(f"identical completions every step: {result['same_completions']}")
     ratio = phases["ours"]["total"] / phases["vanilla"]["total"]

@@ -1,4 +1,4 @@
-"""Shared-prefix computation: every prompt token encoded once per micro-batch, in training and in generation.
+"""Shared-prefix computation: every prompt token encoded once per generation batch, in training and in generation.
 
 A GRPO batch repeats each prompt ``num_generations`` times, and all prompts usually start with the same tokens (chat
 template, system prompt, one-shot example). Two sharing levels (after Prefix Grouper, arXiv 2506.05433, which has
@@ -17,6 +17,13 @@ attention each row has in the plain forward, so outputs equal the plain forward'
 through the shared encodings as sums over the rows that read them. One ordinary forward: gradient checkpointing, LoRA
 and TRL's fused LM head work unchanged. The last prompt token is part of each row's segment because its hidden state
 scores the first completion token.
+
+Across chunks (`encode_prompt_context`, `context_logps_and_entropies`): the shared parts of a whole generation batch
+are encoded once, keeping every layer's keys/values, and each chunk of rows (a micro-batch, or ``batch_size`` rows of
+a no-grad log-prob call) encodes only its rows' own tokens on top of them through a cache and the same kind of mask.
+In training the context is encoded with gradients once per accumulation cycle; `PrefixSharingMixin` gives the
+micro-batches detached leaf copies and sends their accumulated gradient through the context once, after the cycle's
+last backward.
 
 Generation (`shared_prefix_generate`) encodes the level-1 prefix once, each distinct prompt's rest once on top of it,
 expands the `DynamicCache` to the rows and hands it to ``model.generate``, which decodes as usual (greedy, sampling,
@@ -768,6 +775,7 @@ class PrefixSharingMixin:
         )
         self._prefix_cycle: _Cycle | None = None
         self._in_training_step = False
+        self._micro_batches_in_step = 0  # training_step calls since the last optimizer step
 
     def _count_prefix_tokens(self, plan: PrefixPlan | None, rows: int, shared: bool, kind: str = "chunks") -> None:
         """``prefix_sharing_stats``: log-prob chunks / generate calls run shared and plain, and the log-prob
@@ -822,11 +830,21 @@ class PrefixSharingMixin:
         self._in_training_step = True
         try:
             loss = super().training_step(model, inputs, num_items_in_batch)
+        except BaseException:
+            self._prefix_cycle, self._micro_batches_in_step = None, 0  # a cut-short cycle must not serve the next
+            raise
         finally:
             self._in_training_step = False
-        # transformers sets sync_gradients before the cycle's last training_step; the optimizer steps after it
-        if self._prefix_cycle is not None and self.accelerator.sync_gradients:
-            self._flush_prefix_cycle()
+        # The optimizer steps after the last of the optimizer step's `current_gradient_accumulation_steps` micro-
+        # batches (transformers sets it per optimizer step, fewer at an epoch's end; TRL's training_step reads it
+        # too). Not `accelerator.sync_gradients`, though transformers sets it before that last training_step:
+        # accelerate's gradient state is process-global, so another trainer in the process (bench/step_time.py
+        # runs two in threads) flips it. Settling early would be exact too, only slower (a new context).
+        self._micro_batches_in_step += 1
+        if self._micro_batches_in_step >= max(1, int(self.current_gradient_accumulation_steps)):
+            self._micro_batches_in_step = 0
+            if self._prefix_cycle is not None:
+                self._flush_prefix_cycle()
         return loss
 
     def _flush_prefix_cycle(self) -> None:
