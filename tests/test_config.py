@@ -7,7 +7,18 @@ import trl
 
 from trl_grpo_ext.config import EXTRA_LOSS_TYPES, VALID_LOSS_TYPES, GRPOConfig, trl_loss_type
 
-NEW_FIELDS = ("cispo_clip_low", "cispo_clip_high", "degenerate_tol", "zero_degenerate_advantages", "degenerate_reward")
+NEW_FIELDS = (
+    "cispo_clip_low",
+    "cispo_clip_high",
+    "degenerate_tol",
+    "zero_degenerate_advantages",
+    "degenerate_reward",
+    "dynamic_sampling",
+    "max_generation_batches",
+    "curriculum",
+    "share_prompt_prefix",
+    "share_prompt_prefix_across_microbatches",
+)
 
 
 def make(**kwargs):
