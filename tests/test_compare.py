@@ -352,6 +352,7 @@ def test_one_seed_per_configuration_gives_no_verdict_on_seed_metrics(tmp_path):
     assert "no verdict" in final and "(no interval)" in final
     held = next(v for v in report.verdicts if v.startswith("held-out boxed acc after"))
     assert "significant at 95%" in held and "paired over 30 problems" in held  # problem-level interval exists
+    assert "no seed variation" in held and "seeds resampled" not in held  # says what the interval cannot carry
 
 
 def test_heldout_differences_pair_only_on_one_common_eval_set(tmp_path):

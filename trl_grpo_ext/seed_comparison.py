@@ -158,6 +158,9 @@ def pair_difference(a: ConfigGroup, b: ConfigGroup, key: str) -> tuple[Interval 
             ma, mb = _problem_matrix(a, attr, problems), _problem_matrix(b, attr, problems)
             if ma is not None and mb is not None:
                 iv = hierarchical_diff_ci(ma, mb)
+                if min(len(ma), len(mb)) < 2:
+                    # honest about what the interval can carry: these runs' eval noise, not seed-to-seed variation
+                    return iv, f"paired over {len(problems)} problems; one seed on a side, so no seed variation"
                 return iv, f"paired over {len(problems)} problems, seeds resampled"
     va, vb = a.values(key), b.values(key)
     if not va or not vb:
