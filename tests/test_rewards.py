@@ -176,6 +176,20 @@ def test_hybrid_vetoes_come_before_the_weighted_sum():
     assert scores == [pytest.approx(1.3), pytest.approx(0.3), 0.0, 0.0, 0.0, 1.0]
 
 
+def test_an_empty_box_is_no_answer_anywhere():
+    # Found by RL on the embedded default (loss_type=cispo, seed 2): the policy learned to end with `\\boxed{}`,
+    # which earned a wrong answer's format credit while committing to nothing, and the eval counted it as boxed.
+    from trl_grpo_ext.evaluation import extract_any_prediction, extract_prediction
+
+    for text in ("1 - 8 = 9.\n\\boxed{}", "1 - 8 = 9. \\boxed{  }.", "\\fbox{} 9"):
+        assert format_reward([text]) == [0.0], text
+        assert hybrid_reward([text], answer=["#### 9"]) == [0.0], text  # the no_box veto fires
+        assert extract_prediction(text) is None, text  # not boxed in the eval's boxed rate
+        assert extract_any_prediction(text) == "9", text  # the format-independent reading falls back to the number
+    # an empty box next to a real one: the real one is the answer, nothing conflicts
+    assert hybrid_reward(["\\boxed{} so \\boxed{9}"], answer=["#### 9"]) == [pytest.approx(1.3)]
+
+
 def test_hybrid_truncation_veto():
     reward = make_hybrid_reward({"boxed": 1.0}, vetoes=["truncated"], veto_value=-1.0, name="h")
     ok = "\\boxed{18}"

@@ -44,12 +44,19 @@ def _scan_region_start(text: str) -> int:
 def box_spans(text: str) -> list[BoxSpan]:
     """The top-level closed boxes of `text`, in order, as offsets into `text`. Only the scanned tail of
     the text counts (see MAX_SCAN_CHARS / MAX_BRACE_TOKENS); unclosed boxes are no answer; a closed box
-    nested in another closed box is not top-level; a box longer than MAX_BOX_CHARS is dropped."""
+    nested in another closed box is not top-level; a box longer than MAX_BOX_CHARS is dropped; an empty box
+    (`\\boxed{}`, only whitespace inside) is no answer either: it is not a box for the format reward, the
+    `no_box` veto or the eval's boxed rate (RL found it: a box that commits to nothing earned the format credit
+    of a wrong answer, docs/rewards.md)."""
     if "\\boxed" not in text and "\\fbox" not in text:
         return []
     offset = _scan_region_start(text)
     region = text[offset:]
-    return [BoxSpan(offset + a, offset + b, offset + c, offset + c + 1) for a, b, c in _region_spans(region)]
+    return [
+        BoxSpan(offset + a, offset + b, offset + c, offset + c + 1)
+        for a, b, c in _region_spans(region)
+        if region[b:c].strip()
+    ]
 
 
 def _region_spans(text: str) -> list[tuple[int, int, int]]:
