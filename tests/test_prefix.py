@@ -566,8 +566,10 @@ def test_cycle_context_lora(tiny_model_path, tmp_path):
     assert shared[0].prefix_sharing_stats["cycle_contexts"] == CYCLE["max_steps"]
 
 
-def test_cycle_context_falls_back_per_micro_batch(tiny_model_path, tmp_path, caplog):
-    # gradient checkpointing drops the cache in a forward with gradients: each micro-batch shares on its own
+def test_cycle_context_falls_back_per_micro_batch(tiny_model_path, tmp_path, caplog, monkeypatch):
+    # gradient checkpointing drops the cache in a forward with gradients: each micro-batch shares on its own.
+    # The reason is logged once per process: forget what earlier tests of this process logged.
+    monkeypatch.setattr("trl_grpo_ext.prefix.support._LOGGED", set())
     with caplog.at_level("WARNING", logger="trl_grpo_ext.prefix"):
         trainer, *_ = train_run(tiny_model_path, tmp_path, share=True, gradient_checkpointing=True, max_steps=1)
     stats = trainer.prefix_sharing_stats
