@@ -17,7 +17,7 @@ from trl_grpo_ext.data import (
     parse_task_mix,
 )
 from trl_grpo_ext.data.gsm8k import load_gsm8k_rows
-from trl_grpo_ext.data.synthetic import is_eval_question
+from trl_grpo_ext.data.synthetic import evaluate_expression, is_eval_question
 
 MIX = "chain_sum_easy:2,chain_sum:2,basic_arithmetic:1,gsm_symbolic:1"
 
@@ -187,3 +187,18 @@ def test_utf8_with_bom_reads(tmp_path):
     path = tmp_path / "rows.jsonl"
     path.write_bytes('\ufeff{"question": "caf\u00e9?", "answer": "#### 1"}\n'.encode())
     assert load_gsm8k_rows(str(path))[0]["question"] == "caf\u00e9?"
+
+
+def test_basic_arithmetic_answers_follow_operator_precedence():
+    # reasoning-gym folds "3 + 10 * 7" left to right (91); the label must be 73.
+    assert evaluate_expression("3 + 10 * 7") == 73
+    assert evaluate_expression("4 - 10 + 3") == -3 and evaluate_expression("2 * 3 - 4 * 5") == -14
+    for bad in ("__import__('os')", "2 ** 8", "7 / 2", "1 +", ""):
+        with pytest.raises(ValueError, match="not an integer"):
+            evaluate_expression(bad)
+    rows = generate_problems(300, "train", tasks="basic_arithmetic", seed=0)
+    mixed = [r for r in rows if "*" in r["question"] and ("+" in r["question"] or " - " in r["question"])]
+    assert len(mixed) >= 10
+    for row in rows:
+        expression = row["question"].removeprefix("Calculate ").removesuffix(".")
+        assert parse_ground_truth(row["answer"]) == str(eval(expression))  # noqa: S307 - test oracle

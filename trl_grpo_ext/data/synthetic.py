@@ -9,7 +9,9 @@ spaces ("4 + 5") never leak from train into eval whatever the seeds.
 
 from __future__ import annotations
 
+import ast
 import hashlib
+import operator
 import random
 from functools import lru_cache
 
@@ -74,10 +76,41 @@ def _generator(task: str, seed: int):
     return reasoning_gym.create_dataset(name, seed=seed, size=_POOL, **config)
 
 
+_BINARY_OPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul}
+
+
+def evaluate_expression(expression: str) -> int:
+    """Integer value of `expression` ('3 + 10 * 7') with the usual precedence (* before + and -).
+
+    reasoning-gym 0.1's basic_arithmetic without parentheses folds its terms left to right, so its answer
+    to 'Calculate 3 + 10 * 7.' is 91, not 73: about one problem in nine of our mix had a wrong label, which
+    trained the wrong arithmetic and graded the right one as wrong. We recompute the answer from the
+    expression it prints. Only integers and + - * are accepted (no eval() of arbitrary text).
+    """
+
+    def value(node):
+        if isinstance(node, ast.Constant) and type(node.value) is int:
+            return node.value
+        if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.USub):
+            return -value(node.operand)
+        if isinstance(node, ast.BinOp) and type(node.op) in _BINARY_OPS:
+            return _BINARY_OPS[type(node.op)](value(node.left), value(node.right))
+        raise ValueError(f"not an integer + - * expression: {expression!r}")
+
+    try:
+        tree = ast.parse(expression, mode="eval")
+    except SyntaxError as err:
+        raise ValueError(f"not an integer + - * expression: {expression!r}") from err
+    return value(tree.body)
+
+
 def _problem(task: str, seed: int, index: int) -> dict:
     item = _generator(task, seed + (index // _POOL) * 7919)[index % _POOL]
     question = item["question"].removesuffix(_GSM_SYMBOLIC_SUFFIX).strip()
-    return {"question": question, "answer": f"#### {str(item['answer']).strip()}", "task": task}
+    answer = str(item["answer"]).strip()
+    if TASKS[task][0] == "basic_arithmetic":
+        answer = str(evaluate_expression(item["metadata"]["expression"]))
+    return {"question": question, "answer": f"#### {answer}", "task": task}
 
 
 def generate_problems(num_samples: int, split: str = "train", tasks="chain_sum,basic_arithmetic", seed: int = 0):
