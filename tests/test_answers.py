@@ -5,6 +5,7 @@ import subprocess
 import sys
 import textwrap
 import threading
+import time
 from fractions import Fraction
 
 import pytest
@@ -397,7 +398,8 @@ def test_extract_last_number(text, expected):
     assert extract_last_number(text) == expected
 
 
-# A stand-in for the math-verify worker: answers `pred == gold`, sleeps on "slow", exits on "die".
+# A stand-in for the math-verify worker: answers `pred == gold`, computes for 60 s on "slow", waits 2 s without
+# computing on "starved" (what a worker on a loaded machine sees: wall time passing, little CPU), exits on "die".
 STAND_IN = textwrap.dedent(
     """
     import json, sys, time
@@ -405,7 +407,11 @@ STAND_IN = textwrap.dedent(
     for line in sys.stdin:
         rid, pred, gold = json.loads(line)
         if pred == "slow":
-            time.sleep(60)
+            end = time.monotonic() + 60
+            while time.monotonic() < end:
+                pass
+        if pred == "starved":
+            time.sleep(2)
         if pred == "die":
             sys.exit(1)
         print(json.dumps([rid, pred == gold]), flush=True)
@@ -426,6 +432,19 @@ def test_verifier_timeout_kills_the_worker_so_no_late_answer_reaches_another_cal
         assert worker.check("die", "die", timeout=30) is None  # died twice (one retry)
         assert worker.stats["restarts"] == 2
         assert worker.check("d", "d", timeout=30) is True
+    finally:
+        worker.close()
+
+
+def test_verifier_limit_is_the_workers_cpu_time_not_the_wall_clock():
+    # 2 s of wall time with almost no CPU used is not over a 0.5 s limit: machine load can't change a score.
+    worker = MathVerifyWorker(command=[sys.executable, "-c", STAND_IN])
+    try:
+        assert worker.check("starved", "starved", timeout=0.5) is True
+        assert worker.stats["timeouts"] == 0
+        t0 = time.monotonic()
+        assert worker.check("slow", "slow", timeout=0.5) is None  # 0.5 s of CPU: cut off well before 60 s
+        assert time.monotonic() - t0 < 30 and worker.stats["timeouts"] == 1
     finally:
         worker.close()
 

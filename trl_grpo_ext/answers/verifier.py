@@ -65,11 +65,36 @@ def main() -> None:
         sys.stdout.flush()
 
 
+# How often a waiting comparison reads the worker's CPU time, and the wall-clock backstop of its limit.
+CPU_POLL_S = 0.1
+WALL_BACKSTOP_FACTOR = 30.0
+WALL_BACKSTOP_S = 60.0
+
+
+def _cpu_clock(pid: int):
+    """A function giving the CPU seconds (user + system) process `pid` has used; +inf once it is gone."""
+    import psutil  # a dependency of accelerate, so always there where TRL is
+
+    try:
+        proc = psutil.Process(pid)
+    except psutil.Error:
+        return lambda: float("inf")
+
+    def seconds() -> float:
+        try:
+            times = proc.cpu_times()
+        except psutil.Error:
+            return float("inf")
+        return times.user + times.system
+
+    return seconds
+
+
 class MathVerifyWorker:
     """Client of one persistent worker process.
 
-    One comparison at a time (a lock); each waits for its own answer up to `timeout` seconds, counted
-    from when the worker receives it, so waiting for the lock or for start-up never uses up a
+    One comparison at a time (a lock); each waits for its own answer until the worker has spent `timeout`
+    seconds of CPU time on it (machine load does not count), so waiting for the lock or for start-up never uses up a
     comparison's time. A comparison that runs out of time gets None and the worker is killed, so its
     late answer cannot reach any other call; the next comparison starts a fresh worker. A worker that
     dies while answering is restarted and asked once more. Answers are kept (they are the same every
@@ -92,7 +117,7 @@ class MathVerifyWorker:
         self.stats = {"calls": 0, "answered": 0, "timeouts": 0, "restarts": 0}
 
     def check(self, pred: str, gold: str, timeout: float) -> bool | None:
-        """math-verify's verdict, or None when the worker is unavailable or took over `timeout` s."""
+        """math-verify's verdict, or None when the worker is unavailable or used over `timeout` CPU seconds."""
         key = (pred, gold)
         with self._lock:
             cached = self._results.get(key)
@@ -110,7 +135,7 @@ class MathVerifyWorker:
                 if self._proc is not None:  # alive but out of time: kill it so its answer never arrives
                     self.stats["timeouts"] += 1
                     logger.warning(
-                        "math-verify took over %.0f s on %r vs %r; scored not equal and the worker restarted "
+                        "math-verify used over %.0f CPU s on %r vs %r; scored not equal and the worker restarted "
                         "(TRL_GRPO_EXT_VERIFY_TIMEOUT raises the limit)",
                         timeout,
                         pred[:80],
@@ -187,11 +212,21 @@ class MathVerifyWorker:
         except OSError:
             self._kill()
             return None
-        deadline = time.monotonic() + timeout
+        # The limit is the worker's CPU time on this comparison, not the wall clock: on a loaded machine a
+        # worker that gets a sliver of a core (a nice-19 test run beside two trainings: 0.2 s of sympy took
+        # over 10 s of wall time) would otherwise be cut off, and the same answers would score differently.
+        # The wall clock only backs it up (a worker that stops running at all) with a generous multiple.
+        cpu_seconds = _cpu_clock(self._proc.pid)
+        cpu_start = cpu_seconds()
+        wall_deadline = time.monotonic() + timeout * WALL_BACKSTOP_FACTOR + WALL_BACKSTOP_S
         while self._proc is not None:
-            line = self._readline(deadline)
+            line = self._readline(min(wall_deadline, time.monotonic() + CPU_POLL_S))
             if line is None:
-                return None
+                if self._proc is None:  # died
+                    return None
+                if cpu_seconds() - cpu_start > timeout or time.monotonic() >= wall_deadline:
+                    return None
+                continue
             try:
                 got, ok = json.loads(line)
             except (ValueError, TypeError):
