@@ -7,9 +7,12 @@ import pytest
 
 from trl_grpo_ext.answers import parse_ground_truth
 from trl_grpo_ext.data import (
+    ARITHMETIC_ONE_SHOT_ANSWER,
+    ARITHMETIC_ONE_SHOT_QUESTION,
     ONE_SHOT_ANSWER,
     ONE_SHOT_QUESTION,
     SYSTEM_PROMPT,
+    TASKS,
     build_prompt,
     generate_problems,
     load_dataset_split,
@@ -17,6 +20,7 @@ from trl_grpo_ext.data import (
     parse_task_mix,
 )
 from trl_grpo_ext.data.gsm8k import load_gsm8k_rows
+from trl_grpo_ext.data.prompts import ARITHMETIC_TASKS
 from trl_grpo_ext.data.synthetic import evaluate_expression, is_eval_question
 
 MIX = "chain_sum_easy:2,chain_sum:2,basic_arithmetic:1,gsm_symbolic:1"
@@ -202,3 +206,27 @@ def test_basic_arithmetic_answers_follow_operator_precedence():
     for row in rows:
         expression = row["question"].removeprefix("Calculate ").removesuffix(".")
         assert parse_ground_truth(row["answer"]) == str(eval(expression))  # noqa: S307 - test oracle
+
+
+def test_the_one_shot_example_is_of_the_questions_kind():
+    arithmetic = build_prompt("Calculate 2 + 5.", task="basic_arithmetic")
+    assert arithmetic[1]["content"] == ARITHMETIC_ONE_SHOT_QUESTION
+    assert arithmetic[2]["content"] == ARITHMETIC_ONE_SHOT_ANSWER and "\\boxed{-3}" in ARITHMETIC_ONE_SHOT_ANSWER
+    for task in (None, "gsm_symbolic", "gsm8k"):
+        assert build_prompt("Q?", task=task)[1]["content"] == ONE_SHOT_QUESTION
+    assert ARITHMETIC_ONE_SHOT_QUESTION in build_prompt("Calculate 1 - 1.", chat=False, task="chain_sum")
+    assert ARITHMETIC_TASKS == set(TASKS) - {"gsm_symbolic"}
+    # The example's answer is right, and is never one of the problems.
+    assert evaluate_expression(ARITHMETIC_ONE_SHOT_QUESTION.removeprefix("Calculate ").removesuffix(".")) == -3
+    ds = load_dataset_split("synthetic", "train", num_samples=40, tasks="chain_sum:1,gsm_symbolic:1", seed=0)
+    for row in ds:
+        want = ARITHMETIC_ONE_SHOT_QUESTION if row["task"] == "chain_sum" else ONE_SHOT_QUESTION
+        assert row["prompt"][1]["content"] == want
+
+
+def test_a_worked_example_question_is_never_drawn(monkeypatch):
+    import trl_grpo_ext.data.synthetic as synthetic
+
+    first = generate_problems(5, "train", tasks="chain_sum_easy", seed=0)[0]["question"]
+    monkeypatch.setattr(synthetic, "_EXAMPLE_QUESTIONS", frozenset({first}))
+    assert first not in {r["question"] for r in generate_problems(50, "train", tasks="chain_sum_easy", seed=0)}

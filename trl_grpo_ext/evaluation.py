@@ -394,7 +394,7 @@ def problems_from_rows(rows: Sequence[dict], one_shot: bool = True, chat: bool =
             Problem(
                 question,
                 _ground_truth(row),
-                build_prompt(question, one_shot=one_shot, chat=chat),
+                build_prompt(question, one_shot=one_shot, chat=chat, task=row.get("task")),
                 row.get("id", i),
                 row.get("task") or row.get("source"),
             )

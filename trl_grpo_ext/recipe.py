@@ -247,7 +247,7 @@ def build_datasets(script_args, training_args, tokenizer):
         )
         eval_problems = [
             {
-                "prompt": build_prompt(r["question"], one_shot=script_args.one_shot, chat=chat),
+                "prompt": build_prompt(r["question"], one_shot=script_args.one_shot, chat=chat, task=r.get("task")),
                 "answer": r["answer"],
                 "question": r["question"],
                 "task": r.get("task"),

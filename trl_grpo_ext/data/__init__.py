@@ -5,10 +5,20 @@ ground-truth `answer` (GSM8K style, `... #### N`) that the rewards receive as a 
 """
 
 from .loading import SYNTHETIC_SOURCE, load_dataset_split, load_problems
-from .prompts import ONE_SHOT_ANSWER, ONE_SHOT_QUESTION, SYSTEM_PROMPT, build_prompt
+from .prompts import (
+    ARITHMETIC_ONE_SHOT_ANSWER,
+    ARITHMETIC_ONE_SHOT_QUESTION,
+    ONE_SHOT_ANSWER,
+    ONE_SHOT_QUESTION,
+    SYSTEM_PROMPT,
+    build_prompt,
+    one_shot_example,
+)
 from .synthetic import TASKS, generate_problems, parse_task_mix
 
 __all__ = [
+    "ARITHMETIC_ONE_SHOT_ANSWER",
+    "ARITHMETIC_ONE_SHOT_QUESTION",
     "ONE_SHOT_ANSWER",
     "ONE_SHOT_QUESTION",
     "SYNTHETIC_SOURCE",
@@ -18,5 +28,6 @@ __all__ = [
     "generate_problems",
     "load_dataset_split",
     "load_problems",
+    "one_shot_example",
     "parse_task_mix",
 ]

@@ -46,7 +46,9 @@ def load_dataset_split(
     records = []
     for row in rows:
         record = {
-            "prompt": build_prompt(row["question"], one_shot=one_shot, chat=chat, system_prompt=system_prompt),
+            "prompt": build_prompt(
+                row["question"], one_shot=one_shot, chat=chat, system_prompt=system_prompt, task=row.get("task")
+            ),
             "question": row["question"],
             "answer": row["answer"],
         }

@@ -15,6 +15,11 @@ import operator
 import random
 from functools import lru_cache
 
+from .prompts import ARITHMETIC_ONE_SHOT_QUESTION, ONE_SHOT_QUESTION
+
+# A problem the prompt's worked example answers is never drawn (its answer would be in the prompt).
+_EXAMPLE_QUESTIONS = frozenset({ONE_SHOT_QUESTION, ARITHMETIC_ONE_SHOT_QUESTION})
+
 # name -> (reasoning-gym generator, its config). Easiest first.
 TASKS: dict[str, tuple[str, dict]] = {
     "chain_sum_easy": ("chain_sum", {"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 1}),
@@ -138,7 +143,7 @@ def generate_problems(num_samples: int, split: str = "train", tasks="chain_sum,b
         problem = _problem(task, base_seed, counters[task])
         counters[task] += 1
         key = problem["question"]
-        if key in seen or is_eval_question(key) != want_eval:
+        if key in seen or key in _EXAMPLE_QUESTIONS or is_eval_question(key) != want_eval:
             continue
         seen.add(key)
         rows.append(problem)
