@@ -17,7 +17,7 @@ ONE_SHOT_QUESTION = "Tom has 3 bags of 4 apples. He eats 2. How many apples are 
 ONE_SHOT_ANSWER = "3 * 4 = 12 apples. 12 - 2 = 10.\n\\boxed{10}"
 # The example for bare arithmetic (docs/recipes.md, "Learning on the embedded default"): after RL with the word
 # example above, SmolLM2-135M boxed a different number than the one it had just computed in 83 of 320 held-out
-# arithmetic answers (`1 - 0 = 1.` then `\\boxed{10}`: the example's two-digit box), 4 of 320 with this one.
+# arithmetic answers (`1 - 0 = 1.` then `\\boxed{10}`: the example's two-digit box), 0-19 of 320 with this one.
 # It also shows a step at a time and a negative intermediate, the model's commonest arithmetic slip.
 ARITHMETIC_ONE_SHOT_QUESTION = "Calculate 3 - 8 + 2."
 ARITHMETIC_ONE_SHOT_ANSWER = "3 - 8 = -5. -5 + 2 = -3.\n\\boxed{-3}"

@@ -88,7 +88,7 @@ def evaluate_expression(expression: str) -> int:
     """Integer value of `expression` ('3 + 10 * 7') with the usual precedence (* before + and -).
 
     reasoning-gym 0.1's basic_arithmetic without parentheses folds its terms left to right, so its answer
-    to 'Calculate 3 + 10 * 7.' is 91, not 73: about one problem in nine of our mix had a wrong label, which
+    to 'Calculate 3 + 10 * 7.' is 91, not 73: 210 of 2,000 of the task's problems had a wrong label, which
     trained the wrong arithmetic and graded the right one as wrong. We recompute the answer from the
     expression it prints. Only integers and + - * are accepted (no eval() of arbitrary text).
     """
