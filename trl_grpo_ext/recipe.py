@@ -208,9 +208,8 @@ def prompts_per_run(training_args) -> int:
 
 
 def build_datasets(script_args, training_args, tokenizer):
-    """(train dataset with `prompt`/`answer`, eval problems [{'prompt','answer'}] or [])."""
+    """(train dataset with `prompt`/`answer`, held-out eval `Problem`s (`evaluation.problems_from_rows`) or [])."""
     from trl_grpo_ext.data import load_dataset_split, load_problems
-    from trl_grpo_ext.data.prompts import build_prompt
 
     chat = _use_chat(script_args, tokenizer)
     num_train = script_args.num_train_samples
@@ -235,7 +234,7 @@ def build_datasets(script_args, training_args, tokenizer):
         )
     eval_problems = []
     if script_args.eval_num_samples:
-        from trl_grpo_ext.evaluation import HELDOUT_SEED
+        from trl_grpo_ext.evaluation import HELDOUT_SEED, problems_from_rows
 
         # One held-out set whatever the training seed: seeds of a sweep are then compared on the same problems
         # (paired), and the cached "before" eval of the model on that set is reused across runs.
@@ -245,15 +244,7 @@ def build_datasets(script_args, training_args, tokenizer):
             script_args.eval_num_samples,
             **{**common, "seed": HELDOUT_SEED},
         )
-        eval_problems = [
-            {
-                "prompt": build_prompt(r["question"], one_shot=script_args.one_shot, chat=chat, task=r.get("task")),
-                "answer": r["answer"],
-                "question": r["question"],
-                "task": r.get("task"),
-            }
-            for r in rows
-        ]
+        eval_problems = problems_from_rows(rows, one_shot=script_args.one_shot, chat=chat)
     return train, eval_problems
 
 
