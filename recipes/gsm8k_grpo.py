@@ -18,6 +18,7 @@ from trl_grpo_ext.recipe import (  # noqa: E402
     load_model,
     prepare_run,
     report_run,
+    save_run_config,
 )
 from trl_grpo_ext.script_args import parse_recipe_args  # noqa: E402
 
@@ -56,6 +57,7 @@ def main(argv=None) -> int:
     if swanlab_on:
         trainer.add_callback(cbs.SwanLabCompletionsCallback(trainer))
     arm_test_kill_points(trainer)
+    save_run_config(trainer, script_args, training_args, model_args)
     if run.resume_from_checkpoint:
         print(f"resuming from {run.resume_from_checkpoint}", flush=True)
     trainer.train(resume_from_checkpoint=run.resume_from_checkpoint)

@@ -176,6 +176,8 @@ def test_tiny_run_end_to_end_with_swanlab_offline(tiny_model_path, tmp_path, mon
     assert evals["before"]["step"] == 0 and evals["after"]["step"] == 2 and evals["after"]["n"] == 2
     summary = json.loads((out / "run_summary.json").read_text())
     assert summary["logged_steps"] == 2 and summary["peak_rss_gb"] > 0
+    saved = yaml.safe_load((out / "config.yaml").read_text())  # what `compare` groups and diffs runs by
+    assert (saved["backend"], saved["max_steps"], saved["report_to"]) == ("trl", 2, ["swanlab"])
     tables = [json.loads(p.read_text()) for p in (out / "swanlog").rglob("media/echarts/*.json")]
     assert tables, "offline SwanLab logs (with the completions table) live under the output dir"
     columns = [c["field"] for c in tables[0]["colDefs"]]
@@ -306,3 +308,31 @@ def test_cpu_threads_after_accelerate_launch():
         assert cpu_threads_to_set(child, (launcher[0], [*launcher[1][:3], *flag]), 8, on_cpu=True) is None
     two = {**child, "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2"}
     assert cpu_threads_to_set(two, launcher, 8, on_cpu=True) is None  # processes share the cores
+
+
+def test_recipe_config_lets_compare_group_hand_launched_seeds(tmp_path):
+    """Runs launched by hand (not by `sweep`) save config.yaml, so `compare` groups those differing only in seed."""
+    from trl_grpo_ext.compare import load_runs, summarize
+    from trl_grpo_ext.recipe import save_run_config
+    from trl_grpo_ext.seed_comparison import group_by_seed
+
+    class MainProcess:
+        def is_world_process_zero(self):
+            return True
+
+    dirs = []
+    for name, extra in (("a0", ["--seed", "0"]), ("a1", ["--seed", "1"]), ("b0", ["--learning_rate", "3e-5"])):
+        out = tmp_path / name
+        script_args, training_args, model_args = _parse(["--output_dir", str(out), *extra])
+        save_run_config(MainProcess(), script_args, training_args, model_args)
+        (out / "metrics.jsonl").write_text('{"step": 1, "reward": 0.5}\n')
+        dirs.append(out)
+    saved = yaml.safe_load((tmp_path / "a1" / "config.yaml").read_text())
+    assert saved["backend"] == "trl" and saved["seed"] == 1 and saved["synthetic_tasks"]
+    assert saved["model_name_or_path"] == "embedded" and saved["output_dir"] == str(tmp_path / "a1")
+    runs = load_runs(dirs)
+    from trl_grpo_ext.compare import IGNORED_CONFIG_KEYS
+
+    groups = group_by_seed(runs, [summarize(r) for r in runs], IGNORED_CONFIG_KEYS)
+    assert [g.seeds for g in groups] == [[0, 1], [0]]
+    assert [r.path.name for r in groups[0].runs] == ["a0", "a1"] and "learning_rate=3e-05" in groups[1].label

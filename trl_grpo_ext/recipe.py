@@ -23,6 +23,7 @@ from trl_grpo_ext.run_files import (
     maybe_kill,
     resolve_resume_checkpoint,
     run_metrics,
+    write_run_config,
 )
 
 _START = time.time()
@@ -303,6 +304,17 @@ def _eval_lines(evals: dict) -> list[str]:
         lines.append("  held-out paired gains (95% paired-bootstrap interval, exact McNemar p):")
         lines += format_paired(evals["paired"], indent="    ")
     return lines
+
+
+def save_run_config(trainer, script_args, training_args, model_args) -> None:
+    """`<output_dir>/config.yaml` (main process): script, model and training arguments as the run used them, so
+    `trl-grpo-ext compare` groups runs launched by hand, not only by `sweep`, that differ only in seed."""
+    if not trainer.is_world_process_zero():
+        return
+    from dataclasses import asdict
+
+    config = {**asdict(model_args), **asdict(script_args), **training_args.to_dict(), "backend": "trl"}
+    write_run_config(training_args.output_dir, config)
 
 
 def report_run(trainer, training_args) -> dict:

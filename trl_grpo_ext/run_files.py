@@ -7,7 +7,7 @@ file ends with one row per step. Readers (`read_metrics_file`) skip and count li
 
 Guarantees, each tested in tests/test_run_files.py and tests/test_kill_resume.py:
 
-- whole-file writes (`atomic_write_text`: config.yaml, run_summary.json, eval files, loop state) replace the
+- whole-file writes (`atomic_write_text`, `write_run_config`: config.yaml, run_summary.json, eval files, loop state) replace the
   old file in one rename, so a kill leaves either the old or the new file, never half of one;
 - an append after a kill mid-row never glues the new row onto the torn fragment: the fragment is dropped
   (kept, newline-terminated, if it happens to be a whole JSON object);
@@ -59,6 +59,15 @@ def atomic_write_text(path, text: str) -> None:
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+
+
+def write_run_config(run_dir, config: dict) -> None:
+    """`<run_dir>/config.yaml`: the run's whole config, written atomically, that `trl-grpo-ext compare` reads to
+    group runs differing only in seed. Values YAML can't hold (enums, paths) are written as their `str`."""
+    import yaml
+
+    plain = json.loads(json.dumps(config, default=str))
+    atomic_write_text(Path(run_dir) / CONFIG_FILENAME, yaml.safe_dump(plain, sort_keys=True))
 
 
 def atomic_write_json(path, data, **dumps_kwargs) -> None:

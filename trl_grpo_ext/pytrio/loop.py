@@ -40,7 +40,7 @@ from trl_grpo_ext.pytrio.connection import install_log_redaction, redact
 from trl_grpo_ext.pytrio.datums import Rollout, build_datum, shifted_sequences, validate_rollout
 from trl_grpo_ext.pytrio.metrics import MetricsSink
 from trl_grpo_ext.rewards import get_reward_funcs
-from trl_grpo_ext.run_files import CONFIG_FILENAME, METRICS_FILENAME, atomic_write_text, truncate_metrics
+from trl_grpo_ext.run_files import METRICS_FILENAME, truncate_metrics, write_run_config
 
 logger = logging.getLogger(__name__)
 
@@ -774,9 +774,7 @@ class GRPOLoop:
 
 
 def _write_config(config: PyTrioGRPOConfig, out: Path) -> None:
-    import yaml
-
-    atomic_write_text(out / CONFIG_FILENAME, yaml.safe_dump({**config.to_dict(), "backend": "pytrio"}, sort_keys=True))
+    write_run_config(out, {**config.to_dict(), "backend": "pytrio"})
 
 
 def run_from_config(config: PyTrioGRPOConfig, loop: GRPOLoop | None = None, **kwargs) -> dict:
