@@ -85,25 +85,52 @@ def test_kill_at_three_points_then_resume_loses_and_repeats_no_step(tiny_model_p
     assert state["global_step"] == MAX_STEPS
 
 
-@pytest.mark.slow
-def test_pytrio_recipe_killed_mid_row_resumes_without_a_glued_row(tiny_model_path, tmp_path):
-    """The PyTRIO loop appends through the same `append_jsonl_row`: killed halfway through step 3's row (after the
-    step-2 checkpoint), `--resume true` drops the fragment and logs step 3 once."""
-    import importlib.util
-
-    out = tmp_path / "pytrio"
-    args = [
+def _pytrio_args(tiny_model_path, out):
+    return [
         "--config", str(ROOT / "recipes" / "pytrio" / "embedded.yaml"), "--base_model", tiny_model_path,
         "--lora_rank", "4", "--max_steps", "3", "--save_every", "1", "--max_completion_length", "8",
         "--dataset_size", "16", "--output_dir", str(out),
     ]  # fmt: skip
+
+
+def _pytrio_resume(args):
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("gsm8k_pytrio_kill", ROOT / "recipes" / "gsm8k_pytrio.py")
+    recipe = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(recipe)
+    return recipe.main([*args, "--resume", "true"])
+
+
+@pytest.mark.slow
+def test_pytrio_recipe_killed_mid_row_resumes_without_a_glued_row(tiny_model_path, tmp_path):
+    """The PyTRIO loop appends through the same `append_jsonl_row`: killed halfway through step 3's row (after the
+    step-2 checkpoint), `--resume true` drops the fragment and logs step 3 once."""
+    out = tmp_path / "pytrio"
+    args = _pytrio_args(tiny_model_path, out)
     code, log = _run(
         [sys.executable, str(ROOT / "recipes" / "gsm8k_pytrio.py"), *args], "metrics:3", tmp_path / "p.log"
     )
     assert code == -signal.SIGKILL, log[-3000:]
     assert _steps(out) == ([1, 2], 1)
-    spec = importlib.util.spec_from_file_location("gsm8k_pytrio_kill", ROOT / "recipes" / "gsm8k_pytrio.py")
-    recipe = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(recipe)
-    assert recipe.main([*args, "--resume", "true"]) == 0
+    assert _pytrio_resume(args) == 0
     assert _steps(out) == ([1, 2, 3], 0)
+
+
+@pytest.mark.slow
+def test_pytrio_recipe_killed_during_a_save_resumes_from_the_previous_checkpoint(tiny_model_path, tmp_path):
+    """Killed after step 2's checkpoint is saved remotely but before the loop state records it: the state still
+    names step 1's checkpoint, so `--resume true` drops step 2's row, trains steps 2 and 3 again and logs each once."""
+    from trl_grpo_ext.pytrio.checkpoint import load_loop_state
+
+    out = tmp_path / "pytrio"
+    args = _pytrio_args(tiny_model_path, out)
+    code, log = _run([sys.executable, str(ROOT / "recipes" / "gsm8k_pytrio.py"), *args], "save:2", tmp_path / "p.log")
+    assert code == -signal.SIGKILL, log[-3000:]
+    assert _steps(out) == ([1, 2], 0)
+    state = load_loop_state(out)
+    assert state.step == 1 and [c["step"] for c in state.checkpoints] == [1]
+    assert _pytrio_resume(args) == 0
+    assert _steps(out) == ([1, 2, 3], 0)
+    state = load_loop_state(out)
+    assert state.step == 3 and [c["step"] for c in state.checkpoints] == [1, 2, 3]

@@ -40,7 +40,7 @@ from trl_grpo_ext.pytrio.connection import install_log_redaction, redact
 from trl_grpo_ext.pytrio.datums import Rollout, build_datum, shifted_sequences, validate_rollout
 from trl_grpo_ext.pytrio.metrics import MetricsSink
 from trl_grpo_ext.rewards import get_reward_funcs
-from trl_grpo_ext.run_files import METRICS_FILENAME, truncate_metrics, write_run_config
+from trl_grpo_ext.run_files import METRICS_FILENAME, maybe_kill, truncate_metrics, write_run_config
 
 logger = logging.getLogger(__name__)
 
@@ -668,6 +668,8 @@ class GRPOLoop:
         path = getattr(result, "path", None)
         if not isinstance(path, str) or not path:
             raise PyTrioLoopError(f"save_state returned no checkpoint path ({result!r})")
+        # Saved remotely, not yet recorded here: a kill now resumes from the previous recorded checkpoint.
+        maybe_kill("save", step_done)
         state.step = step_done
         state.data_position = stream.position
         state.curriculum = self.curriculum.state_dict() if self.curriculum is not None else None
