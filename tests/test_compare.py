@@ -369,3 +369,20 @@ def test_heldout_differences_pair_only_on_one_common_eval_set(tmp_path):
     report = build_report([*a, *b], tmp_path / "report2")
     held = next(v for v in report.verdicts if v.startswith("held-out boxed acc after"))
     assert "no per-problem results on one common eval set" in held
+
+
+def test_a_saved_models_config_json_is_not_taken_for_the_runs_config(tmp_path):
+    """A TRL run folder holds the model's config.json (`save_model`): two such runs without a run config are two
+    unknown configurations, not one configuration whose 'config' is the architecture."""
+    from trl_grpo_ext.seed_comparison import group_by_seed
+
+    dirs = []
+    for name in ("lr1e-5", "lr2e-5"):
+        d = write_run(tmp_path, name, [{"step": 1, "reward": 0.5}])
+        (d / "config.json").write_text(json.dumps({"model_type": "llama", "architectures": ["LlamaForCausalLM"]}))
+        dirs.append(d)
+    runs = load_runs(dirs)
+    assert all(r.config == {} and any("no saved config" in n for n in r.notes) for r in runs)
+    assert len(group_by_seed(runs, [summarize(r) for r in runs], set())) == 2
+    (dirs[0] / "config.yaml").write_text(yaml.safe_dump({"learning_rate": 1e-5, "seed": 0}))
+    assert load_run(dirs[0]).config == {"learning_rate": 1e-5, "seed": 0}

@@ -117,6 +117,8 @@ def read_config(run_dir: Path) -> tuple[dict, str | None, dict | None]:
             continue
         if not isinstance(data, dict):
             continue
+        if name == "config.json" and ("model_type" in data or "architectures" in data):
+            continue  # the saved model's own config (`save_model` writes it), not the run's
         if name == "sweep_done.json":
             marker = data
             if isinstance(data.get("config"), dict):
