@@ -7,8 +7,8 @@ file ends with one row per step. Readers (`read_metrics_file`) skip and count li
 
 Guarantees, each tested in tests/test_run_files.py and tests/test_kill_resume.py:
 
-- whole-file writes (`atomic_write_text`, `write_run_config`: config.yaml, run_summary.json, eval files, loop state) replace the
-  old file in one rename, so a kill leaves either the old or the new file, never half of one;
+- whole-file writes (`atomic_write_text`, `write_run_config`: config.yaml, run_summary.json, eval files, loop
+  state) replace the old file in one rename, so a kill leaves either the old or the new file, never half of one;
 - an append after a kill mid-row never glues the new row onto the torn fragment: the fragment is dropped
   (kept, newline-terminated, if it happens to be a whole JSON object);
 - `latest_checkpoint` passes over an HF `checkpoint-N` whose save was killed before its `trainer_state.json`
