@@ -312,7 +312,7 @@ def test_cpu_threads_after_accelerate_launch():
 
 def test_recipe_config_lets_compare_group_hand_launched_seeds(tmp_path):
     """Runs launched by hand (not by `sweep`) save config.yaml, so `compare` groups those differing only in seed."""
-    from trl_grpo_ext.compare import load_runs, summarize
+    from trl_grpo_ext.compare import IGNORED_CONFIG_KEYS, load_runs, summarize
     from trl_grpo_ext.recipe import save_run_config
     from trl_grpo_ext.seed_comparison import group_by_seed
 
@@ -331,8 +331,6 @@ def test_recipe_config_lets_compare_group_hand_launched_seeds(tmp_path):
     assert saved["backend"] == "trl" and saved["seed"] == 1 and saved["synthetic_tasks"]
     assert saved["model_name_or_path"] == "embedded" and saved["output_dir"] == str(tmp_path / "a1")
     runs = load_runs(dirs)
-    from trl_grpo_ext.compare import IGNORED_CONFIG_KEYS
-
     groups = group_by_seed(runs, [summarize(r) for r in runs], IGNORED_CONFIG_KEYS)
     assert [g.seeds for g in groups] == [[0, 1], [0]]
     assert [r.path.name for r in groups[0].runs] == ["a0", "a1"] and "learning_rate=3e-05" in groups[1].label
