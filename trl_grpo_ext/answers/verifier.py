@@ -73,7 +73,7 @@ WALL_BACKSTOP_S = 60.0
 
 def _cpu_clock(pid: int):
     """A function giving the CPU seconds (user + system) process `pid` has used; +inf once it is gone."""
-    import psutil  # declared in pyproject (and a dependency of accelerate); imported only when a worker starts
+    import psutil  # declared in pyproject (and a dependency of accelerate); imported on first use
 
     try:
         proc = psutil.Process(pid)
