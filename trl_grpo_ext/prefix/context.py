@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..compat import cache_kwargs
 from .packing import DEFAULT_MAX_PACKED_TOKENS, _completions, _unpack
 from .plan import PrefixPlan, plan_prefix, prompts_from_left_padded
 from .support import _config_of
@@ -98,7 +99,7 @@ def encode_prompt_context(
     visible |= torch.eye(width, dtype=torch.bool) & (group_of == -2).unsqueeze(2)  # padding sees itself (no NaN)
     cache = DynamicCache(config=_config_of(model))
     model(input_ids=ids.to(device), position_ids=pos.to(device), attention_mask=_mask_for(model, visible.unsqueeze(1).to(device)),
-          cache=cache, use_cache=True, logits_to_keep=1)  # fmt: skip
+          **cache_kwargs(model, cache), use_cache=True, logits_to_keep=1)  # fmt: skip
     flat = [(layer.keys, layer.values) for layer in cache.layers]
     keys = [k.transpose(0, 1).reshape(k.size(1), -1, k.size(3)) for k, _ in flat]
     values = [v.transpose(0, 1).reshape(v.size(1), -1, v.size(3)) for _, v in flat]
@@ -220,7 +221,7 @@ def context_logps_and_entropies(
         input_ids=ids.to(device),
         position_ids=pos.to(device),
         attention_mask=_mask_for(model, visible.to(device)),
-        cache=cache,
+        **cache_kwargs(model, cache),
         labels=labels.to(device),
         fused_lm_head=True,
     )

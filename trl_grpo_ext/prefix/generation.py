@@ -7,6 +7,7 @@ from collections.abc import Sequence
 
 import torch
 
+from ..compat import cache_kwargs
 from .plan import plan_prefix
 from .support import _config_of, log_fallback_once, sharing_unsupported_reason
 
@@ -95,8 +96,8 @@ def shared_prefix_generate(
     length = plan.prefix_length
     if length:
         prefix = torch.tensor([list(plan.prompts[0][:length])], device=device)
-        model(input_ids=prefix, position_ids=torch.arange(length, device=device)[None], cache=cache, use_cache=True,
-              logits_to_keep=1)  # fmt: skip
+        positions = torch.arange(length, device=device)[None]
+        model(input_ids=prefix, position_ids=positions, **cache_kwargs(model, cache), use_cache=True, logits_to_keep=1)
     rests = [plan.remainder(g) for g in range(len(plan.groups))]
     width = max(len(r) for r in rests)
     rest_ids = torch.full((len(rests), width), pad_token_id, dtype=torch.long, device=device)
@@ -109,7 +110,7 @@ def shared_prefix_generate(
             cache.reorder_cache(torch.zeros(len(rests), dtype=torch.long, device=device))
         mask = torch.cat([torch.ones(len(rests), length, dtype=torch.long, device=device), rest_mask], dim=1)
         positions = (length + torch.arange(width, device=device)).expand(len(rests), -1)
-        model(input_ids=rest_ids, attention_mask=mask, position_ids=positions, cache=cache, use_cache=True,
+        model(input_ids=rest_ids, attention_mask=mask, position_ids=positions, **cache_kwargs(model, cache), use_cache=True,
               logits_to_keep=1)  # fmt: skip
         cache.reorder_cache(torch.tensor(plan.row_group, dtype=torch.long, device=device))
     else:
@@ -122,7 +123,7 @@ def shared_prefix_generate(
     head = head.reshape(len(plan.prompts), length)
     ids = torch.cat([head, rest_ids[rows], last], dim=1)
     mask = torch.cat([torch.ones_like(head), rest_mask[rows], torch.ones_like(last)], dim=1)
-    out = model.generate(input_ids=ids, attention_mask=mask, cache=cache, **kwargs)
+    out = model.generate(input_ids=ids, attention_mask=mask, **cache_kwargs(model, cache), **kwargs)
     if isinstance(out, torch.Tensor):
         return torch.cat([padded, out[:, ids.size(1) :]], dim=1)
     out.sequences = torch.cat([padded, out.sequences[:, ids.size(1) :]], dim=1)  # return_dict_in_generate

@@ -9,7 +9,6 @@ A single re-entrant lock serialises every use of the model: PEFT's active adapte
 from __future__ import annotations
 
 import copy
-import inspect
 import itertools
 import json
 import logging
@@ -22,6 +21,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from trl_grpo_ext.compat import cache_keyword, output_cache
 from trl_grpo_ext.pytrio.server.losses import LossSpec, per_token_loss
 
 logger = logging.getLogger(__name__)
@@ -133,11 +133,6 @@ class SampleResult:
     text: str | None = None
 
 
-def _cache_of(output):
-    cache = getattr(output, "past_key_values", None)
-    return cache if cache is not None else getattr(output, "cache", None)
-
-
 class ModelEngine:
     """Loads `model_path` once and serves training runs and samplers on it."""
 
@@ -183,8 +178,7 @@ class ModelEngine:
         from trl_grpo_ext.prefix import sharing_unsupported_reason
 
         self.prefix_sharing_reason = sharing_unsupported_reason(model)  # None where the shared forward is exact
-        # transformers 5.x renamed the forward argument `past_key_values` to `cache`
-        self._cache_kw = "cache" if "cache" in inspect.signature(type(model).forward).parameters else "past_key_values"
+        self._cache_kw = cache_keyword(model)
 
     # ---------------------------------------------------------------- adapters
     def _module_names(self, lora: LoraSettings) -> list[str]:
@@ -435,7 +429,7 @@ class ModelEngine:
         head_cache = head_logits = None
         if head:
             out = self.peft(input_ids=torch.tensor([groups[0][0].tokens[:head]], device=self.device), use_cache=True)
-            head_cache, head_logits = _cache_of(out), out.logits.float()
+            head_cache, head_logits = output_cache(out), out.logits.float()
         results = []
         for data, length in zip(groups, shared, strict=True):
             tokens = data[0].tokens
@@ -446,10 +440,10 @@ class ModelEngine:
                     out = self.peft(input_ids=ids, attention_mask=torch.ones(1, length, dtype=torch.long, device=self.device),
                                     position_ids=torch.arange(head, length, device=self.device)[None], use_cache=True,
                                     **{self._cache_kw: cache})  # fmt: skip
-                    cache, prefix_logits = _cache_of(out), torch.cat([head_logits, out.logits.float()], dim=1)
+                    cache, prefix_logits = output_cache(out), torch.cat([head_logits, out.logits.float()], dim=1)
             else:
                 out = self.peft(input_ids=torch.tensor([tokens[:length]], device=self.device), use_cache=True)
-                cache, prefix_logits = _cache_of(out), out.logits.float()  # (1, length, V)
+                cache, prefix_logits = output_cache(out), out.logits.float()  # (1, length, V)
             results.append(self._suffix_target_logprobs(data, length, cache, prefix_logits, auto_shift))
         return results
 
@@ -763,7 +757,7 @@ class DecodeBatch:
             with ctx, torch.no_grad():
                 prompt = torch.tensor([spec.prompt], device=engine.device)
                 out = model(input_ids=prompt, use_cache=True, logits_to_keep=1)
-                cache, logits = _cache_of(out), out.logits[:, -1].float()
+                cache, logits = output_cache(out), out.logits[:, -1].float()
                 if n > 1:
                     cache.batch_repeat_interleave(n)
         rows = RequestRows(spec, logits.expand(n, -1), engine.device, engine._stop_ids)
@@ -822,7 +816,7 @@ class DecodeBatch:
                     logits_to_keep=1,
                     **{engine._cache_kw: self.cache},
                 )
-        self.cache, self.positions = _cache_of(out), self.positions + 1
+        self.cache, self.positions = output_cache(out), self.positions + 1
         logits = out.logits[:, -1].float()
         start = 0
         for rows in self.requests:
