@@ -17,6 +17,7 @@ from trl_grpo_ext.prefix import (
     context_logps_and_entropies,
     encode_prompt_context,
     pack_rows,
+    packed_unsupported_reason,
     plan_prefix,
     prompts_from_left_padded,
     shared_prefix_generate,
@@ -135,8 +136,12 @@ def test_unsupported_models_are_named():
     small = dict(vocab_size=16, hidden_size=8, intermediate_size=16, num_hidden_layers=1, num_attention_heads=2)
     llama = LlamaForCausalLM(LlamaConfig(**small))
     assert sharing_unsupported_reason(llama) is None
-    llama.config._attn_implementation = "flash_attention_2"
-    assert "does not take a custom 4D mask" in sharing_unsupported_reason(llama)
+    for attn in ("flash_attention_2", "flex_attention"):  # packed: segment attention; a shared cache: not tested
+        llama.config._attn_implementation = attn
+        assert packed_unsupported_reason(llama) is None
+        assert "sdpa or eager only" in sharing_unsupported_reason(llama)
+    llama.config._attn_implementation = "paged|sdpa"
+    assert "attention implementation 'paged|sdpa' is not one of" in packed_unsupported_reason(llama)
     dynamic = LlamaForCausalLM(LlamaConfig(**small, rope_parameters={"rope_type": "dynamic", "factor": 2.0}))
     assert "RoPE type 'dynamic'" in sharing_unsupported_reason(dynamic)
     from peft import LoraConfig, PrefixTuningConfig, get_peft_model
@@ -161,7 +166,9 @@ def test_shared_forward_equals_plain(tiny_model_path, attn, budget, temperature)
 
     logps, entropies = plain_fused(model, ids, mask, keep)
     want = grads_of(model, (logps * weights).sum() + entropies.sum())
-    result = shared_prefix_logps_and_entropies(model, ids, mask, keep, compute_entropy=True, max_packed_tokens=budget)
+    result = shared_prefix_logps_and_entropies(
+        model, ids, mask, keep, compute_entropy=True, max_packed_tokens=budget, layout="packed"
+    )
     assert result is not None
     got_logps, got_entropies = result
     got = grads_of(model, (got_logps * weights).sum() + got_entropies.sum())
@@ -247,6 +254,7 @@ def make_trainer(path, tmp_path, cls=GRPOTrainer, config_cls=GRPOConfig, peft_co
     )
     trainer.model.train()
     trainer.current_gradient_accumulation_steps = args.gradient_accumulation_steps
+    trainer.prefix_layout = "packed"  # at the tiny model's shapes the cost model would pick TRL's padded rows
     return trainer
 
 
@@ -449,7 +457,9 @@ def test_embedded_model_forward(tmp_path):
     ids, mask, keep = trl_layout(prompts, completions, [6, 4, 6])
     with torch.no_grad():  # gradients: the tiny-model tests (a backward here would double the test's time)
         logps, entropies = plain_fused(model, ids, mask, keep)
-        got_logps, got_entropies = shared_prefix_logps_and_entropies(model, ids, mask, keep, compute_entropy=True)
+        got_logps, got_entropies = shared_prefix_logps_and_entropies(
+            model, ids, mask, keep, compute_entropy=True, layout="packed"
+        )
     torch.testing.assert_close(got_logps, logps, atol=LOGP_ATOL, rtol=0)
     torch.testing.assert_close(got_entropies, entropies, atol=LOGP_ATOL, rtol=0)
 

@@ -41,32 +41,35 @@ shared parts encoded once for many chunks), `generation` (`shared_prefix_generat
 
 # The package re-exports every name the one module `trl_grpo_ext/prefix.py` had, private ones included (tests and
 # bench/step_time.py import some), so `from trl_grpo_ext.prefix import ...` reads the same as before the split.
+from .attention import SegmentAttention
 from .context import PromptContext as PromptContext
 from .context import _mask_for as _mask_for
 from .context import context_logps_and_entropies, encode_prompt_context
 from .generation import _left_pad as _left_pad
 from .generation import generation_unsupported_reason, shared_prefix_generate
+from .layout import DEFAULT_MAX_PACKED_TOKENS
 from .mixin import PrefixSharingMixin
 from .mixin import _Cycle as _Cycle
 from .packing import (
-    DEFAULT_MAX_PACKED_TOKENS,
     PackedBatch,
+    pack_chunk,
     pack_rows,
     shared_prefix_logits,
     shared_prefix_logps_and_entropies,
 )
 from .packing import _completions as _completions
-from .packing import _packed_forward_kwargs as _packed_forward_kwargs
 from .packing import _unpack as _unpack
 from .plan import PrefixPlan, plan_prefix, prompts_from_left_padded
 from .support import _LOGGED as _LOGGED
 from .support import (
+    PACKED_ATTENTION,
     STATIC_ROPE_TYPES,
     SUPPORTED_ATTENTION,
     SUPPORTED_MODEL_TYPES,
     log_fallback_once,
     log_prefix_once,
     logger,
+    packed_unsupported_reason,
     sharing_unsupported_reason,
 )
 from .support import _config_of as _config_of
@@ -74,6 +77,7 @@ from .support import _unwrap as _unwrap
 
 __all__ = [
     "DEFAULT_MAX_PACKED_TOKENS",
+    "PACKED_ATTENTION",
     "STATIC_ROPE_TYPES",
     "SUPPORTED_ATTENTION",
     "SUPPORTED_MODEL_TYPES",
@@ -81,13 +85,16 @@ __all__ = [
     "PrefixPlan",
     "PrefixSharingMixin",
     "PromptContext",
+    "SegmentAttention",
     "context_logps_and_entropies",
     "encode_prompt_context",
     "generation_unsupported_reason",
     "log_fallback_once",
     "log_prefix_once",
     "logger",
+    "pack_chunk",
     "pack_rows",
+    "packed_unsupported_reason",
     "plan_prefix",
     "prompts_from_left_padded",
     "shared_prefix_generate",

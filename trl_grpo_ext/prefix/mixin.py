@@ -12,7 +12,7 @@ from .context import PromptContext, context_logps_and_entropies, encode_prompt_c
 from .generation import generation_unsupported_reason, shared_prefix_generate
 from .packing import shared_prefix_logps_and_entropies
 from .plan import PrefixPlan, plan_prefix, prompts_from_left_padded
-from .support import log_fallback_once, log_prefix_once, sharing_unsupported_reason
+from .support import log_fallback_once, log_prefix_once, packed_unsupported_reason
 
 
 @dataclass
@@ -62,6 +62,9 @@ class PrefixSharingMixin:
         self._prefix_cycle: _Cycle | None = None
         self._in_training_step = False
         self._micro_batches_in_step = 0  # training_step calls since the last optimizer step
+        # this optimizer step's training forwards: tokens TRL's padded rows would run and those run; prompt tokens
+        # and those encoded (logged as prefix/saved_tokens and prefix/shared_fraction when the step ends)
+        self._prefix_step = collections.Counter()
 
     def _count_prefix_tokens(self, plan: PrefixPlan | None, rows: int, shared: bool, kind: str = "chunks") -> None:
         """``prefix_sharing_stats``: log-prob chunks / generate calls run shared and plain, and the log-prob
@@ -81,6 +84,23 @@ class PrefixSharingMixin:
         stats["context_tokens"] += context.tokens
         stats["prompt_tokens_encoded"] += context.tokens
 
+    def _count_chunk_tokens(self, ids, mask, prompt_length: int, prompts, plan, info: dict) -> None:
+        """``prefix_sharing_stats`` ``tokens`` / ``padded_tokens``: what a log-prob chunk ran through the model
+        against TRL's padded rows (equal where TRL's forward ran), and the step's metrics."""
+        stats = self.__dict__.setdefault("prefix_sharing_stats", collections.Counter())
+        padded = ids.numel()
+        run = info.get("tokens", padded)
+        stats["padded_tokens"] += padded
+        stats["tokens"] += run
+        prompt = sum(map(len, prompts)) if prompts is not None else int(mask[:, :prompt_length].sum())
+        if info.get("layout") == "context":
+            encoded = ids.size(0)
+        elif info.get("layout") == "packed":
+            encoded = plan.shared_prompt_tokens
+        else:
+            encoded = prompt
+        self._count_step(padded, run, prompt, encoded)
+
     def _count_context_chunk(self, prompts: list, grad: bool) -> None:
         """A chunk run on a context: its plain prompt tokens against the one token per row it encodes itself."""
         stats = self.__dict__.setdefault("prefix_sharing_stats", collections.Counter())
@@ -90,13 +110,38 @@ class PrefixSharingMixin:
         stats["prompt_tokens"] += sum(len(p) for p in prompts)
         stats["prompt_tokens_encoded"] += len(prompts)
 
+    def _count_step(self, padded: int, run: int, prompt: int, encoded: int) -> None:
+        """Add a training forward's tokens to this optimizer step's (forwards with gradients inside
+        ``training_step`` only: the old/reference log-prob calls are not the step's training forward)."""
+        if self._in_training_step and torch.is_grad_enabled():
+            self._prefix_step.update(padded=padded, run=run, prompt=prompt, encoded=encoded)
+
+    def _log_prefix_step(self) -> None:
+        """``prefix/saved_tokens``: tokens TRL's padded rows would have run through the model in this step's
+        training forwards minus those run (shared prompt parts and padding left out); ``prefix/shared_fraction``:
+        the fraction of the step's prompt tokens not encoded (encoded once for several rows instead)."""
+        step, self._prefix_step = self._prefix_step, collections.Counter()
+        metrics = getattr(self, "_metrics", None)
+        if not step["padded"] or metrics is None:
+            return
+        metrics["train"]["prefix/saved_tokens"].append(float(step["padded"] - step["run"]))
+        metrics["train"]["prefix/shared_fraction"].append(1.0 - step["encoded"] / max(1, step["prompt"]))
+
+    def _prefix_layout(self) -> str:
+        """``"auto"`` (the cost model picks packed or TRL's padded rows per chunk) or ``"packed"`` (whenever
+        something is shared; tests use it to exercise the packed path at tiny shapes)."""
+        return getattr(self, "prefix_layout", "auto")
+
+    def _max_packed_tokens(self) -> int | None:
+        return getattr(self, "max_packed_tokens", getattr(self.args, "max_packed_tokens", None))
+
     def _sharing_enabled(self) -> bool:
         return getattr(self, "share_prompt_prefix", getattr(self.args, "share_prompt_prefix", True))
 
     def _prefix_sharing_reason(self, model, model_inputs: dict) -> str | None:
         if any(value is not None for value in model_inputs.values()):
             return "multimodal inputs"
-        return sharing_unsupported_reason(model)
+        return packed_unsupported_reason(model)
 
     def _cycle_unsupported_reason(self, grad: bool) -> str | None:
         """Why the prompt context can't serve many chunks exactly and simply ("" when switched off), or ``None``."""
@@ -131,6 +176,7 @@ class PrefixSharingMixin:
             self._micro_batches_in_step = 0
             if self._prefix_cycle is not None:
                 self._flush_prefix_cycle()
+            self._log_prefix_step()
         return loss
 
     def _flush_prefix_cycle(self) -> None:
@@ -169,11 +215,12 @@ class PrefixSharingMixin:
         if cycle is None:
             with self.accelerator.autocast():
                 context = encode_prompt_context(
-                    model, self._generation_batch_prompts(prompts), pad_token_id=pad_token_id
+                    model, self._generation_batch_prompts(prompts), self._max_packed_tokens(), pad_token_id
                 )
             if context is None:
                 return None
             self._count_context(context, grad=True)
+            self._count_step(0, context.tokens, 0, context.tokens)
             leaves = context.with_kv(
                 [k.detach().requires_grad_(k.requires_grad) for k in context.keys],
                 [v.detach().requires_grad_(v.requires_grad) for v in context.values],
@@ -208,32 +255,44 @@ class PrefixSharingMixin:
         pad_token_id = getattr(getattr(self, "_tokenizer", None), "pad_token_id", None) or 0
         prompt_length = input_ids.size(1) - logits_to_keep
         context = self._call_context(model, input_ids, attention_mask, prompt_length, batch_size, pad_token_id)
+        limit = self._max_packed_tokens()
         all_logps, all_entropies = [], []
         for start in range(0, input_ids.size(0), batch_size):
             ids, mask = input_ids[start : start + batch_size], attention_mask[start : start + batch_size]
-            result = None
+            result, info, plan = None, {}, None
+            prompts = prompts_from_left_padded(ids, mask, prompt_length)
             if context is not None:  # the prompt parts are encoded already: only the rows' own tokens
                 with self.accelerator.autocast():
                     result = context_logps_and_entropies(
-                        model, context, ids, mask, logits_to_keep, compute_entropy, pad_token_id=pad_token_id
+                        model, context, ids, mask, logits_to_keep, compute_entropy, limit, pad_token_id, info
                     )
                 if result is not None:
-                    self._count_context_chunk(
-                        prompts_from_left_padded(ids, mask, prompt_length), torch.is_grad_enabled()
-                    )
+                    self._count_context_chunk(prompts, torch.is_grad_enabled())
             if result is None:
-                prompts = prompts_from_left_padded(ids, mask, prompt_length)
+                info = {}
                 plan = plan_prefix(prompts) if prompts is not None else None
                 if plan is None:
                     log_fallback_once("a prompt is empty or not left-padded")
                 elif plan.shares:
                     with self.accelerator.autocast():
                         result = shared_prefix_logps_and_entropies(
-                            model, ids, mask, logits_to_keep, compute_entropy, pad_token_id=pad_token_id, plan=plan
+                            model,
+                            ids,
+                            mask,
+                            logits_to_keep,
+                            compute_entropy,
+                            limit,
+                            pad_token_id,
+                            plan,
+                            self._prefix_layout(),
+                            info,
                         )
                 self._count_prefix_tokens(plan, ids.size(0), result is not None)
-            if result is None:  # nothing shared in this chunk: TRL's forward, bit for bit
+                if info.get("layout") == "padded":  # the cost model found TRL's padded rows cheaper
+                    self.prefix_sharing_stats["padded_chunks"] += 1
+            if result is None:  # nothing shared in this chunk, or cheaper padded: TRL's forward, bit for bit
                 result = plain(model, ids, mask, logits_to_keep, compute_entropy=compute_entropy)[:2]
+            self._count_chunk_tokens(ids, mask, prompt_length, prompts, plan, info if result is not None else {})
             all_logps.append(result[0])
             all_entropies.append(result[1])
         logps = torch.cat(all_logps, dim=0)
@@ -260,7 +319,7 @@ class PrefixSharingMixin:
         if grad:
             return self._cycle_context(model, prompts, pad_token_id)
         with self.accelerator.autocast():
-            context = encode_prompt_context(model, prompts, pad_token_id=pad_token_id)
+            context = encode_prompt_context(model, prompts, self._max_packed_tokens(), pad_token_id)
         if context is not None:
             self._count_context(context, grad=False)
         return context

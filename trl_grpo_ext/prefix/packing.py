@@ -1,5 +1,6 @@
-"""One packed forward per batch: rows and their shared prompt parts in bins under a block mask (`pack_rows`), and
-the training entry points on it (`shared_prefix_logps_and_entropies`, `shared_prefix_logits`)."""
+"""One packed forward per chunk of rows: the rows and their shared prompt parts as segments (`pack_chunk`), the
+cost model's choice between that and TRL's padded rows, and the training entry points on it
+(`shared_prefix_logps_and_entropies`, `shared_prefix_logits`)."""
 
 from __future__ import annotations
 
@@ -8,155 +9,228 @@ from dataclasses import dataclass
 
 import torch
 
+from .attention import BUCKET_OVERHEAD_PAIRS, SegmentAttention, install, kind_of, placeholder_mask
+from .cost import ModelCost, layout_cost, packed_is_cheaper, padded_pairs
+from .layout import (
+    DEFAULT_MAX_PACKED_TOKENS,
+    Placement,
+    SegmentSpec,
+    Stream,
+    build_stream,
+    dense_visibility,
+    eager_mask,
+    place,
+)
 from .plan import PrefixPlan, plan_prefix, prompts_from_left_padded
-from .support import _config_of, log_fallback_once, sharing_unsupported_reason
-
-# Packed sequence length above which rows go to another bin: attention over a packed row costs T^2, so very long
-# packed rows would spend on attention what sharing saves in the feed-forward layers.
-DEFAULT_MAX_PACKED_TOKENS = 4096
+from .support import _config_of, log_fallback_once, packed_unsupported_reason
 
 
-@dataclass
+@dataclass(eq=False)
 class PackedBatch:
-    """A batch packed for one forward: ``input_ids``, ``position_ids``, ``labels`` (the token at each slot when it
-    is scored, else -100) and ``visible`` (bins, 1, T, T) bool; ``row_slots[r]`` = (bin, first slot of row r's
-    segment, number of scored positions)."""
+    """A chunk packed for one forward: where its segments lie (``placement``, host only), how attention runs
+    (``kind``: ``"eager"`` binned under a dense mask, else concatenated through `SegmentAttention`), and
+    ``row_slots[r]`` = (bin, first slot of row r's segment, number of scored positions). The tensors (`stream`:
+    ``input_ids``, ``position_ids``, ``labels``, ...) are gathered from ``source`` (TRL's padded ids and mask) on
+    first use, so the cost model can reject the layout before anything is built."""
 
-    input_ids: torch.Tensor
-    position_ids: torch.Tensor
-    labels: torch.Tensor
-    visible: torch.Tensor
+    placement: Placement
+    kind: str
     row_slots: list[tuple[int, int, int]]
+    source: tuple[torch.Tensor, torch.Tensor | None, int]
+    holes: bool = False
+    context_keys: list[torch.Tensor] | None = None
+    context_values: list[torch.Tensor] | None = None
+    call_overhead: int = BUCKET_OVERHEAD_PAIRS
+    _stream: Stream | None = None
+    _attention: SegmentAttention | None = None
 
-    def attention_mask(self, attn_implementation: str, dtype: torch.dtype) -> torch.Tensor:
-        if attn_implementation == "eager":
-            zero = torch.zeros((), dtype=dtype, device=self.visible.device)
-            return torch.where(self.visible, zero, torch.finfo(dtype).min)
-        return self.visible
+    @property
+    def stream(self) -> Stream:
+        if self._stream is None:
+            self._stream = build_stream(self.placement, *self.source)
+        return self._stream
+
+    @property
+    def input_ids(self) -> torch.Tensor:
+        return self.stream.input_ids
+
+    @property
+    def position_ids(self) -> torch.Tensor:
+        return self.stream.position_ids
+
+    @property
+    def labels(self) -> torch.Tensor:
+        return self.stream.labels
+
+    @property
+    def binned(self) -> bool:
+        return self.placement.binned
+
+    @property
+    def visible(self) -> torch.Tensor:
+        """(batch, 1, T, context + T) bool: which slot sees which key (the binned layout's dense mask)."""
+        s, p = self.stream, self.placement
+        key_valid = s.valid
+        if p.context_length:
+            key_valid = torch.cat([s.valid.new_ones(p.rows, p.context_length), key_valid], dim=1)
+        return dense_visibility(s.segment, s.ranges, p.context_length + p.length, p.context_length, key_valid)
+
+    def attention(self) -> SegmentAttention:
+        """The concatenated layout's `SegmentAttention` (sizes only until its tensors are first needed)."""
+        if self._attention is None:
+            p = self.placement
+            self._attention = SegmentAttention(
+                ranges_host=p.ranges_host,
+                query_start=p.starts,
+                stream_length=p.length,
+                kind=self.kind,
+                device=self.source[0].device,
+                context_length=p.context_length,
+                holes=self.holes,
+                call_overhead=self.call_overhead,
+                context_keys=self.context_keys,
+                context_values=self.context_values,
+            )
+        return self._attention
+
+    def attention_pairs(self) -> int:
+        p = self.placement
+        if self.binned:
+            return p.rows * p.length * (p.context_length + p.length)
+        return self.attention().attention_pairs()
+
+    def forward_kwargs(self, model) -> dict:
+        """``input_ids``, ``position_ids`` and how attention sees the layout, for ``model(...)``."""
+        kwargs = {"input_ids": self.input_ids, "position_ids": self.position_ids}
+        if self.binned:
+            visible = self.visible
+            if _config_of(model)._attn_implementation == "eager":
+                visible = eager_mask(visible, next(model.parameters()).dtype)
+            kwargs["attention_mask"] = visible
+            return kwargs
+        install()
+        attention = self.attention()
+        if self.holes and attention.key_valid is None:
+            attention.key_valid = self.stream.valid[0]
+            if attention.context_length:
+                attention.key_valid = torch.cat([self.stream.valid.new_ones(attention.context_length),
+                                                 attention.key_valid])  # fmt: skip
+        kwargs["attention_mask"] = placeholder_mask(self.input_ids.device)
+        kwargs["prefix_attention"] = attention.prepare()
+        return kwargs
 
 
-def pack_rows(
+def pack_chunk(
     plan: PrefixPlan,
-    completions: Sequence[Sequence[int]],
-    completion_masks: Sequence[Sequence[bool]] | None = None,
-    max_packed_tokens: int = DEFAULT_MAX_PACKED_TOKENS,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    prompt_width: int,
+    kept: Sequence[int],
+    kind: str,
+    max_packed_tokens: int | None = None,
     pad_token_id: int = 0,
-    device=None,
+    holes: bool | None = None,
 ) -> PackedBatch:
-    """Pack `plan`'s rows and their `completions` (scored tokens after each prompt) into bins of shared layout.
+    """Pack `plan`'s rows from TRL's layout (``input_ids`` (rows, prompt_width + completion width), prompts
+    left-padded to `prompt_width`) with the first ``kept[r]`` completion tokens of each row.
 
-    ``completion_masks[r][j]`` false marks a completion slot as padding: no token attends to it and it is not scored,
-    as TRL's attention mask does. A bin holds the level-1 prefix, then rows in group order, each group's rest of
-    prompt once before its first row; a new bin starts when the next row would push the bin past `max_packed_tokens`.
+    Bins (a new one, with its own copy of the prefix, when the next row would push the current past
+    `max_packed_tokens`; default `DEFAULT_MAX_PACKED_TOKENS` under eager, unlimited otherwise) hold ``[prefix]``,
+    then per group its rest (once) and its rows: ``[row: last prompt token + completion]``. Completion slots whose
+    mask is 0 are nobody's key and not scored, as under TRL's attention mask (`holes`: whether any lies before
+    a row's end; worked out from the mask when not given).
     """
-    n_rows = len(plan.prompts)
-    if len(completions) != n_rows:
-        raise ValueError(f"{len(completions)} completions for {n_rows} prompts")
-    prefix = list(plan.prompts[0][: plan.prefix_length])
-    # one bin: lists of (token, position, group, row, key_valid, label) per slot
-    bins: list[list[tuple[int, int, int, int, bool, int]]] = []
-    row_slots: list[tuple[int, int, int] | None] = [None] * n_rows
-    current: list | None = None
-    in_bin: set[int] = set()
-
-    def new_bin():
-        slots = [(tok, pos, -1, -1, True, -100) for pos, tok in enumerate(prefix)]
-        bins.append(slots)
-        in_bin.clear()
-        return slots
-
+    binned = kind == "eager"
+    limit = max_packed_tokens if max_packed_tokens is not None else (DEFAULT_MAX_PACKED_TOKENS if binned else None)
+    length = plan.prefix_length
+    specs: list[SegmentSpec] = []
+    row_spec = [0] * len(plan.prompts)
+    current, size, prefix, rests = -1, 0, None, {}
     for group, rows in enumerate(plan.groups):
-        rest = plan.remainder(group)
+        rest = len(plan.prompts[rows[0]]) - 1 - length
         for row in rows:
-            prompt = plan.prompts[row]
-            completion = [int(t) for t in completions[row]]
-            mask = [True] * len(completion) if completion_masks is None else [bool(m) for m in completion_masks[row]]
-            cost = 1 + len(completion) + (0 if group in in_bin else len(rest))
-            if current is None or (len(current) > len(prefix) and len(current) + cost > max_packed_tokens):
-                current = new_bin()
-            if group not in in_bin:
-                start = plan.prefix_length
-                current.extend((tok, start + i, group, -1, True, -100) for i, tok in enumerate(rest))
-                in_bin.add(group)
-            first = len(current)
-            base = len(prompt) - 1
-            current.append((prompt[-1], base, group, row, True, -100))
-            for j, (tok, valid) in enumerate(zip(completion, mask, strict=True)):
-                current.append((tok, base + 1 + j, group, row, valid, tok if valid else -100))
-            row_slots[row] = (len(bins) - 1, first, len(completion))
-
-    length = max(len(b) for b in bins)
-    n_bins = len(bins)
-    ids = torch.full((n_bins, length), pad_token_id, dtype=torch.long)
-    pos = torch.zeros((n_bins, length), dtype=torch.long)
-    group_of = torch.full((n_bins, length), -2, dtype=torch.long)
-    row_of = torch.full((n_bins, length), -2, dtype=torch.long)
-    valid = torch.zeros((n_bins, length), dtype=torch.bool)
-    labels = torch.full((n_bins, length), -100, dtype=torch.long)
-    for b, slots in enumerate(bins):
-        if not slots:
-            continue
-        tok, p, g, r, v, lab = zip(*slots, strict=True)
-        n = len(slots)
-        ids[b, :n] = torch.tensor(tok)
-        pos[b, :n] = torch.tensor(p)
-        group_of[b, :n] = torch.tensor(g)
-        row_of[b, :n] = torch.tensor(r)
-        valid[b, :n] = torch.tensor(v)
-        labels[b, :n] = torch.tensor(lab)
-    # query q sees key k iff k <= q, k is not padding, and k is the shared prefix, or k is q's prompt rest, or k is
-    # in q's own row
-    gq, gk = group_of.unsqueeze(2), group_of.unsqueeze(1)
-    rq, rk = row_of.unsqueeze(2), row_of.unsqueeze(1)
-    causal = torch.ones(length, length, dtype=torch.bool).tril()
-    same = (gk == -1) | ((gk == gq) & ((rk == -1) | (rk == rq)))
-    visible = causal & same & valid.unsqueeze(1)
-    # unused tail slots of shorter bins see themselves only (a query with no key would give NaN)
-    visible |= torch.eye(length, dtype=torch.bool) & (group_of == -2).unsqueeze(2)
-    return PackedBatch(
-        input_ids=ids.to(device),
-        position_ids=pos.to(device),
-        labels=labels.to(device),
-        visible=visible.unsqueeze(1).to(device),
-        row_slots=row_slots,
-    )
+            p = len(plan.prompts[row])
+            cost = 1 + kept[row] + (0 if group in rests else rest)
+            if current < 0 or (limit is not None and size > length and size + cost > limit):
+                current, size, rests = current + 1, length, {}
+                prefix = None
+                if length:
+                    prefix = len(specs)
+                    specs.append(SegmentSpec(row, prompt_width - p, length, 0, current))
+            if group not in rests:
+                rests[group] = None
+                if rest:
+                    rests[group] = len(specs)
+                    specs.append(SegmentSpec(row, prompt_width - p + length, rest, length, current, prefix=prefix))
+            row_spec[row] = len(specs)
+            specs.append(SegmentSpec(row, prompt_width - 1, 1 + kept[row], p - 1, current, True, prefix, rests[group]))
+            size += cost
+    placement = place(specs, binned)
+    if holes is None:
+        holes = attention_mask is not None and _has_holes(attention_mask, prompt_width, kept)
+    row_slots = [(placement.bins[i] if binned else 0, placement.starts[i], kept[r]) for r, i in enumerate(row_spec)]
+    return PackedBatch(placement, kind, row_slots, (input_ids, attention_mask, pad_token_id), holes)
 
 
-def _packed_forward_kwargs(model, packed: PackedBatch) -> dict:
-    config = _config_of(model)
-    dtype = next(model.parameters()).dtype
-    return {
-        "input_ids": packed.input_ids,
-        "position_ids": packed.position_ids,
-        "attention_mask": packed.attention_mask(config._attn_implementation, dtype),
-    }
+def _has_holes(attention_mask: torch.Tensor, prompt_width: int, kept: Sequence[int]) -> bool:
+    """Whether a completion has mask 0 before its last unmasked token."""
+    return int(attention_mask[:, prompt_width:].sum()) != sum(kept)
 
 
 def _unpack(values: torch.Tensor, row_slots: Sequence[tuple[int, int, int]], width: int) -> torch.Tensor:
     """(bins, T) per-slot values -> (rows, width): row r's value predicting its j-th completion token at [r, j]
     (zero past the row's completion), from the slot before that token; ``row_slots`` as `PackedBatch`'s."""
-    index = torch.zeros((len(row_slots), width), dtype=torch.long, device=values.device)
-    keep = torch.zeros((len(row_slots), width), dtype=torch.bool, device=values.device)
-    bin_of = torch.zeros(len(row_slots), dtype=torch.long, device=values.device)
-    for row, (b, first, n) in enumerate(row_slots):
-        n = min(n, width)
-        index[row, :n] = torch.arange(first, first + n)
-        keep[row, :n] = True
-        bin_of[row] = b
-    gathered = values[bin_of.unsqueeze(1), index]
-    return gathered.masked_fill(~keep, 0)
+    slots = torch.tensor(row_slots, dtype=torch.long).to(values.device)
+    j = torch.arange(width, device=values.device).unsqueeze(0)
+    keep = j < slots[:, 2:3]
+    column = torch.where(keep, slots[:, 1:2] + j, 0)
+    return values[slots[:, 0:1], column].masked_fill(~keep, 0)
 
 
 # ---------------------------------------------------------------------------------------------------------- training
-def _completions(input_ids: torch.Tensor, attention_mask: torch.Tensor, prompt_length: int):
-    """Each row's completion tokens and their mask from TRL's layout, trailing padding left out (it is never
-    attended to nor scored)."""
+def _kept_lengths(attention_mask: torch.Tensor, prompt_length: int) -> list[int]:
+    """Each row's completion length without its trailing padding (never attended to nor scored)."""
     completion_mask = attention_mask[:, prompt_length:].bool()
-    kept = torch.where(completion_mask.any(1), completion_mask.size(1) - completion_mask.flip(1).int().argmax(1), 0)
-    ids, masks = input_ids[:, prompt_length:].tolist(), completion_mask.tolist()
-    completions = [row[:n] for row, n in zip(ids, kept.tolist(), strict=True)]
-    completion_masks = [row[:n] for row, n in zip(masks, kept.tolist(), strict=True)]
-    return completions, completion_masks
+    width = completion_mask.size(1)
+    return torch.where(completion_mask.any(1), width - completion_mask.flip(1).int().argmax(1), 0).tolist()
+
+
+def _completions(input_ids: torch.Tensor, attention_mask: torch.Tensor, prompt_length: int):
+    """Each row's completion tokens and their mask from TRL's layout, trailing padding left out."""
+    kept = _kept_lengths(attention_mask, prompt_length)
+    ids, masks = input_ids[:, prompt_length:].tolist(), attention_mask[:, prompt_length:].bool().tolist()
+    return [row[:n] for row, n in zip(ids, kept, strict=True)], [row[:n] for row, n in zip(masks, kept, strict=True)]
+
+
+def _every_position_scored(device: torch.device) -> bool:
+    # TRL's fused head scores only labelled positions with Triton (CUDA/XPU), every position elsewhere
+    return device.type not in ("cuda", "xpu")
+
+
+def fit_to(packed: PackedBatch, model) -> PackedBatch:
+    """Set `packed`'s per-call overhead (bucket planning) for `model` on its device."""
+    packed.call_overhead = ModelCost.of(_config_of(model)).call_overhead_pairs(packed.source[0].device)
+    return packed
+
+
+def choose_layout(model, packed: PackedBatch, attention_mask: torch.Tensor, stats: dict | None = None) -> bool:
+    """Whether `packed` beats TRL's padded rows (``attention_mask``: their mask) by the cost model; fills `stats`
+    (``tokens``, ``padded_tokens``, ``packed_cost``, ``padded_cost``) when given."""
+    config = _config_of(model)
+    cost = ModelCost.of(config)
+    scored = _every_position_scored(attention_mask.device)
+    rows, width = attention_mask.shape
+    lengths = attention_mask.sum(1).tolist()
+    padded_cost = layout_cost(
+        cost, rows * width, padded_pairs(packed.kind, lengths, width, any(n < width for n in lengths)), 0, scored
+    )
+    gathered = 0 if packed.binned else packed.attention().gathered_slots()
+    tokens = packed.placement.tokens
+    packed_cost = layout_cost(cost, tokens, packed.attention_pairs(), gathered, scored)
+    if stats is not None:
+        stats.update(tokens=tokens, padded_tokens=rows * width)
+        stats.update(packed_cost=packed_cost, padded_cost=padded_cost)
+    return packed_is_cheaper(packed_cost, padded_cost)
 
 
 def shared_prefix_logps_and_entropies(
@@ -165,19 +239,28 @@ def shared_prefix_logps_and_entropies(
     attention_mask: torch.Tensor,
     logits_to_keep: int,
     compute_entropy: bool = False,
-    max_packed_tokens: int = DEFAULT_MAX_PACKED_TOKENS,
+    max_packed_tokens: int | None = None,
     pad_token_id: int = 0,
     plan: PrefixPlan | None = None,
+    layout: str = "auto",
+    stats: dict | None = None,
 ):
-    """Per-token log-probs (and entropies) of the last `logits_to_keep` tokens, TRL's layout, from one shared encoding.
+    """Per-token log-probs (and entropies) of the last `logits_to_keep` tokens, TRL's layout, from one packed forward.
 
     Same inputs and outputs as TRL 1.16's ``GRPOTrainer._get_per_token_logps_and_entropies`` for one chunk:
     ``input_ids``/``attention_mask`` are left-padded prompts followed by completions (mask 0 after EOS), and the
     model carries TRL's fused LM head (`trl.trainer.utils.add_fused_lm_head`), which applies the temperature. Tokens
     whose attention mask is 0 score 0, as in TRL. Returns ``(logps, entropies or None)`` of shape
-    (rows, logits_to_keep), or ``None`` when the rows share nothing or the layout isn't TRL's (the caller then runs
-    the plain forward).
+    (rows, logits_to_keep), or ``None`` when the caller should run TRL's padded forward: the rows share nothing, the
+    layout isn't TRL's, the attention implementation can't run the layout, or (``layout="auto"``) the cost model
+    finds TRL's padded rows cheaper (``layout="packed"`` skips that check). `stats`, when given, gets the
+    cost model's figures and ``layout`` (``"packed"`` or ``"padded"``).
     """
+    if layout not in ("auto", "packed"):
+        raise ValueError(f"layout={layout!r} must be 'auto' or 'packed'")
+    kind = kind_of(_config_of(model)._attn_implementation)
+    if kind is None:
+        return None
     prompt_length = input_ids.size(1) - logits_to_keep
     if plan is None:
         prompts = prompts_from_left_padded(input_ids, attention_mask, prompt_length)
@@ -187,9 +270,18 @@ def shared_prefix_logps_and_entropies(
         plan = plan_prefix(prompts)
     if not plan.shares:
         return None
-    completions, completion_masks = _completions(input_ids, attention_mask, prompt_length)
-    packed = pack_rows(plan, completions, completion_masks, max_packed_tokens, pad_token_id, input_ids.device)
-    outputs = model(**_packed_forward_kwargs(model, packed), labels=packed.labels, fused_lm_head=True)
+    kept = _kept_lengths(attention_mask, prompt_length)
+    packed = pack_chunk(plan, input_ids, attention_mask, prompt_length, kept, kind, max_packed_tokens, pad_token_id)
+    fit_to(packed, model)
+    if kind == "flash" and packed.holes:
+        log_fallback_once("flash-attention can't skip padding inside a completion (attention mask 0 before its end)")
+        return None
+    cheaper = choose_layout(model, packed, attention_mask, stats)
+    if stats is not None:
+        stats["layout"] = "packed" if cheaper or layout == "packed" else "padded"
+    if layout == "auto" and not cheaper:
+        return None
+    outputs = model(**packed.forward_kwargs(model), labels=packed.labels, fused_lm_head=True)
     # log_probs[:, t] scores the token in slot t + 1 (from hidden state t): completion token j of a row whose
     # segment starts at slot s (its last prompt token) is at t = s + j
     logps = _unpack(outputs.log_probs, packed.row_slots, logits_to_keep)
@@ -197,11 +289,56 @@ def shared_prefix_logps_and_entropies(
     return logps, entropies
 
 
+def trl_tensors(
+    prompts: Sequence[Sequence[int]],
+    completions: Sequence[Sequence[int]],
+    completion_masks: Sequence[Sequence[bool]] | None = None,
+    pad_token_id: int = 0,
+    device=None,
+):
+    """TRL's layout of token lists: ``(input_ids, attention_mask, prompt_width)``, prompts left-padded, completions
+    right-padded (mask 0 where ``completion_masks`` says so)."""
+    prompt_width = max(len(p) for p in prompts)
+    width = prompt_width + max((len(c) for c in completions), default=0)
+    ids = torch.full((len(prompts), width), pad_token_id, dtype=torch.long)
+    mask = torch.zeros((len(prompts), width), dtype=torch.bool)
+    for i, (prompt, completion) in enumerate(zip(prompts, completions, strict=True)):
+        if prompt:
+            ids[i, prompt_width - len(prompt) : prompt_width] = torch.tensor(list(prompt), dtype=torch.long)
+            mask[i, prompt_width - len(prompt) : prompt_width] = True
+        if completion:
+            ids[i, prompt_width : prompt_width + len(completion)] = torch.tensor(list(completion), dtype=torch.long)
+            valid = [True] * len(completion) if completion_masks is None else [bool(m) for m in completion_masks[i]]
+            mask[i, prompt_width : prompt_width + len(completion)] = torch.tensor(valid)
+    return ids.to(device), mask.to(device), prompt_width
+
+
+def pack_rows(
+    plan: PrefixPlan,
+    completions: Sequence[Sequence[int]],
+    completion_masks: Sequence[Sequence[bool]] | None = None,
+    max_packed_tokens: int | None = None,
+    pad_token_id: int = 0,
+    device=None,
+    attn_implementation: str = "eager",
+) -> PackedBatch:
+    """`pack_chunk` of `plan`'s rows and their `completions` (token lists; ``completion_masks[r][j]`` false marks
+    a padded completion slot), laid out for `attn_implementation` (eager: bins, else one concatenated stream)."""
+    if len(completions) != len(plan.prompts):
+        raise ValueError(f"{len(completions)} completions for {len(plan.prompts)} prompts")
+    kind = kind_of(attn_implementation)
+    if kind is None:
+        raise ValueError(f"attention implementation {attn_implementation!r} can't run a packed layout")
+    ids, mask, width = trl_tensors(plan.prompts, completions, completion_masks, pad_token_id, device)
+    kept = [len(c) for c in completions]
+    return pack_chunk(plan, ids, mask, width, kept, kind, max_packed_tokens, pad_token_id)
+
+
 def shared_prefix_logits(
     model,
     prompts: Sequence[Sequence[int]],
     completions: Sequence[Sequence[int]],
-    max_packed_tokens: int = DEFAULT_MAX_PACKED_TOKENS,
+    max_packed_tokens: int | None = None,
     pad_token_id: int = 0,
 ) -> list[torch.Tensor]:
     """Next-token logits for each row's completion from one shared encoding of the rows' prompts.
@@ -209,13 +346,14 @@ def shared_prefix_logits(
     ``result[r][j]`` (vocab,) are the logits that score ``completions[r][j]`` given ``prompts[r] +
     completions[r][:j]``, as ``model(prompts[r] + completions[r]).logits[len(prompts[r]) - 1 + j]`` would give
     them. Rows need not be padded or grouped; gradients flow to the model. Raises ``ValueError`` where
-    `sharing_unsupported_reason` gives a reason (check it first to fall back).
+    `packed_unsupported_reason` gives a reason (check it first to fall back).
     """
-    reason = sharing_unsupported_reason(model)
+    reason = packed_unsupported_reason(model)
     if reason is not None:
         raise ValueError(f"shared_prefix_logits: {reason}")
     plan = plan_prefix(prompts)
     device = next(model.parameters()).device
-    packed = pack_rows(plan, completions, None, max_packed_tokens, pad_token_id, device)
-    logits = model(**_packed_forward_kwargs(model, packed)).logits
+    attn = _config_of(model)._attn_implementation
+    packed = fit_to(pack_rows(plan, completions, None, max_packed_tokens, pad_token_id, device, attn), model)
+    logits = model(**packed.forward_kwargs(model)).logits
     return [logits[b, first : first + n] for b, first, n in packed.row_slots]

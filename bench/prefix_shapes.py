@@ -1,0 +1,332 @@
+"""Shared-prefix forward+backward against TRL's at GPU-like shapes: vanilla `trl.GRPOTrainer` vs ours, alternated.
+
+Per shape, one micro-batch of G rows goes through each trainer's ``_get_per_token_logps_and_entropies`` (TRL 1.16's
+hook; ours packs the rows when the cost model says so, else runs TRL's code) with gradients, then a backward of
+a loss on the log-probs and entropies. The two trainers hold identical copies of one randomly initialised model
+and are timed alternately in one process (TRL, ours, ours, TRL, ...; medians), so a neighbour's load hits both
+alike. Shapes: G in {4, 8, 16}; every row's prompt is a shared head of S in {100, 400} tokens (system prompt,
+few-shot example) plus one of two 50-token questions (G/2 rows each, as in a shuffled micro-batch of two
+groups); completions uniform in [64, 1024], all 1024, or uniform in [64, 512] tokens.
+
+Per shape it prints seconds (median), ours/TRL, memory and the layout ours ran (``packed`` or ``padded``, the
+cost model's pick) and the share of our time spent building the layout (planning, packing, index tensors). Memory
+is the peak allocated on CUDA; on CPU, which keeps no peak, the bytes of tensors saved for the backward (the
+activations held at the forward's end, parameters excluded), a proxy for the peak. Last line:
+``prefix shapes: worst ours/TRL <x>, G=8 short-completion ours/TRL <y>`` (y: the worst of the G=8, [64, 512]
+shapes). Targets (issue 20): x <= 1.00, y <= 0.60, our memory never above TRL's.
+
+Models: ``tiny`` (random Qwen2, hidden 64, 2 layers: attention-bound, the hard case), ``embedded`` (the
+embedded SmolLM2-135M, fp32), ``qwen2.5-0.5b-shape`` (random weights of Qwen2.5-0.5B-Instruct's shape, no
+download: for ``--device cuda --dtype bfloat16``). Attention: sdpa, and flex_attention / flash_attention_2 where
+they run (flex has no backward on CPU; flash needs CUDA and flash-attn).
+
+Runs: ``python bench/prefix_shapes.py`` (tiny and embedded, sdpa, CPU fp32: about 25 min on 2 idle cores);
+``--quick`` (tiny model, fewer shapes, 1 repetition: a smoke test); on a GPU ``python bench/prefix_shapes.py
+--device cuda --dtype bfloat16 --model qwen2.5-0.5b-shape --attn sdpa,flash_attention_2,flex_attention``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import copy
+import logging
+import os
+import statistics
+import sys
+import tempfile
+import time
+import warnings
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "tests"))
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import torch  # noqa: E402
+
+COMPLETIONS = {"u64-1024": (64, 1024), "all-1024": (1024, 1024), "u64-512": (64, 512)}
+QUESTION = 50  # tokens of each distinct question after the shared head
+QWEN_05B = dict(
+    hidden_size=896,
+    intermediate_size=4864,
+    num_hidden_layers=24,
+    num_attention_heads=14,
+    num_key_value_heads=2,
+    vocab_size=151936,
+    max_position_embeddings=32768,
+    rope_theta=1000000.0,
+    tie_word_embeddings=True,
+)
+TINY = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    vocab_size=1024,
+    max_position_embeddings=2048,
+)
+
+
+def build_model(name: str, dtype: torch.dtype, device: str, tokenizer_dir: str):
+    from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen2Config, Qwen2ForCausalLM
+
+    if name == "embedded":
+        from trl_grpo_ext.models import resolve_model
+
+        path = resolve_model("embedded")
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+        return model.to(device), AutoTokenizer.from_pretrained(path)
+    shape = {"tiny": TINY, "qwen2.5-0.5b-shape": QWEN_05B}[name]
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+    torch.manual_seed(0)
+    config = Qwen2Config(**shape, pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
+    model = Qwen2ForCausalLM(config).to(dtype=dtype, device=device)
+    return model, tokenizer
+
+
+def build_trainers(model, tokenizer, attn: str, group: int, dtype, device: str, tmp: str):
+    """Vanilla `trl.GRPOTrainer` and ours (default prefix options) on identical copies of `model`."""
+    import trl
+    from datasets import Dataset
+
+    import trl_grpo_ext
+    from trl_grpo_ext.config import GRPOConfig
+
+    common = dict(
+        report_to="none",
+        use_cpu=device == "cpu",
+        bf16=dtype == torch.bfloat16,
+        per_device_train_batch_size=group,
+        num_generations=group,
+        gradient_checkpointing=False,
+        max_completion_length=1024,
+        disable_tqdm=True,
+    )
+    data = Dataset.from_dict({"prompt": ["What is 1 + 1?"] * group})
+    trainers = {}
+    for name, cls, config in (
+        ("TRL", trl.GRPOTrainer, trl.GRPOConfig),
+        ("ours", trl_grpo_ext.GRPOTrainer, GRPOConfig),
+    ):
+        copy_ = copy.deepcopy(model)
+        copy_.config._attn_implementation = attn
+        args = config(output_dir=os.path.join(tmp, name), **common)
+        trainer = cls(copy_, [lambda completions, **kw: [0.0] * len(completions)], args=args, train_dataset=data,
+                      processing_class=tokenizer)  # fmt: skip
+        trainer.model.train()
+        trainers[name] = trainer
+    return trainers
+
+
+def make_batch(vocab: int, group: int, shared: int, completions: tuple[int, int], seed: int, device: str):
+    """TRL's layout of one micro-batch: (input_ids, attention_mask, logits_to_keep)."""
+    g = torch.Generator().manual_seed(seed)
+    head = torch.randint(3, vocab, (shared,), generator=g)
+    questions = [torch.randint(3, vocab, (QUESTION,), generator=g) for _ in range(2)]
+    lo, hi = completions
+    lengths = torch.randint(lo, hi + 1, (group,), generator=g).tolist()
+    width = max(lengths)
+    prompt = shared + QUESTION
+    ids = torch.randint(3, vocab, (group, prompt + width), generator=g)
+    mask = torch.ones_like(ids)
+    for row, n in enumerate(lengths):
+        ids[row, :prompt] = torch.cat([head, questions[row % 2]])
+        mask[row, prompt + n :] = 0
+        ids[row, prompt + n :] = 0
+    return ids.to(device), mask.to(device), width
+
+
+@contextlib.contextmanager
+def memory_meter(model, device: str):
+    """Yields a dict whose ``bytes`` is, after the block, the peak allocated (CUDA) or the bytes saved for the
+    backward, parameters excluded (CPU)."""
+    out = {"bytes": 0}
+    if device == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        yield out
+        torch.cuda.synchronize()
+        out["bytes"] = torch.cuda.max_memory_allocated() - base
+        return
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    seen = {}
+
+    def pack(t):
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in params:
+            seen[storage.data_ptr()] = storage.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        yield out
+    out["bytes"] = sum(seen.values())
+
+
+class LayoutClock:
+    """Seconds spent building the packed layout (plan, pack, cost model, index tensors) in our hook."""
+
+    def __init__(self, device: str):
+        from trl_grpo_ext.prefix import packing
+
+        self.seconds, self.layouts, self.device = 0.0, [], device
+        self._packing = packing
+        self._originals = {name: getattr(packing, name) for name in ("pack_chunk", "choose_layout")}
+
+    def __enter__(self):
+        def timed(name):
+            original = self._originals[name]
+
+            def wrapper(*args, **kwargs):
+                self._sync()
+                start = time.perf_counter()
+                out = original(*args, **kwargs)
+                if name == "pack_chunk" and not out.binned:
+                    out.attention().prepare()
+                self._sync()
+                self.seconds += time.perf_counter() - start
+                return out
+
+            return wrapper
+
+        for name in self._originals:
+            setattr(self._packing, name, timed(name))
+        return self
+
+    def __exit__(self, *exc):
+        for name, original in self._originals.items():
+            setattr(self._packing, name, original)
+
+    def _sync(self):
+        if self.device == "cuda":
+            torch.cuda.synchronize()
+
+
+def forward_backward(trainer, ids, mask, keep, device: str, clock: LayoutClock | None = None):
+    """Seconds and memory of one forward+backward through the trainer's log-prob hook."""
+    model = trainer.model
+    model.zero_grad(set_to_none=True)
+    cmask = mask[:, -keep:].float()
+    if device == "cuda":
+        torch.cuda.synchronize()
+    with memory_meter(model, device) as memory:
+        start = time.perf_counter()
+        with clock or contextlib.nullcontext():
+            logps, entropies, _ = trainer._get_per_token_logps_and_entropies(model, ids, mask, keep,
+                                                                            compute_entropy=True)  # fmt: skip
+        loss = (logps * cmask).sum() / cmask.sum() + 1e-3 * (entropies * cmask).sum() / cmask.sum()
+        loss.backward()
+        if device == "cuda":
+            torch.cuda.synchronize()
+        seconds = time.perf_counter() - start
+    return seconds, memory["bytes"], logps.detach()
+
+
+def run_shape(trainers, vocab, group, shared, completions, reps, seed, device):
+    ids, mask, keep = make_batch(vocab, group, shared, COMPLETIONS[completions], seed, device)
+    times = {"TRL": [], "ours": []}
+    memory = {}
+    clock = LayoutClock(device)
+    stats_before = dict(trainers["ours"].__dict__.get("prefix_sharing_stats", {}))
+    logps = {}
+    for rep in range(reps + 1):  # the first round warms both up (allocator, kernels) and is not timed
+        for name in ("TRL", "ours") if rep % 2 == 0 else ("ours", "TRL"):
+            if name == "ours":
+                clock.seconds = 0.0
+            seconds, nbytes, logps[name] = forward_backward(
+                trainers[name], ids, mask, keep, device, clock if name == "ours" else None
+            )
+            if rep:
+                times[name].append(seconds)
+                if name == "ours":
+                    times.setdefault("layout", []).append(clock.seconds)
+            memory[name] = max(memory.get(name, 0), nbytes)
+    stats = trainers["ours"].__dict__.get("prefix_sharing_stats", {})
+    packed = stats.get("shared_chunks", 0) > stats_before.get("shared_chunks", 0)
+    valid = mask[:, -keep:].bool()
+    return {
+        "TRL": statistics.median(times["TRL"]),
+        "ours": statistics.median(times["ours"]),
+        "layout_s": statistics.median(times["layout"]),
+        "mem_TRL": memory["TRL"],
+        "mem_ours": memory["ours"],
+        "layout": "packed" if packed else "padded",
+        "logp_diff": (logps["TRL"] - logps["ours"])[valid].abs().max().item(),
+    }
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--quick", action="store_true", help="tiny model, G 4/8, S 100, 1 repetition: smoke test")
+    parser.add_argument("--model", default=None, help="tiny, embedded or qwen2.5-0.5b-shape (comma-separated)")
+    parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
+    parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
+    parser.add_argument("--attn", default="sdpa", help="comma-separated attention implementations")
+    parser.add_argument("--reps", type=int, default=None, help="timed repetitions per trainer and shape")
+    parser.add_argument("--groups", default=None, help="comma-separated G values (default 4,8,16)")
+    args = parser.parse_args(argv)
+    logging.getLogger("trl_grpo_ext.prefix").setLevel(logging.ERROR)
+    warnings.filterwarnings("ignore")
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()
+    from conftest import build_tiny_model
+
+    dtype = getattr(torch, args.dtype)
+    models = (args.model or ("tiny" if args.quick else "tiny,embedded")).split(",")
+    groups = [int(g) for g in (args.groups or ("4,8" if args.quick else "4,8,16")).split(",")]
+    shareds = (100,) if args.quick else (100, 400)
+    completions = ("u64-512", "all-1024") if args.quick else tuple(COMPLETIONS)
+    reps = args.reps or (1 if args.quick else 3)
+    attns = args.attn.split(",")
+    if args.device == "cpu" and "flex_attention" in attns:
+        print("flex_attention: skipped on CPU (torch's FlexAttention has no backward on CPU)")
+        attns = [a for a in attns if a != "flex_attention"]
+    results = []
+    with tempfile.TemporaryDirectory() as tmp:
+        tokenizer_dir = build_tiny_model(Path(tmp) / "tokenizer")
+        for model_name in models:
+            # the embedded model at G=16 x 1,024 tokens runs minutes per pass on 2 CPU cores: G 4 and 8 there
+            model_groups = [g for g in groups if not (model_name == "embedded" and args.device == "cpu" and g > 8)]
+            model, tokenizer = build_model(model_name, dtype, args.device, tokenizer_dir)
+            for attn in attns:
+                print(f"\n== {model_name}, {attn}, {args.device} {args.dtype} ==")
+                print(f"{'G':>3}{'S':>5}{'completions':>12}{'TRL s':>9}{'ours s':>9}{'ours/TRL':>10}"
+                      f"{'TRL MiB':>9}{'ours MiB':>9}{'layout':>8}{'layout %':>9}{'logp diff':>11}")  # fmt: skip
+                for group in model_groups:
+                    trainers = build_trainers(model, tokenizer, attn, group, dtype, args.device, tmp)
+                    for shared in shareds:
+                        for comp in completions:
+                            r = run_shape(trainers, model.config.vocab_size, group, shared, comp, reps, group + shared,
+                                          args.device)  # fmt: skip
+                            r.update(model=model_name, attn=attn, G=group, S=shared, completions=comp)
+                            results.append(r)
+                            print(f"{group:>3}{shared:>5}{comp:>12}{r['TRL']:>9.3f}{r['ours']:>9.3f}"
+                                  f"{r['ours'] / r['TRL']:>10.2f}{r['mem_TRL'] / 2**20:>9.1f}"
+                                  f"{r['mem_ours'] / 2**20:>9.1f}{r['layout']:>8}"
+                                  f"{100 * r['layout_s'] / r['ours']:>8.1f}%{r['logp_diff']:>11.1e}",
+                                  flush=True)  # fmt: skip
+                    del trainers
+            del model
+    worst = max(results, key=lambda r: r["ours"] / r["TRL"])
+    short = [r for r in results if r["G"] == 8 and r["completions"] == "u64-512"]
+    over = [r for r in results if r["mem_ours"] > r["mem_TRL"]]
+    layout_share = (
+        max(r["layout_s"] / r["ours"] for r in results if r["layout"] == "packed")
+        if any(r["layout"] == "packed" for r in results)
+        else 0.0
+    )
+    print(f"\nworst: {worst['model']} {worst['attn']} G={worst['G']} S={worst['S']} {worst['completions']}")
+    print(f"memory above TRL's: {len(over)} of {len(results)} shapes; layout building at most "
+          f"{100 * layout_share:.1f}% of our forward+backward (packed shapes)")  # fmt: skip
+    short_ratio = max(r["ours"] / r["TRL"] for r in short) if short else float("nan")
+    print(f"prefix shapes: worst ours/TRL {worst['ours'] / worst['TRL']:.2f}, G=8 short-completion ours/TRL "
+          f"{short_ratio:.2f}")  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
