@@ -48,6 +48,11 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 import torch  # noqa: E402
 
 COMPLETIONS = {"u64-1024": (64, 1024), "all-1024": (1024, 1024), "u64-512": (64, 512)}
+# The embedded model on CPU, without --full: (G, S, completions). It runs tens of seconds per pass on 2 cores, so
+# its grid is cut to the short-completion target's shapes and the closest call (equal long completions, little
+# shared) to keep the default run under half an hour.
+EMBEDDED_CPU_SHAPES = ((4, 100, "u64-512"), (4, 400, "u64-512"), (8, 100, "u64-512"), (8, 400, "u64-512"),
+                       (4, 100, "all-1024"))  # fmt: skip
 QUESTION = 50  # tokens of each distinct question after the shared head
 QWEN_05B = dict(
     hidden_size=896,
@@ -168,53 +173,50 @@ def memory_meter(model, device: str):
 
 
 class LayoutClock:
-    """Seconds spent building the packed layout (plan, pack, cost model, index tensors) in our hook."""
+    """Seconds spent building the packed layout in our hook: packing (`pack_chunk`), the cost model
+    (`choose_layout`), and the stream and index tensors (`PackedBatch.forward_kwargs`)."""
 
-    def __init__(self, device: str):
+    def __init__(self, device: str, timer=time.perf_counter):
         from trl_grpo_ext.prefix import packing
 
-        self.seconds, self.layouts, self.device = 0.0, [], device
-        self._packing = packing
-        self._originals = {name: getattr(packing, name) for name in ("pack_chunk", "choose_layout")}
+        self.seconds, self.device, self.timer = 0.0, device, timer
+        self._targets = [(packing, "pack_chunk"), (packing, "choose_layout"), (packing.PackedBatch, "forward_kwargs")]
+        self._originals = {(owner, name): getattr(owner, name) for owner, name in self._targets}
 
     def __enter__(self):
-        def timed(name):
-            original = self._originals[name]
-
+        def timed(original):
             def wrapper(*args, **kwargs):
                 self._sync()
-                start = time.perf_counter()
+                start = self.timer()
                 out = original(*args, **kwargs)
-                if name == "pack_chunk" and not out.binned:
-                    out.attention().prepare()
                 self._sync()
-                self.seconds += time.perf_counter() - start
+                self.seconds += self.timer() - start
                 return out
 
             return wrapper
 
-        for name in self._originals:
-            setattr(self._packing, name, timed(name))
+        for (owner, name), original in self._originals.items():
+            setattr(owner, name, timed(original))
         return self
 
     def __exit__(self, *exc):
-        for name, original in self._originals.items():
-            setattr(self._packing, name, original)
+        for (owner, name), original in self._originals.items():
+            setattr(owner, name, original)
 
     def _sync(self):
         if self.device == "cuda":
             torch.cuda.synchronize()
 
 
-def forward_backward(trainer, ids, mask, keep, device: str, clock: LayoutClock | None = None):
-    """Seconds and memory of one forward+backward through the trainer's log-prob hook."""
+def forward_backward(trainer, ids, mask, keep, device: str, clock: LayoutClock | None = None, timer=time.perf_counter):
+    """Seconds (by `timer`) and memory of one forward+backward through the trainer's log-prob hook."""
     model = trainer.model
     model.zero_grad(set_to_none=True)
     cmask = mask[:, -keep:].float()
     if device == "cuda":
         torch.cuda.synchronize()
     with memory_meter(model, device) as memory:
-        start = time.perf_counter()
+        start = timer()
         with clock or contextlib.nullcontext():
             logps, entropies, _ = trainer._get_per_token_logps_and_entropies(model, ids, mask, keep,
                                                                             compute_entropy=True)  # fmt: skip
@@ -222,35 +224,41 @@ def forward_backward(trainer, ids, mask, keep, device: str, clock: LayoutClock |
         loss.backward()
         if device == "cuda":
             torch.cuda.synchronize()
-        seconds = time.perf_counter() - start
+        seconds = timer() - start
     return seconds, memory["bytes"], logps.detach()
 
 
-def run_shape(trainers, vocab, group, shared, completions, reps, seed, device):
+def warm_up(trainers, vocab, group, device):
+    """One small forward+backward through each trainer (allocator, kernels, lazy imports) before timing."""
+    ids, mask, keep = make_batch(vocab, group, 100, (64, 64), 0, device)
+    for trainer in trainers.values():
+        forward_backward(trainer, ids, mask, keep, device)
+
+
+def run_shape(trainers, vocab, group, shared, completions, reps, seed, device, timer):
     ids, mask, keep = make_batch(vocab, group, shared, COMPLETIONS[completions], seed, device)
-    times = {"TRL": [], "ours": []}
+    times = {"TRL": [], "ours": [], "layout": []}
     memory = {}
-    clock = LayoutClock(device)
+    clock = LayoutClock(device, timer)
     stats_before = dict(trainers["ours"].__dict__.get("prefix_sharing_stats", {}))
     logps = {}
-    for rep in range(reps + 1):  # the first round warms both up (allocator, kernels) and is not timed
+    for rep in range(reps):
         for name in ("TRL", "ours") if rep % 2 == 0 else ("ours", "TRL"):
-            if name == "ours":
-                clock.seconds = 0.0
+            clock.seconds = 0.0
             seconds, nbytes, logps[name] = forward_backward(
-                trainers[name], ids, mask, keep, device, clock if name == "ours" else None
+                trainers[name], ids, mask, keep, device, clock if name == "ours" else None, timer
             )
-            if rep:
-                times[name].append(seconds)
-                if name == "ours":
-                    times.setdefault("layout", []).append(clock.seconds)
+            times[name].append(seconds)
+            if name == "ours":
+                times["layout"].append(clock.seconds)
             memory[name] = max(memory.get(name, 0), nbytes)
     stats = trainers["ours"].__dict__.get("prefix_sharing_stats", {})
     packed = stats.get("shared_chunks", 0) > stats_before.get("shared_chunks", 0)
     valid = mask[:, -keep:].bool()
+    # the least disturbed repetition of each (noise only adds time: timeit's rule)
     return {
-        "TRL": statistics.median(times["TRL"]),
-        "ours": statistics.median(times["ours"]),
+        "TRL": min(times["TRL"]),
+        "ours": min(times["ours"]),
         "layout_s": statistics.median(times["layout"]),
         "mem_TRL": memory["TRL"],
         "mem_ours": memory["ours"],
@@ -262,13 +270,25 @@ def run_shape(trainers, vocab, group, shared, completions, reps, seed, device):
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="tiny model, G 4/8, S 100, 1 repetition: smoke test")
+    parser.add_argument("--full", action="store_true", help="every shape on every model (the embedded one too)")
     parser.add_argument("--model", default=None, help="tiny, embedded or qwen2.5-0.5b-shape (comma-separated)")
     parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
     parser.add_argument("--attn", default="sdpa", help="comma-separated attention implementations")
     parser.add_argument("--reps", type=int, default=None, help="timed repetitions per trainer and shape")
     parser.add_argument("--groups", default=None, help="comma-separated G values (default 4,8,16)")
+    parser.add_argument("--shared", default=None, help="comma-separated shared prompt lengths (default 100,400)")
+    parser.add_argument("--completions", default=None, help=f"comma-separated of {', '.join(COMPLETIONS)}")
+    parser.add_argument(
+        "--clock",
+        default="wall",
+        choices=("wall", "cpu"),
+        help="wall seconds, or this process's CPU seconds (steadier on a loaded machine; 1 torch thread, CPU only)",
+    )
     args = parser.parse_args(argv)
+    if args.clock == "cpu" and (args.device != "cpu" or torch.get_num_threads() != 1):
+        parser.error("--clock cpu needs --device cpu and one torch thread (OMP_NUM_THREADS=1)")
+    timer = time.process_time if args.clock == "cpu" else time.perf_counter
     logging.getLogger("trl_grpo_ext.prefix").setLevel(logging.ERROR)
     warnings.filterwarnings("ignore")
     from transformers.utils import logging as hf_logging
@@ -279,9 +299,8 @@ def main(argv=None):
     dtype = getattr(torch, args.dtype)
     models = (args.model or ("tiny" if args.quick else "tiny,embedded")).split(",")
     groups = [int(g) for g in (args.groups or ("4,8" if args.quick else "4,8,16")).split(",")]
-    shareds = (100,) if args.quick else (100, 400)
-    completions = ("u64-512", "all-1024") if args.quick else tuple(COMPLETIONS)
-    reps = args.reps or (1 if args.quick else 3)
+    shareds = [int(x) for x in (args.shared or ("100" if args.quick else "100,400")).split(",")]
+    completions = (args.completions or ("u64-512,all-1024" if args.quick else ",".join(COMPLETIONS))).split(",")
     attns = args.attn.split(",")
     if args.device == "cpu" and "flex_attention" in attns:
         print("flex_attention: skipped on CPU (torch's FlexAttention has no backward on CPU)")
@@ -290,26 +309,29 @@ def main(argv=None):
     with tempfile.TemporaryDirectory() as tmp:
         tokenizer_dir = build_tiny_model(Path(tmp) / "tokenizer")
         for model_name in models:
-            # the embedded model at G=16 x 1,024 tokens runs minutes per pass on 2 CPU cores: G 4 and 8 there
-            model_groups = [g for g in groups if not (model_name == "embedded" and args.device == "cpu" and g > 8)]
+            grid = [(g, sh, c) for g in groups for sh in shareds for c in completions]
+            if model_name == "embedded" and args.device == "cpu" and not args.full:
+                grid = [shape for shape in grid if shape in EMBEDDED_CPU_SHAPES]
             model, tokenizer = build_model(model_name, dtype, args.device, tokenizer_dir)
             for attn in attns:
-                print(f"\n== {model_name}, {attn}, {args.device} {args.dtype} ==")
+                print(f"\n== {model_name}, {attn}, {args.device} {args.dtype}, {args.clock} seconds ==")
                 print(f"{'G':>3}{'S':>5}{'completions':>12}{'TRL s':>9}{'ours s':>9}{'ours/TRL':>10}"
                       f"{'TRL MiB':>9}{'ours MiB':>9}{'layout':>8}{'layout %':>9}{'logp diff':>11}")  # fmt: skip
-                for group in model_groups:
+                # repetitions: the embedded model runs tens of seconds per pass on 2 CPU cores
+                reps = args.reps or (1 if args.quick else 2 if model_name == "embedded" else 5)
+                for group in dict.fromkeys(g for g, _, _ in grid):
                     trainers = build_trainers(model, tokenizer, attn, group, dtype, args.device, tmp)
-                    for shared in shareds:
-                        for comp in completions:
-                            r = run_shape(trainers, model.config.vocab_size, group, shared, comp, reps, group + shared,
-                                          args.device)  # fmt: skip
-                            r.update(model=model_name, attn=attn, G=group, S=shared, completions=comp)
-                            results.append(r)
-                            print(f"{group:>3}{shared:>5}{comp:>12}{r['TRL']:>9.3f}{r['ours']:>9.3f}"
-                                  f"{r['ours'] / r['TRL']:>10.2f}{r['mem_TRL'] / 2**20:>9.1f}"
-                                  f"{r['mem_ours'] / 2**20:>9.1f}{r['layout']:>8}"
-                                  f"{100 * r['layout_s'] / r['ours']:>8.1f}%{r['logp_diff']:>11.1e}",
-                                  flush=True)  # fmt: skip
+                    warm_up(trainers, model.config.vocab_size, group, args.device)
+                    for _, shared, comp in [shape for shape in grid if shape[0] == group]:
+                        r = run_shape(trainers, model.config.vocab_size, group, shared, comp, reps, group + shared,
+                                      args.device, timer)  # fmt: skip
+                        r.update(model=model_name, attn=attn, G=group, S=shared, completions=comp)
+                        results.append(r)
+                        print(f"{group:>3}{shared:>5}{comp:>12}{r['TRL']:>9.3f}{r['ours']:>9.3f}"
+                              f"{r['ours'] / r['TRL']:>10.2f}{r['mem_TRL'] / 2**20:>9.1f}"
+                              f"{r['mem_ours'] / 2**20:>9.1f}{r['layout']:>8}"
+                              f"{100 * r['layout_s'] / r['ours']:>8.1f}%{r['logp_diff']:>11.1e}",
+                              flush=True)  # fmt: skip
                     del trainers
             del model
     worst = max(results, key=lambda r: r["ours"] / r["TRL"])

@@ -25,6 +25,9 @@ from trl_grpo_ext.prefix import (
     shared_prefix_logps_and_entropies,
     sharing_unsupported_reason,
 )
+from trl_grpo_ext.prefix import attention as prefix_attention
+from trl_grpo_ext.prefix import cost as prefix_cost
+from trl_grpo_ext.prefix.attention import plan_buckets
 from trl_grpo_ext.trainer import GRPOTrainer
 
 LOGP_ATOL = 1e-4
@@ -138,8 +141,10 @@ def test_unsupported_models_are_named():
     assert sharing_unsupported_reason(llama) is None
     for attn in ("flash_attention_2", "flex_attention"):  # packed: segment attention; a shared cache: not tested
         llama.config._attn_implementation = attn
-        assert packed_unsupported_reason(llama) is None
         assert "sdpa or eager only" in sharing_unsupported_reason(llama)
+    assert "CUDA only" in packed_unsupported_reason(llama)  # flex on CPU
+    llama.config._attn_implementation = "flash_attention_2"
+    assert packed_unsupported_reason(llama) is None
     llama.config._attn_implementation = "paged|sdpa"
     assert "attention implementation 'paged|sdpa' is not one of" in packed_unsupported_reason(llama)
     dynamic = LlamaForCausalLM(LlamaConfig(**small, rope_parameters={"rope_type": "dynamic", "factor": 2.0}))
@@ -155,13 +160,33 @@ def test_unsupported_models_are_named():
 
 
 # ---------------------------------------------------------------------------------------------------------- forward
+def with_hole(mask, keep):
+    """A completion slot masked before its row's end (TRL's mask allows it: nobody's key, not scored)."""
+    mask = mask.clone()
+    mask[1, -keep + 2] = 0
+    return mask
+
+
 @pytest.mark.parametrize(
-    ("attn", "budget", "temperature"), [("sdpa", 4096, 1.0), ("eager", 4096, 0.7), ("sdpa", 40, 1.0)]
+    ("attn", "budget", "temperature", "overhead", "hole"),
+    [
+        ("sdpa", None, 1.0, None, False),  # the cost model's bucketing
+        ("sdpa", None, 0.7, 0.0, False),  # no call overhead: many causal buckets
+        ("sdpa", None, 1.0, 1e30, False),  # prohibitive overhead: one masked bucket
+        ("sdpa", None, 1.0, None, True),  # a hole inside a completion: masked buckets
+        ("sdpa", 40, 1.0, None, False),  # bins (each with its own prefix copy), concatenated
+        ("eager", 4096, 0.7, None, False),  # the dense mask
+        ("eager", 40, 1.0, None, True),  # dense mask over several bins
+    ],
 )
-def test_shared_forward_equals_plain(tiny_model_path, attn, budget, temperature):
+def test_shared_forward_equals_plain(tiny_model_path, monkeypatch, attn, budget, temperature, overhead, hole):
+    if overhead is not None:
+        monkeypatch.setitem(prefix_cost.CALL_OVERHEAD_FLOPS, "cpu", overhead)
     model = load(tiny_model_path, attn, temperature=temperature)
     prompts, completions, lengths = batch(model.config.vocab_size)
     ids, mask, keep = trl_layout(prompts, completions, lengths)
+    if hole:
+        mask = with_hole(mask, keep)
     weights = torch.randn(ids.size(0), keep, generator=torch.Generator().manual_seed(3))
 
     logps, entropies = plain_fused(model, ids, mask, keep)
@@ -178,6 +203,106 @@ def test_shared_forward_equals_plain(tiny_model_path, attn, budget, temperature)
     completion_mask = mask[:, -keep:].bool()
     assert torch.all(got_logps[~completion_mask] == 0) and torch.all(got_entropies[~completion_mask] == 0)
     assert_grads_close(got, want)
+
+
+def test_bucket_plans_cover_every_segment_once():
+    anc, own = [0, 24, 24, 30, 30, 30, 26], [24, 5, 9, 8, 3, 8, 6]
+    for overhead in (0, 1000, 10**9):
+        for holes in (False, True):
+            buckets = plan_buckets(anc, own, holes, overhead)
+            assert sorted(s for b in buckets for s in b.segments) == list(range(len(own)))
+            assert not holes or not any(b.causal for b in buckets)
+            for b in buckets:
+                assert b.width == max(own[s] for s in b.segments) and b.front == max(anc[s] for s in b.segments)
+                assert not b.causal or len({anc[s] for s in b.segments}) == 1
+    assert len(plan_buckets(anc, own, False, 10**9)) == 1  # one call when calls are dear
+    free = plan_buckets(anc, own, False, 0)  # calls cost nothing: fewest pairs, more calls
+    assert sum(b.pairs for b in free) < sum(b.pairs for b in plan_buckets(anc, own, False, 10**9))
+    assert len(free) > 1 and any(b.causal for b in free)
+
+
+def test_cost_model_picks_the_cheaper_layout(tiny_model_path):
+    model = load(tiny_model_path)
+    vocab = model.config.vocab_size
+    g = torch.Generator().manual_seed(5)
+    # a 400-token prompt shared by 4 rows with short completions: packing encodes it once
+    shared = [rand_tokens(400, vocab, g)] * 4
+    ids, mask, keep = trl_layout(shared, [rand_tokens(16, vocab, g) for _ in range(4)], [16, 9, 16, 4])
+    stats = {}
+    assert shared_prefix_logps_and_entropies(model, ids, mask, keep, stats=stats) is not None
+    assert stats["layout"] == "packed" and stats["packed_cost"] < stats["padded_cost"]
+    assert stats["tokens"] < stats["padded_tokens"] / 3
+    # two rows sharing one token of 3-token prompts with 60-token completions and no padding: nothing to gain
+    prompts = [[7] + rand_tokens(2, vocab, g), [7] + rand_tokens(2, vocab, g)]
+    ids, mask, keep = trl_layout(prompts, [rand_tokens(60, vocab, g) for _ in prompts], [60, 60])
+    stats = {}
+    assert shared_prefix_logps_and_entropies(model, ids, mask, keep, stats=stats) is None
+    assert stats["layout"] == "padded" and stats["packed_cost"] > prefix_cost.MARGIN * stats["padded_cost"]
+    assert shared_prefix_logps_and_entropies(model, ids, mask, keep, layout="packed") is not None
+
+
+def fake_varlen_flash(module, query, key, value, attention_mask, dropout=0.0, scaling=None, is_causal=None,
+                      cu_seq_lens_q=None, cu_seq_lens_k=None, max_length_q=None, max_length_k=None, **kwargs):  # fmt: skip
+    """transformers' flash-attention varlen contract (one stream, cumulative sequence lengths, causal mask
+    aligned bottom-right per sequence as flash-attn >= 2.1 does) computed with sdpa per sequence: flash-attn
+    can't be installed here, this checks the layout we hand to it."""
+    assert attention_mask is None and is_causal and query.size(0) == 1
+    outputs = []
+    groups = query.size(1) // key.size(1)
+    for i in range(cu_seq_lens_q.numel() - 1):
+        q = query[:, :, cu_seq_lens_q[i] : cu_seq_lens_q[i + 1]]
+        k = key[:, :, cu_seq_lens_k[i] : cu_seq_lens_k[i + 1]].repeat_interleave(groups, 1)
+        v = value[:, :, cu_seq_lens_k[i] : cu_seq_lens_k[i + 1]].repeat_interleave(groups, 1)
+        visible = torch.ones(q.size(2), k.size(2), dtype=torch.bool).tril(k.size(2) - q.size(2))
+        outputs.append(torch.nn.functional.scaled_dot_product_attention(q, k, v, visible, scale=scaling))
+    assert max(o.size(2) for o in outputs) == max_length_q
+    return torch.cat(outputs, dim=2).transpose(1, 2), None
+
+
+def test_flash_attention_layout_equals_plain(tiny_model_path, monkeypatch):
+    """The varlen flash-attention path (`SegmentAttention` kind "flash") with a reference of transformers'
+    varlen flash call: per-chunk packing and the context path, log-probs and gradients (flash-attn itself
+    needs CUDA: not run here)."""
+    from transformers import AttentionInterface
+
+    monkeypatch.setitem(AttentionInterface._global_mapping, "flash_attention_2", fake_varlen_flash)
+    monkeypatch.setattr(prefix_attention, "_WRAPPED", {})
+    model = load(tiny_model_path, "sdpa", temperature=0.7)
+    prompts, completions, lengths = batch(model.config.vocab_size)
+    ids, mask, keep = trl_layout(prompts, completions, lengths)
+    weights = torch.randn(ids.size(0), keep, generator=torch.Generator().manual_seed(3))
+    logps, entropies = plain_fused(model, ids, mask, keep)
+    want = grads_of(model, (logps * weights).sum() + entropies.sum())
+
+    model.config._attn_implementation = "flash_attention_2"
+    assert packed_unsupported_reason(model) is None
+    got_logps, got_entropies = shared_prefix_logps_and_entropies(model, ids, mask, keep, True, layout="packed")
+    torch.testing.assert_close(got_logps, logps, atol=LOGP_ATOL, rtol=0)
+    torch.testing.assert_close(got_entropies, entropies, atol=LOGP_ATOL, rtol=0)
+    assert_grads_close(grads_of(model, (got_logps * weights).sum() + got_entropies.sum()), want)
+    check_context_forward(model, ids, mask, keep, prompts, weights, logps, entropies, want, None)
+    # flash-attention can't leave a key out inside a sequence: a completion with a hole goes to TRL's forward
+    assert shared_prefix_logps_and_entropies(model, ids, with_hole(mask, keep), keep, layout="packed") is None
+
+
+def test_flex_attention_layout_equals_plain(tiny_model_path, monkeypatch):
+    """The flex-attention path (`SegmentAttention` kind "flex": one BlockMask) against TRL's forward, without
+    gradients: FlexAttention has no backward on CPU. torch 2.13's CPU flex kernel also fails to compile a mask
+    that indexes by query once inductor makes the shapes dynamic (the trainer then falls back, see
+    `packed_unsupported_reason`); the test compiles each shape statically."""
+    monkeypatch.setattr(torch._dynamo.config, "automatic_dynamic_shapes", False)
+    model = load(tiny_model_path, "flex_attention", temperature=0.7)
+    assert "CUDA only" in packed_unsupported_reason(model)
+    prompts, completions, lengths = batch(model.config.vocab_size)
+    ids, mask, keep = trl_layout(prompts, completions, lengths)
+    with torch.no_grad():
+        logps, entropies = plain_fused(load(tiny_model_path, "sdpa", temperature=0.7), ids, mask, keep)
+        got_logps, got_entropies = shared_prefix_logps_and_entropies(model, ids, mask, keep, True, layout="packed")
+        torch.testing.assert_close(got_logps, logps, atol=LOGP_ATOL, rtol=0)
+        torch.testing.assert_close(got_entropies, entropies, atol=LOGP_ATOL, rtol=0)
+        context = encode_prompt_context(model, prompts)
+        got = [context_logps_and_entropies(model, context, ids[r], mask[r], keep, True) for r in CHUNKS]
+        torch.testing.assert_close(torch.cat([lp for lp, _ in got]), logps, atol=LOGP_ATOL, rtol=0)
 
 
 def test_nothing_shared_is_left_to_the_plain_forward(tiny_model_path):
@@ -397,6 +522,13 @@ def test_config_validates_the_option(tmp_path):
     assert GRPOConfig(output_dir=str(tmp_path), use_cpu=True, report_to="none").share_prompt_prefix_across_microbatches
     with pytest.raises(ValueError, match="share_prompt_prefix_across_microbatches"):
         GRPOConfig(output_dir=str(tmp_path), use_cpu=True, report_to="none", share_prompt_prefix_across_microbatches=1)
+    assert GRPOConfig(output_dir=str(tmp_path), use_cpu=True, report_to="none").max_packed_tokens is None
+    assert GRPOConfig(
+        output_dir=str(tmp_path), use_cpu=True, report_to="none", max_packed_tokens=512
+    ).max_packed_tokens
+    for bad in (0, -3, 1.5, True, "4096"):
+        with pytest.raises(ValueError, match="max_packed_tokens"):
+            GRPOConfig(output_dir=str(tmp_path), use_cpu=True, report_to="none", max_packed_tokens=bad)
 
 
 def test_plan_type_is_exposed():
@@ -432,6 +564,43 @@ def test_fallback_reason_is_logged_once(caplog):
     assert [r.getMessage() for r in caplog.records].count(
         "prompt-prefix sharing not applied, plain forward used: test reason 42"
     ) == 1
+
+
+def bf16_deviations(path, attn, seed):
+    """Max and mean |log-prob difference| and the relative gradient difference, in bf16, of TRL's forward with one
+    more left-padding column and of ours (packed), each against TRL's forward."""
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16, attn_implementation=attn)
+    add_fused_lm_head(model, outputs=("log_probs", "entropy"))
+    prompts, completions, lengths = batch(model.config.vocab_size, seed=seed)
+    ids, mask, keep = trl_layout(prompts, completions, lengths)
+    weights = torch.randn(ids.size(0), keep, generator=torch.Generator().manual_seed(3))
+    scored = mask[:, -keep:].bool()
+    logps, _ = plain_fused(model, ids, mask, keep)
+    want = grads_of(model, (logps.float() * weights).sum())
+    pad = torch.zeros_like(ids[:, :1])
+    shifted, _ = plain_fused(model, torch.cat([pad, ids], 1), torch.cat([pad, mask], 1), keep)
+    ours, _ = shared_prefix_logps_and_entropies(model, ids, mask, keep, True, layout="packed")
+    out = {}
+    for name, got in (("TRL + 1 padding column", shifted), ("ours", ours)):
+        grads = grads_of(model, (got.float() * weights).sum())
+        diff = sum((grads[n].double() - want[n].double()).norm() ** 2 for n in want) ** 0.5
+        total = sum(want[n].double().norm() ** 2 for n in want) ** 0.5
+        delta = (got.float() - logps.float())[scored].abs()
+        out[name] = (delta.max().item(), delta.mean().item(), (diff / total).item())
+    return out
+
+
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+def test_bf16_within_trls_own_variation(tiny_model_path, attn):
+    """bf16: ours against TRL's forward deviates no more than TRL's forward does from itself when the batch gets
+    one more padding column (the envelope, measured here over three batches: max and mean |log-prob difference|,
+    relative gradient difference), with 1.5x slack for which batch draws the largest rounding."""
+    runs = [bf16_deviations(tiny_model_path, attn, seed) for seed in range(3)]
+    envelope = [max(run["TRL + 1 padding column"][i] for run in runs) for i in range(3)]
+    ours = [max(run["ours"][i] for run in runs) for i in range(3)]
+    assert all(e > 0 for e in envelope)  # bf16 rounding does move TRL's own numbers
+    for name, got, bound in zip(("max |dlogp|", "mean |dlogp|", "grad rel"), ours, envelope, strict=True):
+        assert got <= 1.5 * bound, (name, got, bound)
 
 
 @pytest.mark.slow
@@ -538,6 +707,15 @@ def test_cycle_context_trains_like_plain_and_encodes_each_prompt_once(tiny_model
     assert stats["context_tokens"] == CYCLE["max_steps"] * distinct_tokens
     assert stats["prompt_tokens_encoded"] == CYCLE["max_steps"] * (distinct_tokens + len(rows))
     assert stats["prompt_tokens"] == CYCLE["max_steps"] * sum(map(len, rows))
+    # per step: prefix/shared_fraction (prompt tokens not encoded) and prefix/saved_tokens (TRL's padded tokens
+    # minus those run: the context once, each row's last prompt token and unpadded completion)
+    logged = [entry for entry in trainer.state.log_history if "prefix/shared_fraction" in entry]
+    assert len(logged) == CYCLE["max_steps"]
+    for entry in logged:
+        assert entry["prefix/shared_fraction"] == pytest.approx(
+            1 - (distinct_tokens + len(rows)) / sum(map(len, rows))
+        )
+        assert entry["prefix/saved_tokens"] > sum(map(len, rows)) - distinct_tokens - len(rows)
 
 
 def test_cycle_without_the_context_backward_fails(tiny_model_path, tmp_path, plain_dapo_run, monkeypatch):
@@ -594,33 +772,46 @@ def test_cycle_context_falls_back_per_micro_batch(tiny_model_path, tmp_path, cap
     assert trainer._cycle_unsupported_reason(grad=False) == ""
 
 
-def test_context_forward_equals_plain(tiny_model_path):
-    """`encode_prompt_context` + `context_logps_and_entropies` over two chunks (bins split too) against the plain
-    forward: log-probs, entropies, and gradients through detached leaves sent back through the context once."""
-    for attn, budget in (("sdpa", 4096), ("eager", 30)):
-        model = load(tiny_model_path, attn, temperature=0.7)
-        prompts, completions, lengths = batch(model.config.vocab_size)
-        ids, mask, keep = trl_layout(prompts, completions, lengths)
-        weights = torch.randn(ids.size(0), keep, generator=torch.Generator().manual_seed(3))
-        logps, entropies = plain_fused(model, ids, mask, keep)
-        want = grads_of(model, (logps * weights).sum() + entropies.sum())
-        model.zero_grad()
-        context = encode_prompt_context(model, prompts, max_packed_tokens=budget)
-        assert (len(context.prefix_slots) > 1) == (budget < 4096)
-        leaves = context.with_kv(
-            [k.detach().requires_grad_() for k in context.keys], [v.detach().requires_grad_() for v in context.values]
-        )
-        got_logps, got_entropies = [], []
-        for rows in (slice(0, 4), slice(4, None)):
-            lp, ent = context_logps_and_entropies(model, leaves, ids[rows], mask[rows], keep, True, budget)
-            ((lp * weights[rows]).sum() + ent.sum()).backward()
-            got_logps.append(lp.detach())
-            got_entropies.append(ent.detach())
-        torch.autograd.backward(context.keys + context.values, [leaf.grad for leaf in leaves.keys + leaves.values])
-        got = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
-        torch.testing.assert_close(torch.cat(got_logps), logps, atol=LOGP_ATOL, rtol=0)
-        torch.testing.assert_close(torch.cat(got_entropies), entropies, atol=LOGP_ATOL, rtol=0)
-        assert_grads_close(got, want)
-        # a prompt the context doesn't hold: the caller falls back
-        other = trl_layout([[5, 6, 7]], [[3, 4]], [2])
-        assert context_logps_and_entropies(model, context, other[0], other[1], other[2]) is None
+CHUNKS = (slice(0, 4), slice(4, None))
+
+
+def check_context_forward(model, ids, mask, keep, prompts, weights, logps, entropies, want, budget):
+    """`encode_prompt_context` + `context_logps_and_entropies` over two chunks against the plain forward's
+    log-probs, entropies and gradients (through detached leaves, sent back through the context once)."""
+    model.zero_grad()
+    context = encode_prompt_context(model, prompts, max_packed_tokens=budget)
+    assert (len(context.prefix_slots) > 1) == (budget is not None and budget < 4096)
+    leaves = context.with_kv(
+        [k.detach().requires_grad_() for k in context.keys], [v.detach().requires_grad_() for v in context.values]
+    )
+    got_logps, got_entropies = [], []
+    for rows in CHUNKS:
+        lp, ent = context_logps_and_entropies(model, leaves, ids[rows], mask[rows], keep, True, budget)
+        ((lp * weights[rows]).sum() + ent.sum()).backward()
+        got_logps.append(lp.detach())
+        got_entropies.append(ent.detach())
+    torch.autograd.backward(context.keys + context.values, [leaf.grad for leaf in leaves.keys + leaves.values])
+    got = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    torch.testing.assert_close(torch.cat(got_logps), logps, atol=LOGP_ATOL, rtol=0)
+    torch.testing.assert_close(torch.cat(got_entropies), entropies, atol=LOGP_ATOL, rtol=0)
+    assert_grads_close(got, want)
+    # a prompt the context doesn't hold: the caller falls back
+    other = trl_layout([[5, 6, 7]], [[3, 4]], [2])
+    assert context_logps_and_entropies(model, context, other[0], other[1], other[2]) is None
+
+
+@pytest.mark.parametrize(
+    ("attn", "budget", "hole"), [("sdpa", None, False), ("sdpa", None, True), ("eager", 30, True)]
+)
+def test_context_forward_equals_plain(tiny_model_path, attn, budget, hole):
+    """The context path (segment attention over stored keys under sdpa; bins of gathered stored slots under eager,
+    context bins split) against the plain forward."""
+    model = load(tiny_model_path, attn, temperature=0.7)
+    prompts, completions, lengths = batch(model.config.vocab_size)
+    ids, mask, keep = trl_layout(prompts, completions, lengths)
+    if hole:
+        mask = with_hole(mask, keep)
+    weights = torch.randn(ids.size(0), keep, generator=torch.Generator().manual_seed(3))
+    logps, entropies = plain_fused(model, ids, mask, keep)
+    want = grads_of(model, (logps * weights).sum() + entropies.sum())
+    check_context_forward(model, ids, mask, keep, prompts, weights, logps, entropies, want, budget)

@@ -146,6 +146,15 @@ class GRPOConfig(trl.GRPOConfig):
             "gradient_accumulation_steps; elsewhere each micro-batch shares on its own (docs/prefix_sharing.md)."
         },
     )
+    max_packed_tokens: int | None = field(
+        default=None,
+        metadata={
+            "help": "With share_prompt_prefix: most tokens in one packed sequence of the shared-prefix log-prob "
+            "forward; rows past it start another sequence with its own copy of the shared prompt parts. None: no "
+            "limit under sdpa, flash_attention_2/3 and flex_attention (their attention cost is per row), 4096 under "
+            "eager (its dense mask costs T^2 per sequence). See docs/prefix_sharing.md."
+        },
+    )
 
     def __post_init__(self):
         if isinstance(self.scale_rewards, str) and self.scale_rewards.lower() in ("true", "false"):
@@ -210,6 +219,11 @@ class GRPOConfig(trl.GRPOConfig):
         for name in ("share_prompt_prefix", "share_prompt_prefix_across_microbatches"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name}={getattr(self, name)!r} must be true or false")
+        if self.max_packed_tokens is not None and (
+            isinstance(self.max_packed_tokens, bool) or not isinstance(self.max_packed_tokens, int)
+            or self.max_packed_tokens < 1
+        ):  # fmt: skip
+            raise ValueError(f"max_packed_tokens={self.max_packed_tokens!r} must be a positive integer or None")
         if self.degenerate_reward is not None and (
             not isinstance(self.degenerate_reward, str) or not self.degenerate_reward.strip()
         ):

@@ -105,11 +105,15 @@ def _partition(order: list[int], own: list[int], anc: list[int], causal: bool, o
 def plan_buckets(anc: list[int], own: list[int], holes: bool, overhead: int = BUCKET_OVERHEAD_PAIRS) -> list[Bucket]:
     """Group segments (ancestor key count, own token count) into sdpa calls of least cost.
 
-    Three candidates, the cheapest wins: every segment masked (one partition by own length); each group of equal
-    ancestor length causal (partitioned by own length); equal-ancestor groups of two or more causal and the other
-    segments masked. With `holes` (keys inside a segment that no one attends to) only masks can express it.
+    Candidates, the cheapest wins: every segment masked (one partition by own length); each group of equal
+    ancestor length causal (partitioned by own length); each group causal where that beats masking it, the other
+    segments pooled masked. With `holes` (keys inside a segment that no one attends to) only masks can express it.
     `overhead`: the cost of one more call, in pairs.
     """
+
+    def cost(buckets):
+        return sum(b.pairs + overhead for b in buckets)
+
     segments = [s for s in range(len(own)) if own[s] > 0]
     by_length = sorted(segments, key=lambda s: (-own[s], s))
     candidates = [_partition(by_length, own, anc, False, overhead)]
@@ -117,18 +121,16 @@ def plan_buckets(anc: list[int], own: list[int], holes: bool, overhead: int = BU
         classes: dict[int, list[int]] = {}
         for s in by_length:
             classes.setdefault(anc[s], []).append(s)
-        causal = [b for members in classes.values() for b in _partition(members, own, anc, True, overhead)]
-        candidates.append(causal)
-        lone = [s for s in by_length if len(classes[anc[s]]) == 1]
-        if lone and len(lone) < len(by_length):
-            mixed = [
-                b
-                for members in classes.values()
-                if len(members) > 1
-                for b in _partition(members, own, anc, True, overhead)
-            ]
-            candidates.append(mixed + _partition(lone, own, anc, False, overhead))
-    return min(candidates, key=lambda bs: sum(b.pairs + overhead for b in bs))
+        causal = {a: _partition(members, own, anc, True, overhead) for a, members in classes.items()}
+        candidates.append([b for buckets in causal.values() for b in buckets])
+        better = [
+            a
+            for a, members in classes.items()
+            if cost(causal[a]) < cost(_partition(members, own, anc, False, overhead))
+        ]
+        pooled = [s for s in by_length if anc[s] not in better]
+        candidates.append([b for a in better for b in causal[a]] + _partition(pooled, own, anc, False, overhead))
+    return min(candidates, key=cost)
 
 
 # ------------------------------------------------------------------------------------------------- the layout

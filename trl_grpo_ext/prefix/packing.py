@@ -210,6 +210,7 @@ def _every_position_scored(device: torch.device) -> bool:
 def fit_to(packed: PackedBatch, model) -> PackedBatch:
     """Set `packed`'s per-call overhead (bucket planning) for `model` on its device."""
     packed.call_overhead = ModelCost.of(_config_of(model)).call_overhead_pairs(packed.source[0].device)
+    packed._attention = None  # its bucket plan depends on the overhead
     return packed
 
 
