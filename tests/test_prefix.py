@@ -167,6 +167,18 @@ def with_hole(mask, keep):
     return mask
 
 
+def reference(model, hole=False):
+    """`batch`'s rows in TRL's layout, loss weights, and TRL's log-probs, entropies and parameter gradients."""
+    prompts, completions, lengths = batch(model.config.vocab_size)
+    ids, mask, keep = trl_layout(prompts, completions, lengths)
+    if hole:
+        mask = with_hole(mask, keep)
+    weights = torch.randn(ids.size(0), keep, generator=torch.Generator().manual_seed(3))
+    logps, entropies = plain_fused(model, ids, mask, keep)
+    want = grads_of(model, (logps * weights).sum() + entropies.sum())
+    return prompts, ids, mask, keep, weights, logps, entropies, want
+
+
 @pytest.mark.parametrize(
     ("attn", "budget", "temperature", "overhead", "hole"),
     [
@@ -183,14 +195,7 @@ def test_shared_forward_equals_plain(tiny_model_path, monkeypatch, attn, budget,
     if overhead is not None:
         monkeypatch.setitem(prefix_cost.CALL_OVERHEAD_FLOPS, "cpu", overhead)
     model = load(tiny_model_path, attn, temperature=temperature)
-    prompts, completions, lengths = batch(model.config.vocab_size)
-    ids, mask, keep = trl_layout(prompts, completions, lengths)
-    if hole:
-        mask = with_hole(mask, keep)
-    weights = torch.randn(ids.size(0), keep, generator=torch.Generator().manual_seed(3))
-
-    logps, entropies = plain_fused(model, ids, mask, keep)
-    want = grads_of(model, (logps * weights).sum() + entropies.sum())
+    _, ids, mask, keep, weights, logps, entropies, want = reference(model, hole)
     result = shared_prefix_logps_and_entropies(
         model, ids, mask, keep, compute_entropy=True, max_packed_tokens=budget, layout="packed"
     )
@@ -268,12 +273,7 @@ def test_flash_attention_layout_equals_plain(tiny_model_path, monkeypatch):
     monkeypatch.setitem(AttentionInterface._global_mapping, "flash_attention_2", fake_varlen_flash)
     monkeypatch.setattr(prefix_attention, "_WRAPPED", {})
     model = load(tiny_model_path, "sdpa", temperature=0.7)
-    prompts, completions, lengths = batch(model.config.vocab_size)
-    ids, mask, keep = trl_layout(prompts, completions, lengths)
-    weights = torch.randn(ids.size(0), keep, generator=torch.Generator().manual_seed(3))
-    logps, entropies = plain_fused(model, ids, mask, keep)
-    want = grads_of(model, (logps * weights).sum() + entropies.sum())
-
+    prompts, ids, mask, keep, weights, logps, entropies, want = reference(model)
     model.config._attn_implementation = "flash_attention_2"
     assert packed_unsupported_reason(model) is None
     got_logps, got_entropies = shared_prefix_logps_and_entropies(model, ids, mask, keep, True, layout="packed")
@@ -807,11 +807,5 @@ def test_context_forward_equals_plain(tiny_model_path, attn, budget, hole):
     """The context path (segment attention over stored keys under sdpa; bins of gathered stored slots under eager,
     context bins split) against the plain forward."""
     model = load(tiny_model_path, attn, temperature=0.7)
-    prompts, completions, lengths = batch(model.config.vocab_size)
-    ids, mask, keep = trl_layout(prompts, completions, lengths)
-    if hole:
-        mask = with_hole(mask, keep)
-    weights = torch.randn(ids.size(0), keep, generator=torch.Generator().manual_seed(3))
-    logps, entropies = plain_fused(model, ids, mask, keep)
-    want = grads_of(model, (logps * weights).sum() + entropies.sum())
+    prompts, ids, mask, keep, weights, logps, entropies, want = reference(model, hole)
     check_context_forward(model, ids, mask, keep, prompts, weights, logps, entropies, want, budget)

@@ -7,43 +7,44 @@ the second one only):
 - level 1: the longest token prefix common to every row of the batch;
 - level 2: the rest of each *distinct* prompt (rows with the same prompt form a group; they need not be adjacent).
 
-Training (`shared_prefix_logps_and_entropies`, `shared_prefix_logits`) packs a batch into one sequence per "bin"::
+Training (`shared_prefix_logps_and_entropies`, `shared_prefix_logits`) packs a chunk of rows as *segments*::
 
-    [level-1 prefix][rest of prompt g1][rest of prompt g2]...[row 1: last prompt token + completion][row 2: ...]...
+    [level-1 prefix][rest of prompt g1][row 1: last prompt token + completion][row 2: ...][rest of prompt g2]...
 
-with explicit ``position_ids`` (each token keeps the position it has in its own row) and a 4D attention mask under
-which a row's tokens see the level-1 prefix, their own prompt's rest and their own earlier tokens only. That is the
+with explicit ``position_ids`` (each token keeps the position it has in its own row), no padding, and attention
+under which a row's tokens see the level-1 prefix, their own prompt's rest and their own earlier tokens only: the
 attention each row has in the plain forward, so outputs equal the plain forward's to float rounding; gradients flow
-through the shared encodings as sums over the rows that read them. One ordinary forward: gradient checkpointing, LoRA
-and TRL's fused LM head work unchanged. The last prompt token is part of each row's segment because its hidden state
-scores the first completion token.
+through the shared encodings as sums over the rows that read them. The model's own attention kernel runs it
+(`attention.SegmentAttention`, through transformers' `AttentionInterface`: sdpa buckets, varlen flash-attention,
+a flex-attention BlockMask; eager a dense mask), in one ordinary forward: gradient checkpointing, LoRA and TRL's
+fused LM head work unchanged. A cost model (`cost`) keeps TRL's padded rows where they are cheaper. The last prompt
+token is part of each row's segment because its hidden state scores the first completion token.
 
-Across chunks (`encode_prompt_context`, `context_logps_and_entropies`): the shared parts of a whole generation batch
-are encoded once, keeping every layer's keys/values, and each chunk of rows (a micro-batch, or ``batch_size`` rows of
-a no-grad log-prob call) encodes only its rows' own tokens on top of them through a cache and the same kind of mask.
-In training the context is encoded with gradients once per accumulation cycle; `PrefixSharingMixin` gives the
-micro-batches detached leaf copies and sends their accumulated gradient through the context once, after the cycle's
-last backward.
+Across chunks (`encode_prompt_context`, `context_logps_and_entropies`): the shared parts of a whole generation
+batch are encoded once, keeping every layer's keys/values, and each chunk of rows (a micro-batch, or ``batch_size``
+rows of a no-grad log-prob call) encodes only its rows' own tokens, attending to them. In training the context is
+encoded with gradients once per accumulation cycle; `PrefixSharingMixin` gives the micro-batches detached leaf
+copies and sends their accumulated gradient through the context once, after the cycle's last backward.
 
 Generation (`shared_prefix_generate`) encodes the level-1 prefix once, each distinct prompt's rest once on top of it,
 expands the `DynamicCache` to the rows and hands it to ``model.generate``, which decodes as usual (greedy, sampling,
 logits processors, stopping criteria are all its own).
 
-Sharing applies only where it is exact (`sharing_unsupported_reason`); elsewhere callers use the plain path.
-`docs/prefix_sharing.md` lists the conditions.
+Sharing applies only where it is exact (`packed_unsupported_reason`, `sharing_unsupported_reason`); elsewhere
+callers use the plain path. `docs/prefix_sharing.md` lists the conditions.
 
 Modules: `plan` (`PrefixPlan`, `plan_prefix`: which tokens a batch shares; TRL's left-padded prompts), `support`
-(`sharing_unsupported_reason`: when sharing is exact; the once-per-process fallback log), `packing` (one packed
-forward: `pack_rows`, `shared_prefix_logps_and_entropies`, `shared_prefix_logits`), `context` (`PromptContext`:
-shared parts encoded once for many chunks), `generation` (`shared_prefix_generate`), `mixin`
-(`PrefixSharingMixin`, the trainer hooks).
+(when sharing is exact; the once-per-process fallback log), `layout` (segments placed and gathered into a packed
+stream; the eager dense mask), `attention` (`SegmentAttention` and the `AttentionInterface` wrapper), `cost` (packed
+vs padded), `packing` (one packed forward: `pack_chunk`, `pack_rows`, `shared_prefix_logps_and_entropies`,
+`shared_prefix_logits`), `context` (`PromptContext`: shared parts encoded once for many chunks), `generation`
+(`shared_prefix_generate`), `mixin` (`PrefixSharingMixin`, the trainer hooks).
 """
 
 # The package re-exports every name the one module `trl_grpo_ext/prefix.py` had, private ones included (tests and
 # bench/step_time.py import some), so `from trl_grpo_ext.prefix import ...` reads the same as before the split.
 from .attention import SegmentAttention
 from .context import PromptContext as PromptContext
-from .context import _mask_for as _mask_for
 from .context import context_logps_and_entropies, encode_prompt_context
 from .generation import _left_pad as _left_pad
 from .generation import generation_unsupported_reason, shared_prefix_generate
@@ -57,7 +58,6 @@ from .packing import (
     shared_prefix_logits,
     shared_prefix_logps_and_entropies,
 )
-from .packing import _completions as _completions
 from .packing import _unpack as _unpack
 from .plan import PrefixPlan, plan_prefix, prompts_from_left_padded
 from .support import _LOGGED as _LOGGED

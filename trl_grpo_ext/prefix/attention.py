@@ -212,25 +212,17 @@ class SegmentAttention:
         return self._built["buckets"]
 
     # ------------------------------------------------------------------------------------------- index tensors
-    def _key_index(self, segments: torch.Tensor, slot: torch.Tensor, front: torch.Tensor):
+    def _key_index(self, segments: torch.Tensor, slot: torch.Tensor, front: int):
         """Key-space index of slot `slot` (broadcast) of `segments`' key rows laid out ``[ancestors left-padded to
         front][own]``, and whether the slot holds a real key."""
-        r = self.ranges[segments].unsqueeze(-1)  # (n, 3, 2, 1)
-        p_start, p_len, r_start, r_len, o_start, o_len = (
-            r[:, 0, 0],
-            r[:, 0, 1],
-            r[:, 1, 0],
-            r[:, 1, 1],
-            r[:, 2, 0],
-            r[:, 2, 1],
-        )
-        anc = p_len + r_len
-        a = slot - (front - anc)  # index within the ancestors, negative in the left padding
-        in_anc = (slot < front) & (a >= 0)
+        (p_start, p_len), (r_start, r_len), (o_start, o_len) = (
+            bound.unbind(1) for bound in self.ranges[segments].unsqueeze(-1).unbind(1)
+        )  # each (n, 1)
+        a = slot - (front - (p_len + r_len))  # index within the ancestors, negative in the left padding
         own = slot - front
         index = torch.where(a < p_len, p_start + a, r_start + a - p_len)
         index = torch.where(slot < front, index, o_start + own.clamp(max=o_len - 1))
-        real = in_anc | ((slot >= front) & (own < o_len))
+        real = ((slot < front) & (a >= 0)) | ((slot >= front) & (own < o_len))
         return torch.where(real, index, 0), real
 
     def _bucket_tensors(self, bucket: Bucket) -> dict:
@@ -241,7 +233,7 @@ class SegmentAttention:
         own_len = self.ranges[segments, 2, 1].unsqueeze(1)
         side = front + width
         slot = torch.arange(side, device=device).unsqueeze(0)
-        keys, real = self._key_index(segments, slot, torch.full((n, 1), front, device=device))
+        keys, real = self._key_index(segments, slot, front)
         if bucket.causal:  # queries in the ancestor slots are throw-away (their outputs are not read)
             q_offset = (slot - front).clamp(min=0)
             queries = q_start + torch.minimum(q_offset, own_len - 1)

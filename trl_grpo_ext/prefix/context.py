@@ -12,7 +12,7 @@ import torch
 
 from ..compat import cache_kwargs
 from .attention import kind_of
-from .layout import DEFAULT_MAX_PACKED_TOKENS, SegmentSpec, eager_mask, place
+from .layout import DEFAULT_MAX_PACKED_TOKENS, SegmentSpec, place
 from .packing import PackedBatch, _has_holes, _kept_lengths, _unpack, choose_layout, fit_to, trl_tensors
 from .plan import PrefixPlan, plan_prefix, prompts_from_left_padded
 from .support import _config_of, log_fallback_once
@@ -57,13 +57,6 @@ class PromptContext:
     def rest_range(self, group: int) -> tuple[int, int] | None:
         slots = self.rest_slots[group]
         return (slots[0], len(slots)) if slots else None
-
-
-def _mask_for(model, visible: torch.Tensor) -> torch.Tensor:
-    """`visible` (bool) as the 4D mask the model's attention implementation takes (additive float for eager)."""
-    if _config_of(model)._attn_implementation == "eager":
-        return eager_mask(visible, next(model.parameters()).dtype)
-    return visible
 
 
 def encode_prompt_context(

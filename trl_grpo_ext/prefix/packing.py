@@ -195,13 +195,6 @@ def _kept_lengths(attention_mask: torch.Tensor, prompt_length: int) -> list[int]
     return torch.where(completion_mask.any(1), width - completion_mask.flip(1).int().argmax(1), 0).tolist()
 
 
-def _completions(input_ids: torch.Tensor, attention_mask: torch.Tensor, prompt_length: int):
-    """Each row's completion tokens and their mask from TRL's layout, trailing padding left out."""
-    kept = _kept_lengths(attention_mask, prompt_length)
-    ids, masks = input_ids[:, prompt_length:].tolist(), attention_mask[:, prompt_length:].bool().tolist()
-    return [row[:n] for row, n in zip(ids, kept, strict=True)], [row[:n] for row, n in zip(masks, kept, strict=True)]
-
-
 def _every_position_scored(device: torch.device) -> bool:
     # TRL's fused head scores only labelled positions with Triton (CUDA/XPU), every position elsewhere
     return device.type not in ("cuda", "xpu")

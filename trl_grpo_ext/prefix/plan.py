@@ -47,14 +47,14 @@ class PrefixPlan:
 
 def plan_prefix(prompts: Sequence[Sequence[int]]) -> PrefixPlan:
     """Level-1 prefix and level-2 groups of `prompts` (token id lists, each non-empty)."""
-    prompts = tuple(tuple(int(t) for t in p) for p in prompts)
+    prompts = tuple(tuple(map(int, p)) for p in prompts)
     if not prompts or any(len(p) == 0 for p in prompts):
         raise ValueError("plan_prefix needs at least one row and a non-empty prompt in every row")
     limit = min(len(p) for p in prompts) - 1
-    first = prompts[0]
-    length = 0
-    while length < limit and all(p[length] == first[length] for p in prompts):
-        length += 1
+    # the first column where some row differs from the first (one comparison op, no loop over tokens)
+    heads = torch.tensor([p[:limit] for p in prompts], dtype=torch.long).reshape(len(prompts), limit)
+    differs = (heads != heads[:1]).any(0)
+    length = int(differs.int().argmax()) if bool(differs.any()) else limit
     index: dict[tuple[int, ...], int] = {}
     members: list[list[int]] = []
     row_group = []
