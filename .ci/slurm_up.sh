@@ -26,10 +26,11 @@ die() { log "error: $*"; exit 1; }
 [ "$(id -u)" = 0 ] || die "run as root (it installs packages and starts system daemons): sudo $0"
 
 stop_pidfile() {  # stop the daemon whose pid file this script's config names, if it is running
-    local pidfile=$1
-    if [ -s "$pidfile" ] && kill -0 "$(cat "$pidfile")" 2>/dev/null; then
-        kill "$(cat "$pidfile")"
-        for _ in $(seq 50); do kill -0 "$(cat "$pidfile")" 2>/dev/null || break; sleep 0.1; done
+    local pidfile=$1 pid
+    pid=$(cat "$pidfile" 2>/dev/null || true)
+    if [ -n "$pid" ] && kill -0 "$pid" 2>/dev/null; then
+        kill "$pid"
+        for _ in $(seq 50); do kill -0 "$pid" 2>/dev/null || break; sleep 0.1; done
     fi
     rm -f "$pidfile"
 }

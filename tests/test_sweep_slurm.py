@@ -320,6 +320,8 @@ def test_tiny_2x2_sweep_on_slurm_status_and_compare(slurm_cluster, cancel_on_exi
         rows = [json.loads(x) for x in (run.run_dir / "metrics.jsonl").read_text().splitlines()]
         assert [r["step"] for r in rows] == [1, 2], run.name
         assert read_attempt(run.run_dir).launcher == "slurm"
+    summary = json.loads((spec.output_root / "sweep_summary.json").read_text())
+    assert summary["counts"] == {"finished": 4}  # written by the jobs: no sweep command waited for them
     report = build_report([spec.output_root], tmp_path / "report")
     for run in expand(spec):
         assert f"| {run.name} | trl | 2 |" in report.table, report.table

@@ -577,11 +577,16 @@ def _write_summary(
         "source": str(spec.source) if spec.source else None,
         "started_at": started,
         "updated_at": _now(),
-        "counts": {s: sum(1 for r in ordered if r["status"] == s) for s in sorted({r["status"] for r in ordered})},
+        "counts": summary_counts(ordered),
         "runs": ordered,
     }
     atomic_write_text(path, json.dumps(payload, indent=2, default=str))
     return path
+
+
+def summary_counts(entries: list[dict]) -> dict[str, int]:
+    """How many runs of a summary are in each status."""
+    return {s: sum(1 for r in entries if r["status"] == s) for s in sorted({r["status"] for r in entries})}
 
 
 def _append_sweep_log(spec: SweepSpec, line: str) -> None:

@@ -158,12 +158,14 @@ def run(args) -> int:
     bad = [r for r in results if not r.ok]
     in_jobs = [r for r in results if r.status in ("queued", "running")]
     if in_jobs:
-        ids = sorted({r.job_id.split("_")[0] for r in in_jobs if r.job_id})
+        ids = sorted({r.job_id.split("_")[0] for r in in_jobs if r.job_id}, key=int)
         where = f" (SLURM job {', '.join(ids)})" if ids else ""
         print(
             f"{len(in_jobs)} runs queued or running{where}; follow them with: trl-grpo-ext sweep {args.sweep_file} --status"
         )
-    print(f"{len(results) - len(bad)}/{len(results)} runs ok; summary: {summary}")
+        print(f"{len(results) - len(in_jobs) - len(bad)} already done, {len(bad)} failed; summary: {summary}")
+    else:
+        print(f"{len(results) - len(bad)}/{len(results)} runs ok; summary: {summary}")
     for r in bad:
         print(f"  {r.status}: {r.name}: {r.reason or f'exit {r.returncode}'} -> {r.run_dir}", file=sys.stderr)
     return 1 if bad else 0

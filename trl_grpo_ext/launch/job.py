@@ -25,7 +25,13 @@ from pathlib import Path
 
 import yaml
 
-from trl_grpo_ext.launch.records import RunResult, failure_reason, this_process, write_attempt
+from trl_grpo_ext.launch.records import (
+    RunResult,
+    failure_reason,
+    this_process,
+    update_summary_entry,
+    write_attempt,
+)
 from trl_grpo_ext.run_files import METRICS_FILENAME, atomic_write_text, latest_checkpoint
 from trl_grpo_ext.sweep import (
     DONE_MARKER,
@@ -228,18 +234,21 @@ def run_job(run_dir: str | os.PathLike) -> int:
     except _Stopped as stopped:
         record.log_tail = log_tail(run_dir / TRAIN_LOG)
         write_attempt(record)
+        update_summary_entry(record)
         print(f"run {job.name}: {record.reason}", flush=True)
         return 128 + stopped.signum
     except Exception as e:  # the job's own failure (unwritable folder, missing script): recorded, not lost
         record.status, record.reason, record.finished_at = "failed", f"{type(e).__name__}: {e}", _now()
         record.log_tail = record.reason
         write_attempt(record)
+        update_summary_entry(record)
         raise
     finally:
         for s, handler in previous.items():
             signal.signal(s, handler)
     record.finished_at = record.finished_at or _now()
     write_attempt(record)
+    update_summary_entry(record)
     print(f"run {job.name}: {record.status}" + (f" ({record.reason})" if record.reason else ""), flush=True)
     return 0 if record.ok else 1
 

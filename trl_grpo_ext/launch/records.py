@@ -9,6 +9,8 @@ node failure) is a run to resume.
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import json
 import os
 import re
@@ -18,7 +20,7 @@ from pathlib import Path
 from typing import NamedTuple
 
 from trl_grpo_ext.run_files import PYTRIO_STATE_FILENAME, atomic_write_text, latest_checkpoint
-from trl_grpo_ext.sweep import ATTEMPT_FILE, DONE_MARKER, RunSpec
+from trl_grpo_ext.sweep import ATTEMPT_FILE, DONE_MARKER, LOCK_FILE, SUMMARY_FILE, RunSpec, _now, summary_counts
 
 IN_FLIGHT = ("queued", "running")
 
@@ -65,6 +67,43 @@ def read_attempt(run_dir: Path) -> RunResult | None:
 
 def write_attempt(record: RunResult) -> None:
     atomic_write_text(Path(record.run_dir) / ATTEMPT_FILE, json.dumps(asdict(record), indent=2, default=str))
+
+
+@contextlib.contextmanager
+def root_lock(output_root: Path, on_wait: str | None = None):
+    """The sweep output root's lock (held briefly: picking and starting runs, writing the summary)."""
+    output_root.mkdir(parents=True, exist_ok=True)
+    with open(output_root / LOCK_FILE, "a") as handle:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            if on_wait:
+                print(on_wait, flush=True)
+            fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def update_summary_entry(record: RunResult) -> None:
+    """A job's final record, put into its sweep's sweep_summary.json (in the output root, its folder's parent):
+    the summary stays current when no sweep command waits for the jobs (SLURM without --wait)."""
+    root = Path(record.run_dir).parent
+    with root_lock(root):
+        try:
+            payload = json.loads((root / SUMMARY_FILE).read_text())
+            entries = payload["runs"]
+        except (OSError, ValueError, KeyError, TypeError):
+            return  # no summary yet: the sweep command writes one with every record it finds
+        entry = asdict(record)
+        names = [e.get("name") for e in entries]
+        if record.name in names:
+            entries[names.index(record.name)] = entry
+        else:
+            entries.append(entry)
+        payload.update(updated_at=_now(), counts=summary_counts(entries), runs=entries)
+        atomic_write_text(root / SUMMARY_FILE, json.dumps(payload, indent=2, default=str))
 
 
 def this_process() -> dict:

@@ -7,9 +7,7 @@ to it. Finished runs are skipped; a run that failed or was interrupted gets a ne
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import fcntl
 import json
 import os
 import shutil
@@ -28,14 +26,15 @@ from trl_grpo_ext.launch.records import (
     RunState,
     local_process_alive,
     read_attempt,
+    root_lock,
     run_state,
     this_process,
     write_attempt,
 )
+from trl_grpo_ext.progress import progress_bar
 from trl_grpo_ext.sweep import (
     DONE_MARKER,
     EVAL_SUMMARY,
-    LOCK_FILE,
     TRAIN_LOG,
     RunSpec,
     SweepSpec,
@@ -65,22 +64,6 @@ class Scheduler:
         if alive is None:
             return RunState(record.status, f"pid {record.pid} on {record.host}; cannot check from here")
         return RunState(record.status, f"pid {record.pid}") if alive else None
-
-
-@contextlib.contextmanager
-def sweep_lock(spec: SweepSpec):
-    """The output root's lock: one sweep command at a time picks and starts runs."""
-    spec.output_root.mkdir(parents=True, exist_ok=True)
-    with open(spec.output_root / LOCK_FILE, "a") as handle:
-        try:
-            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            print(f"waiting for another sweep command starting runs in {spec.output_root} ...", flush=True)
-            fcntl.flock(handle, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(handle, fcntl.LOCK_UN)
 
 
 def _stop_on_sigterm():
@@ -156,8 +139,6 @@ def run_sweep(
 ) -> tuple[list[RunResult], Path]:
     """Start every run of `spec` that is not finished or already in a job, then (local; SLURM with `wait`) follow
     them to their end. Returns one result per run (SLURM without `wait`: `queued`) and the summary file's path."""
-    from tqdm.auto import tqdm
-
     runs = expand(spec) if runs is None else runs
     launcher = launcher or spec.launcher
     if launcher not in LAUNCHERS:
@@ -176,12 +157,19 @@ def run_sweep(
     previous = _previous_summary(spec)
     results: dict[str, RunResult] = {}
     lock = threading.Lock()
-    bar = tqdm(total=len(runs), desc=f"sweep {spec.name}", unit="run", disable=not progress, dynamic_ncols=True)
+    bar = progress_bar(len(runs), f"sweep {spec.name}", "run", requested=progress)
+
+    def write_summary() -> Path:
+        with root_lock(spec.output_root):
+            for name, result in list(results.items()):
+                if result.status in IN_FLIGHT:  # its job may have ended since: what it recorded is newer
+                    results[name] = read_attempt(Path(result.run_dir)) or result
+            return _write_summary(spec, runs, results, started, previous)
 
     def record(result: RunResult):
         with lock:
             results[result.name] = result
-            _write_summary(spec, runs, results, started, previous)
+            write_summary()
             line = f"{result.status:<12} {result.name}"
             if result.job_id:
                 line += f" (job {result.job_id})"
@@ -197,46 +185,45 @@ def run_sweep(
             failed = sum(1 for r in results.values() if not r.ok)
             bar.set_postfix(ok=len(results) - failed, failed=failed)
             if echo:
-                bar.write(line) if progress else echo(line)
+                bar.write(line) if not bar.disable else echo(line)
 
     previous_term = _stop_on_sigterm()
-    pending: list[RunResult] = []
+    jobs, submitted = [], []
     try:
-        with sweep_lock(spec):
+        # Picking and starting under the root's lock: a second sweep command then sees these runs' records.
+        with root_lock(spec.output_root, on_wait=f"waiting for another sweep command in {spec.output_root} ..."):
             start, left = _pick(spec, runs, force, Scheduler())
             _append_sweep_log(
                 spec, f"start {len(start)} of {len(runs)} runs, launcher={launcher}, parallel={parallel}"
             )
-            for result in left:
-                record(result)
             jobs, failed = _prepare(spec, start, launcher)
             for result in failed:
                 write_attempt(result)
-                record(result)
             if launcher == "slurm":
-                pending = slurm.submit(spec, jobs, parallel)
+                submitted = slurm.submit(spec, jobs, parallel)
             else:
                 owner = this_process()  # queued until the job starts: a second sweep command leaves these alone
                 for _, job in jobs:
                     write_attempt(RunResult(job.name, "queued", job.run_dir, launcher="local", **owner))
+        for result in left + failed + ([] if wait else submitted):
+            record(result)
         if launcher == "local":
             local.run_jobs([job for _, job in jobs], parallel, record)
         elif wait:
-            _follow(pending, record)
-        else:
-            for result in pending:
-                record(result)
+            _follow(submitted, record)
     except KeyboardInterrupt:
-        for run in runs:
+        for run in runs:  # a SLURM job goes on without this command: its record says where it stands
             if run.name not in results:
-                results[run.name] = RunResult(run.name, "interrupted", str(run.run_dir))
+                last = read_attempt(run.run_dir) if launcher == "slurm" else None
+                in_flight = last is not None and last.status in IN_FLIGHT
+                results[run.name] = last if in_flight else RunResult(run.name, "interrupted", str(run.run_dir))
         _append_sweep_log(spec, "interrupted")
         raise
     finally:
         if previous_term is not None:
             signal.signal(signal.SIGTERM, previous_term)
         bar.close()
-        path = _write_summary(spec, runs, results, started, previous)
+        path = write_summary()
     return [results[r.name] for r in runs], path
 
 
