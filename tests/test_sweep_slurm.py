@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from sweep_fakes import FAKE_RECIPE, TINY_RUN
 
 from trl_grpo_ext.launch.job import prepare_job
 from trl_grpo_ext.launch.records import read_attempt
@@ -62,27 +63,6 @@ def cancel_on_exit():
             cancel_sweep(spec)
         except Exception:  # noqa: BLE001 - cleanup only
             pass
-
-
-FAKE_RECIPE = textwrap.dedent(
-    r"""
-    import argparse, json, os, sys
-    from pathlib import Path
-    import yaml
-
-    p = argparse.ArgumentParser()
-    p.add_argument("--config", required=True)
-    p.add_argument("--resume_from_checkpoint", default=None)
-    args = p.parse_args()
-    cfg = yaml.safe_load(open(args.config))
-    out = Path(cfg["output_dir"])
-    with open(out / "invocations.jsonl", "a") as f:
-        f.write(json.dumps({"job": os.environ.get("SLURM_JOB_ID"), "threads": os.environ.get("OMP_NUM_THREADS")}) + "\n")
-    for step in range(1, cfg["max_steps"] + 1):
-        with open(out / "metrics.jsonl", "a") as f:
-            f.write(json.dumps({"step": step}) + "\n")
-    """
-)
 
 
 def write_sweep(tmp_path, name="s.yaml", **data) -> Path:
@@ -263,17 +243,7 @@ def test_queued_runs_are_never_submitted_twice_and_cancel(slurm_cluster, cancel_
     assert [state.status for _, state in sweep_status(spec)] == ["done"] * 3
 
 
-TINY_OVERRIDES = {
-    "synthetic_tasks": "chain_sum_easy",
-    "num_train_samples": 8,
-    "eval_num_samples": 0,
-    "max_steps": 2,
-    "num_generations": 2,
-    "per_device_train_batch_size": 2,
-    "gradient_accumulation_steps": 1,
-    "max_completion_length": 8,
-    "save_strategy": "no",
-}
+TINY_OVERRIDES = {**TINY_RUN, "gradient_accumulation_steps": 1, "save_strategy": "no"}
 TINY_SLURM = {"cpus_per_run": 1, "mem": "1G", "time": "20:00"}  # use_cpu: the tiny runs ask for no GPU
 
 
