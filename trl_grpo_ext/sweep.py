@@ -60,6 +60,7 @@ LOCK_FILE = ".sweep.lock"  # in the output root: held while runs are picked and 
 SLURM_FOLDER = "slurm"  # in the output root: sbatch scripts, their run lists and each array task's output
 LOG_TAIL_LINES = 40
 MAX_NAME_LEN = 150
+PACKAGE_ROOT = str(Path(__file__).resolve().parents[1])  # a job's PYTHONPATH: this copy, installed or not
 
 # Keys of the sweep file itself; anything else at top level is a typo worth reporting.
 SWEEP_KEYS = {
@@ -489,9 +490,9 @@ def resume_args(backend: str, run_dir: Path) -> list[str]:
     return known.resume_args(run_dir) if known else []
 
 
-def run_env(extra: Mapping[str, str], sweep: str, run_name: str, base: Mapping[str, str] | None = None) -> dict:
-    """The environment of a run's processes: `base` (this process's) plus the sweep file's `env:` (`extra`)."""
-    env = dict(os.environ if base is None else base)
+def run_env(extra: Mapping[str, str], sweep: str, run_name: str) -> dict:
+    """The environment of a run's processes: this process's, plus the sweep file's `env:` (`extra`) and names."""
+    env = dict(os.environ)
     env.update(extra)
     # SwanLab reads these when the recipe calls swanlab.init without naming them; a user's own values win.
     env.setdefault("SWANLAB_GROUP", sweep)
@@ -502,9 +503,6 @@ def run_env(extra: Mapping[str, str], sweep: str, run_name: str, base: Mapping[s
     # Recipes and `eval` import trl_grpo_ext: make it the same copy as this one, installed or not.
     env["PYTHONPATH"] = os.pathsep.join(p for p in (PACKAGE_ROOT, env.get("PYTHONPATH")) if p)
     return env
-
-
-PACKAGE_ROOT = str(Path(__file__).resolve().parents[1])
 
 
 def log_tail(path: Path, lines: int = LOG_TAIL_LINES) -> str:

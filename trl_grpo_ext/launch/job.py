@@ -227,8 +227,10 @@ def run_job(run_dir: str | os.PathLike) -> int:
         else:
             _train(job, record, env)
         if record.status in ("finished", "skipped") and job.evaluate:
+            trained, record.status = record.status, "running"  # still this job's: no second eval job starts
             write_attempt(record)
             record.eval = _evaluate(job, env)
+            record.status = trained
             if record.eval.get("status") == "failed":
                 record.status, record.reason = "eval_failed", f"eval: {record.eval.get('error')}"
     except _Stopped as stopped:

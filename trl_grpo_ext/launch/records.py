@@ -174,11 +174,11 @@ def run_state(run: RunSpec, record: RunResult | None, scheduler) -> RunState:
         live = scheduler.lookup(record)
         if live is not None:
             return live
-        where = f"slurm job {record.job_id}" if record.launcher == "slurm" else f"pid {record.pid}"
-        return RunState(
-            "pending",
-            f"{where} ended without recording an exit (killed, time limit or node failure); {resume_point(run_dir)}",
-        )
+        if record.launcher == "slurm":
+            where = f"slurm job {record.job_id} ended without recording an exit (killed, time limit or node failure)"
+        else:
+            where = f"pid {record.pid} ended without recording an exit (killed)"
+        return RunState("pending", f"{where}; {resume_point(run_dir)}")
     if record.status in ("failed", "eval_failed"):
         return RunState("failed", record.reason or failure_reason(record.log_tail, record.returncode))
     if record.status == "interrupted":
