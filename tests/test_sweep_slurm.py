@@ -267,8 +267,10 @@ def test_tiny_2x2_sweep_on_slurm_status_and_compare(slurm_cluster, cancel_on_exi
     sweep = tiny_sweep(tmp_path, tiny_model_path, grid={"loss_type": ["cispo", "dapo"], "learning_rate": [1e-5, 4e-5]})
     spec = load_sweep(write_sweep(tmp_path, **sweep))
     cancel_on_exit(spec)
-    code, out, err = cli(spec.source, "--no-progress")
+    # --parallel 2: at most 2 tasks of the array at once, so the other 2 are seen queued on any number of cores
+    code, out, err = cli(spec.source, "--no-progress", "--parallel", "2")
     assert code == 0 and "4 runs queued or running" in out and "--status" in out, out + err
+    assert "#SBATCH --array=0-3%2" in next((spec.output_root / SLURM_FOLDER).glob("*.sbatch")).read_text()
     seen: dict[str, set] = {run.name: set() for run in expand(spec)}
     status_lines = []
 
