@@ -18,6 +18,7 @@ import yaml
 from sweep_fakes import FAKE_RECIPE, TINY_RUN
 
 from trl_grpo_ext.launch.job import prepare_job
+from trl_grpo_ext.launch.options import LauncherError
 from trl_grpo_ext.launch.records import read_attempt
 from trl_grpo_ext.launch.runner import cancel_sweep, format_status, run_sweep, sweep_status
 from trl_grpo_ext.launch.slurm import job_script, plan
@@ -65,8 +66,8 @@ def cancel_on_exit():
             pass
 
 
-def write_sweep(tmp_path, name="s.yaml", **data) -> Path:
-    path = tmp_path / name
+def write_sweep(tmp_path, filename="s.yaml", **data) -> Path:
+    path = tmp_path / filename
     path.write_text(yaml.safe_dump(data, sort_keys=False))
     return path
 
@@ -231,6 +232,19 @@ def test_queued_runs_are_never_submitted_twice_and_cancel(slurm_cluster, cancel_
     assert len(cancel_sweep(spec)) == 3
     states = [state for _, state in sweep_status(spec)]
     assert [s.status for s in states] == ["pending"] * 3 and "cancelled before it started" in states[0].detail
+
+    # a request SLURM would refuse is said before anything is written
+    bad = {
+        **sweep,
+        "output_root": str(tmp_path / "bad"),
+        "slurm": {**sweep["slurm"], "partition": "no_such_partition"},
+    }
+    bad = load_sweep(write_sweep(tmp_path, "bad.yaml", **bad))
+    with pytest.raises(LauncherError, match="no_such_partition.*invalid partition"):
+        run_sweep(bad, launcher="slurm", progress=False, echo=None)
+    code, out, err = cli(bad.source, "--dry-run", "--launcher", "slurm")
+    assert code == 2 and "invalid partition" in err and "job array 1: 3 runs" in out, out + err
+    assert not (tmp_path / "bad").exists()
 
     del sweep["slurm"]["extra_sbatch_args"]
     spec = load_sweep(write_sweep(tmp_path, **sweep))

@@ -91,7 +91,7 @@ def run(args) -> int:
     from trl_grpo_ext.launch.options import LauncherError
     from trl_grpo_ext.launch.runner import cancel_sweep, format_status, run_sweep, sweep_status
     from trl_grpo_ext.launch.slurm import describe as describe_slurm
-    from trl_grpo_ext.launch.slurm import require_slurm
+    from trl_grpo_ext.launch.slurm import preflight, require_slurm
     from trl_grpo_ext.sweep import describe_runs, expand, load_sweep, validate_runs
 
     try:
@@ -137,7 +137,15 @@ def run(args) -> int:
     if args.dry_run:
         print(describe_runs(spec, runs))
         if launcher == "slurm":
-            print(describe_slurm(spec, runs, args.parallel or spec.parallel))
+            parallel = args.parallel or spec.parallel
+            print(describe_slurm(spec, runs, parallel))
+            try:
+                require_slurm()
+                preflight(spec, runs, parallel)
+                print("sbatch --test-only: SLURM would take these arrays")
+            except LauncherError as e:
+                print(f"error: {e}", file=sys.stderr)
+                return 2
         return 0
     try:
         results, summary = run_sweep(

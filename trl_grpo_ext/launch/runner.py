@@ -143,10 +143,11 @@ def run_sweep(
     launcher = launcher or spec.launcher
     if launcher not in LAUNCHERS:
         raise ValueError(f"unknown launcher '{launcher}'; known: {list(LAUNCHERS)}")
-    if launcher == "slurm":
-        slurm.require_slurm()  # before anything is written
     wait = launcher == "local" if wait is None else wait
     parallel = parallel or spec.parallel
+    if launcher == "slurm":  # before anything is written
+        slurm.require_slurm()
+        slurm.preflight(spec, runs, parallel)
     if launcher == "local":
         parallel = parallel or 1
         if parallel > 1 and "OMP_NUM_THREADS" not in spec.env and "OMP_NUM_THREADS" not in os.environ:

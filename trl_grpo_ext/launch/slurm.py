@@ -9,7 +9,8 @@ State is read from squeue and the run folders only: no job accounting (sacct / s
 from __future__ import annotations
 
 import datetime as _dt
-import getpass
+import os
+import pwd
 import shlex
 import shutil
 import subprocess
@@ -32,8 +33,8 @@ def require_slurm() -> None:
     missing = [tool for tool in ("sbatch", "squeue") if shutil.which(tool) is None]
     if missing:
         raise LauncherError(
-            f"--launcher slurm needs SLURM's {' and '.join(missing)} on PATH and found none: run the sweep on a "
-            "SLURM login node (or load its module), or use --launcher local"
+            f"--launcher slurm needs SLURM's sbatch and squeue on PATH ({', '.join(missing)} not found): run the "
+            "sweep on a SLURM login node (or load its module), or use --launcher local"
         )
 
 
@@ -53,14 +54,22 @@ class SlurmQueue:
 
     def __init__(self):
         self._jobs: dict[str, tuple[str, str, str]] | None = None
+        self._error: LauncherError | None = None
 
     def jobs(self) -> dict[str, tuple[str, str, str]]:
-        """job id -> (state, reason, nodes)."""
+        """job id -> (state, reason, nodes); a failed squeue raises LauncherError (once asked, never again)."""
+        if self._error is not None:
+            raise self._error
         if self._jobs is None:
-            out = _slurm(
-                ["squeue", "--noheader", "--array", f"--user={getpass.getuser()}", "--format=%i|%T|%r|%N"],
-                "cannot read the SLURM queue (squeue)",
-            )
+            user = pwd.getpwuid(os.getuid()).pw_name
+            try:
+                out = _slurm(
+                    ["squeue", "--noheader", "--array", f"--user={user}", "--format=%i|%T|%r|%N"],
+                    "cannot read the SLURM queue (squeue)",
+                )
+            except LauncherError as e:
+                self._error = e
+                raise
             self._jobs = {}
             for line in out.splitlines():
                 parts = line.strip().split("|")
@@ -177,6 +186,15 @@ def describe(spec: SweepSpec, runs: list[RunSpec], parallel: int | None) -> str:
         except (FileNotFoundError, ValueError) as e:
             lines.append(f"      <cannot build command: {e}>")
     return "\n".join(lines)
+
+
+def preflight(spec: SweepSpec, runs: list[RunSpec], parallel: int | None) -> None:
+    """Ask SLURM (`sbatch --test-only`) whether it would take each array, before anything is written: a wrong
+    partition, account or GPU request is one line now, not a folder of half-prepared runs."""
+    for res, members in plan(spec, [(run, None) for run in runs]):
+        throttle = f"%{parallel}" if parallel else ""
+        options = [f"--array=0-{len(members) - 1}{throttle}", *res.sbatch_options()]
+        _slurm(["sbatch", "--test-only", *options, "--wrap", "true"], f"SLURM refuses `sbatch {' '.join(options)}`")
 
 
 def submit(spec: SweepSpec, jobs: list[tuple[RunSpec, Job]], parallel: int | None) -> list[RunResult]:
