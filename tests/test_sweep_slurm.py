@@ -22,7 +22,8 @@ from trl_grpo_ext.launch.options import LauncherError
 from trl_grpo_ext.launch.records import read_attempt
 from trl_grpo_ext.launch.runner import cancel_sweep, format_status, run_sweep, sweep_status
 from trl_grpo_ext.launch.slurm import job_script, plan
-from trl_grpo_ext.sweep import SLURM_FOLDER, expand, load_sweep, parse_sweep
+from trl_grpo_ext.runs.names import SLURM_JOBS_DIRNAME, SWEEP_SUMMARY_FILENAME
+from trl_grpo_ext.sweep import expand, load_sweep, parse_sweep
 
 REPO = Path(__file__).resolve().parents[1]
 IN_CI = os.environ.get("CI", "").lower() in ("true", "1", "yes")
@@ -91,7 +92,9 @@ def wait_until(condition, what: str, spec, deadline_s: float = DEADLINE_S):
         if value:
             return value
         if time.monotonic() > deadline:
-            logs = "\n".join(p.read_text()[-2000:] for p in sorted((spec.output_root / SLURM_FOLDER).glob("*.out")))
+            logs = "\n".join(
+                p.read_text()[-2000:] for p in sorted((spec.output_root / SLURM_JOBS_DIRNAME).glob("*.out"))
+            )
             pytest.fail(f"timed out waiting for {what}:\n{format_status(spec, sweep_status(spec))}\n{logs}")
         time.sleep(1.0)
 
@@ -221,7 +224,7 @@ def test_queued_runs_are_never_submitted_twice_and_cancel(slurm_cluster, cancel_
 
     code, out, err = cli(spec.source, "--launcher", "slurm", "--no-progress")
     assert code == 0, err
-    assert len(list((spec.output_root / SLURM_FOLDER).glob("*.sbatch"))) == 1  # nothing submitted again
+    assert len(list((spec.output_root / SLURM_JOBS_DIRNAME).glob("*.sbatch"))) == 1  # nothing submitted again
     assert [read_attempt(r.run_dir).job_id for r in expand(spec)] == job_ids
     code, out, err = cli(spec.source, "--launcher", "local", "--no-progress")
     assert code == 0 and "already queued" in out, out + err
@@ -284,7 +287,7 @@ def test_tiny_2x2_sweep_on_slurm_status_and_compare(slurm_cluster, cancel_on_exi
     # --parallel 2: at most 2 tasks of the array at once, so the other 2 are seen queued on any number of cores
     code, out, err = cli(spec.source, "--no-progress", "--parallel", "2")
     assert code == 0 and "4 runs queued or running" in out and "--status" in out, out + err
-    assert "#SBATCH --array=0-3%2" in next((spec.output_root / SLURM_FOLDER).glob("*.sbatch")).read_text()
+    assert "#SBATCH --array=0-3%2" in next((spec.output_root / SLURM_JOBS_DIRNAME).glob("*.sbatch")).read_text()
     seen: dict[str, set] = {run.name: set() for run in expand(spec)}
     status_lines = []
 
@@ -306,7 +309,7 @@ def test_tiny_2x2_sweep_on_slurm_status_and_compare(slurm_cluster, cancel_on_exi
         rows = [json.loads(x) for x in (run.run_dir / "metrics.jsonl").read_text().splitlines()]
         assert [r["step"] for r in rows] == [1, 2], run.name
         assert read_attempt(run.run_dir).launcher == "slurm"
-    summary = json.loads((spec.output_root / "sweep_summary.json").read_text())
+    summary = json.loads((spec.output_root / SWEEP_SUMMARY_FILENAME).read_text())
     assert summary["counts"] == {"finished": 4}  # written by the jobs: no sweep command waited for them
     report = build_report([spec.output_root], tmp_path / "report")
     for run in expand(spec):
@@ -399,6 +402,6 @@ def test_bad_config_run_fails_with_its_error_and_the_others_finish(
     lines = out.splitlines()[1:]
     assert lines[0].startswith("done     loss_type=cispo"), out
     assert lines[1].startswith("failed   loss_type=no_such_loss") and "(error: " in lines[1], out
-    summary = json.loads((spec.output_root / "sweep_summary.json").read_text())
+    summary = json.loads((spec.output_root / SWEEP_SUMMARY_FILENAME).read_text())
     assert summary["counts"] == {"failed": 1, "finished": 1}
     assert "no_such_loss" in summary["runs"][1]["log_tail"]

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import datetime as _dt
 import hashlib
 import itertools
 import json
@@ -41,23 +40,27 @@ from typing import TYPE_CHECKING, Any, Callable, Mapping
 import yaml
 
 from trl_grpo_ext.launch.options import LAUNCHERS, LEGACY_LAUNCHERS, SlurmOptions
-from trl_grpo_ext.run_files import METRICS_FILENAME, PYTRIO_STATE_FILENAME, atomic_write_text, latest_checkpoint
+from trl_grpo_ext.runs import (
+    ADAPTER_CONFIG_FILENAME,
+    EVAL_RESULTS_FILENAME,
+    MODEL_CONFIG_FILENAME,
+    SWEEP_CONFIG_FILENAME,
+    latest_checkpoint,
+)
+from trl_grpo_ext.runs.sweep_files import (
+    append_sweep_log,
+    has_previous_attempt,
+    has_pytrio_state,
+    is_done,
+    read_sweep_summary,
+    summary_counts,
+    write_sweep_summary,
+)
+from trl_grpo_ext.runs.sweep_files import now_iso as _now
 
 if TYPE_CHECKING:
     from trl_grpo_ext.launch.records import RunResult
 
-DONE_MARKER = "sweep_done.json"
-RUN_CONFIG = "sweep_config.yaml"
-TRAIN_LOG = "train.log"
-EVAL_LOG = "eval.log"
-EVAL_RESULTS = "eval.jsonl"
-EVAL_SUMMARY = "eval_summary.json"
-SUMMARY_FILE = "sweep_summary.json"
-SWEEP_LOG = "sweep.log"
-JOB_FILE = "sweep_job.json"  # in a run folder: the job that trains it (launch/job.py)
-ATTEMPT_FILE = "sweep_attempt.json"  # in a run folder: what its last job did, or is doing (launch/records.py)
-LOCK_FILE = ".sweep.lock"  # in the output root: held while runs are picked and started
-SLURM_FOLDER = "slurm"  # in the output root: sbatch scripts, their run lists and each array task's output
 LOG_TAIL_LINES = 40
 MAX_NAME_LEN = 150
 PACKAGE_ROOT = str(Path(__file__).resolve().parents[1])  # a job's PYTHONPATH: this copy, installed or not
@@ -104,21 +107,13 @@ def _trl_resume_args(run_dir: Path) -> list[str]:
 
 def _pytrio_resume_args(run_dir: Path) -> list[str]:
     # The PyTRIO loop records its last save_state in <output_dir>/pytrio_state.json and reloads it on --resume.
-    return ["--resume", "true"] if (run_dir / PYTRIO_STATE_FILENAME).is_file() else []
+    return ["--resume", "true"] if has_pytrio_state(run_dir) else []
 
 
 BACKENDS: dict[str, Backend] = {
     "trl": Backend("trl", "recipes/gsm8k_grpo.py", _trl_resume_args),
     "pytrio": Backend("pytrio", "recipes/gsm8k_pytrio.py", _pytrio_resume_args),
 }
-
-
-def _has_previous_attempt(run_dir: Path) -> bool:
-    return (
-        (run_dir / METRICS_FILENAME).is_file()
-        or (run_dir / PYTRIO_STATE_FILENAME).is_file()
-        or latest_checkpoint(run_dir) is not None
-    )
 
 
 # --------------------------------------------------------------------------------------------- loading
@@ -437,9 +432,9 @@ def validate_runs(spec: SweepSpec, runs: list[RunSpec]) -> list[str]:
 
 def run_status(run: RunSpec) -> str:
     """`done` (marker present), `resume` (a previous attempt left outputs) or `new`."""
-    if (run.run_dir / DONE_MARKER).is_file():
+    if is_done(run.run_dir):
         return "done"
-    if _has_previous_attempt(run.run_dir):
+    if has_previous_attempt(run.run_dir):
         return "resume"
     return "new"
 
@@ -478,7 +473,7 @@ def build_command(spec: SweepSpec, run: RunSpec, num_processes: int | None = Non
         cmd.append(script)
     else:
         cmd = [sys.executable, script]
-    cmd += ["--config", str(run.run_dir / RUN_CONFIG)]
+    cmd += ["--config", str(run.run_dir / SWEEP_CONFIG_FILENAME)]
     if resume:
         cmd += resume_args(run.backend, run.run_dir)
     return cmd
@@ -516,19 +511,15 @@ def log_tail(path: Path, lines: int = LOG_TAIL_LINES) -> str:
     return "\n".join(text.splitlines()[-lines:])
 
 
-def _now() -> str:
-    return _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
-
-
 def eval_command(run: RunSpec, options: dict) -> list[str]:
     """`trl-grpo-ext eval` on a finished run's model (its saved adapter over the base model when it has one)."""
     run_dir = run.run_dir
-    if (run_dir / "adapter_config.json").is_file():
+    if (run_dir / ADAPTER_CONFIG_FILENAME).is_file():
         base = run.config.get("model_name_or_path")
         if not base:
             raise ValueError(f"{run_dir} holds a LoRA adapter but the config names no 'model_name_or_path'")
         model_args = ["--model", str(base), "--adapter", str(run_dir)]
-    elif (run_dir / "config.json").is_file():
+    elif (run_dir / MODEL_CONFIG_FILENAME).is_file():
         model_args = ["--model", str(run_dir)]
     elif (ckpt := latest_checkpoint(run_dir)) is not None:
         model_args = ["--model", str(ckpt)]
@@ -546,22 +537,17 @@ def eval_command(run: RunSpec, options: dict) -> list[str]:
         cmd += [f"--{key}", str(value)]
     if options.get("data", "embedded") == "embedded" and "tasks" not in options and run.config.get("synthetic_tasks"):
         cmd += ["--tasks", str(run.config["synthetic_tasks"])]  # evaluate on the task mix it trained on
-    cmd += ["--out", str(run_dir / EVAL_RESULTS)]
+    cmd += ["--out", str(run_dir / EVAL_RESULTS_FILENAME)]
     return cmd
 
 
 def _previous_summary(spec: SweepSpec) -> dict[str, dict]:
-    path = spec.output_root / SUMMARY_FILE
-    try:
-        return {r["name"]: r for r in json.loads(path.read_text())["runs"]}
-    except (OSError, ValueError, KeyError, TypeError):
-        return {}
+    return {r["name"]: r for r in read_sweep_summary(spec.output_root)}
 
 
 def _write_summary(
     spec: SweepSpec, runs: list[RunSpec], results: dict[str, RunResult], started: str, previous: dict[str, dict]
 ) -> Path:
-    path = spec.output_root / SUMMARY_FILE
     # Runs left out of this invocation (--only) keep what an earlier one recorded, in the sweep's order.
     try:
         order = [r.name for r in expand(spec)]
@@ -578,18 +564,11 @@ def _write_summary(
         "counts": summary_counts(ordered),
         "runs": ordered,
     }
-    atomic_write_text(path, json.dumps(payload, indent=2, default=str))
-    return path
-
-
-def summary_counts(entries: list[dict]) -> dict[str, int]:
-    """How many runs of a summary are in each status."""
-    return {s: sum(1 for r in entries if r["status"] == s) for s in sorted({r["status"] for r in entries})}
+    return write_sweep_summary(spec.output_root, payload)
 
 
 def _append_sweep_log(spec: SweepSpec, line: str) -> None:
-    with open(spec.output_root / SWEEP_LOG, "a") as f:
-        f.write(f"{_now()} {line}\n")
+    append_sweep_log(spec.output_root, line)
 
 
 def run_sweep(*args, **kwargs):

@@ -14,7 +14,6 @@ stops the trainer: the next sweep command resumes the run.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import signal
 import subprocess
@@ -23,8 +22,6 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-import yaml
-
 from trl_grpo_ext.launch.records import (
     RunResult,
     failure_reason,
@@ -32,14 +29,19 @@ from trl_grpo_ext.launch.records import (
     update_summary_entry,
     write_attempt,
 )
-from trl_grpo_ext.run_files import METRICS_FILENAME, atomic_write_text, latest_checkpoint
+from trl_grpo_ext.runs import EVAL_LOG_FILENAME, TRAIN_LOG_FILENAME, latest_checkpoint
+from trl_grpo_ext.runs.names import slurm_task_output
+from trl_grpo_ext.runs.sweep_files import (
+    is_done,
+    read_done_marker,
+    read_eval_summary,
+    read_job_description,
+    set_aside_metrics,
+    write_done_marker,
+    write_job_description,
+    write_sweep_config,
+)
 from trl_grpo_ext.sweep import (
-    DONE_MARKER,
-    EVAL_LOG,
-    EVAL_SUMMARY,
-    JOB_FILE,
-    RUN_CONFIG,
-    TRAIN_LOG,
     RunSpec,
     SweepSpec,
     _now,
@@ -51,8 +53,6 @@ from trl_grpo_ext.sweep import (
     run_status,
 )
 
-# Set by the SLURM launcher's job script: where this array task's own output goes.
-JOB_LOG_ENV = "TRL_GRPO_EXT_JOB_LOG"
 # Seconds a stopped trainer gets to exit before SIGKILL (SLURM's own KillWait is 30 s by default).
 STOP_GRACE_S = 20.0
 
@@ -84,13 +84,13 @@ def prepare_job(spec: SweepSpec, run: RunSpec, processes: int | None = None) -> 
     job = Job(run.name, spec.name, run.backend, run.params, run.config, str(run.run_dir), command, dict(spec.env))
     job.evaluate, job.processes = spec.evaluate, processes or spec.num_processes or 1
     run.run_dir.mkdir(parents=True, exist_ok=True)
-    atomic_write_text(run.run_dir / RUN_CONFIG, yaml.safe_dump(run.config, sort_keys=False))
-    atomic_write_text(run.run_dir / JOB_FILE, json.dumps(asdict(job), indent=2, default=str))
+    write_sweep_config(run.run_dir, run.config)
+    write_job_description(run.run_dir, asdict(job))
     return job
 
 
 def read_job(run_dir: str | os.PathLike) -> Job:
-    return Job(**json.loads((Path(run_dir) / JOB_FILE).read_text()))
+    return Job(**read_job_description(run_dir))
 
 
 # ------------------------------------------------------------------------------------------ running it
@@ -137,32 +137,23 @@ def _run_logged(cmd: list[str], log_path: Path, env: dict, header: str) -> int:
             raise
 
 
-def _set_aside_stale_metrics(run_dir: Path) -> None:
-    # A previous attempt died before its first checkpoint: the retry starts from step 0, so its old
-    # metrics would interleave with the new ones. Kept under another name rather than deleted.
-    metrics = run_dir / METRICS_FILENAME
-    if metrics.is_file():
-        n = 1
-        while (run_dir / f"metrics.attempt-{n}.jsonl").exists():
-            n += 1
-        metrics.rename(run_dir / f"metrics.attempt-{n}.jsonl")
-
-
 def _train(job: Job, record: RunResult, env: dict) -> None:
     run, run_dir = job.run, Path(job.run_dir)
     resume = resume_args(job.backend, run_dir)
     if run_status(run) == "resume" and not resume:
-        _set_aside_stale_metrics(run_dir)
+        # A previous attempt died before its first checkpoint: the retry starts from step 0, so its old
+        # metrics would interleave with the new ones. Kept under another name rather than deleted.
+        set_aside_metrics(run_dir)
     elif resume:
         record.resumed_from = str(latest_checkpoint(run_dir) or run_dir)
     record.command = job.command + resume
     write_attempt(record)
     print(f"run {job.name}: training" + (f", resuming from {record.resumed_from}" if resume else ""), flush=True)
     start = time.monotonic()
-    rc = _run_logged(record.command, run_dir / TRAIN_LOG, env, f"train {job.name}")
+    rc = _run_logged(record.command, run_dir / TRAIN_LOG_FILENAME, env, f"train {job.name}")
     record.wall_time, record.returncode, record.finished_at = round(time.monotonic() - start, 3), rc, _now()
     if rc != 0:
-        record.status, record.log_tail = "failed", log_tail(run_dir / TRAIN_LOG)
+        record.status, record.log_tail = "failed", log_tail(run_dir / TRAIN_LOG_FILENAME)
         record.reason = failure_reason(record.log_tail, rc)
         return
     marker = {
@@ -176,24 +167,32 @@ def _train(job: Job, record: RunResult, env: dict) -> None:
         "finished_at": record.finished_at,
         "resumed_from": record.resumed_from,
     }
-    atomic_write_text(run_dir / DONE_MARKER, json.dumps(marker, indent=2, default=str))
+    write_done_marker(run_dir, marker)
     record.status = "finished"
+
+
+def _eval_summary(run_dir: Path) -> dict | None:
+    try:
+        return read_eval_summary(run_dir)
+    except ValueError:  # unreadable: evaluate again
+        return None
 
 
 def _evaluate(job: Job, env: dict) -> dict:
     run = job.run
-    summary_path = run.run_dir / EVAL_SUMMARY
-    if summary_path.is_file():
-        return {"status": "skipped", **json.loads(summary_path.read_text()).get("summary", {})}
+    summary = _eval_summary(run.run_dir)
+    if summary is not None:
+        return {"status": "skipped", **summary}
     try:
         cmd = eval_command(run, job.evaluate)
     except (FileNotFoundError, ValueError) as e:
         return {"status": "failed", "error": str(e)}
-    rc = _run_logged(cmd, run.run_dir / EVAL_LOG, env, f"eval {run.name}")
-    if rc != 0 or not summary_path.is_file():
-        tail = log_tail(run.run_dir / EVAL_LOG)
+    rc = _run_logged(cmd, run.run_dir / EVAL_LOG_FILENAME, env, f"eval {run.name}")
+    summary = _eval_summary(run.run_dir) if rc == 0 else None
+    if summary is None:
+        tail = log_tail(run.run_dir / EVAL_LOG_FILENAME)
         return {"status": "failed", "returncode": rc, "error": failure_reason(tail, rc), "log_tail": tail}
-    return {"status": "finished", **json.loads(summary_path.read_text()).get("summary", {})}
+    return {"status": "finished", **summary}
 
 
 class _Stopped(BaseException):
@@ -207,7 +206,8 @@ def run_job(run_dir: str | os.PathLike) -> int:
     job = read_job(run_dir)
     run_dir = Path(job.run_dir)
     record = RunResult(job.name, "running", str(run_dir), started_at=_now(), **_scheduler_identity(), **this_process())
-    record.job_log = os.environ.get(JOB_LOG_ENV)
+    if record.launcher == "slurm":  # the array task's own output, where sbatch's --output puts it
+        record.job_log = str(slurm_task_output(run_dir.parent, record.job_id))
     write_attempt(record)
 
     def stop(signum, frame):
@@ -221,9 +221,9 @@ def run_job(run_dir: str | os.PathLike) -> int:
     previous = {s: signal.signal(s, stop) for s in (signal.SIGTERM, signal.SIGINT)}
     try:
         env = _job_env(job)
-        if (run_dir / DONE_MARKER).is_file():  # trained by an earlier job: only its evaluation is left
+        if is_done(run_dir):  # trained by an earlier job: only its evaluation is left
             record.status = "skipped"
-            record.wall_time = json.loads((run_dir / DONE_MARKER).read_text()).get("wall_time")
+            record.wall_time = read_done_marker(run_dir).get("wall_time")
         else:
             _train(job, record, env)
         if record.status in ("finished", "skipped") and job.evaluate:
@@ -234,7 +234,7 @@ def run_job(run_dir: str | os.PathLike) -> int:
             if record.eval.get("status") == "failed":
                 record.status, record.reason = "eval_failed", f"eval: {record.eval.get('error')}"
     except _Stopped as stopped:
-        record.log_tail = log_tail(run_dir / TRAIN_LOG)
+        record.log_tail = log_tail(run_dir / TRAIN_LOG_FILENAME)
         write_attempt(record)
         update_summary_entry(record)
         print(f"run {job.name}: {record.reason}", flush=True)

@@ -16,13 +16,14 @@ from typing import Callable
 
 from trl_grpo_ext.launch.job import STOP_GRACE_S, Job
 from trl_grpo_ext.launch.records import IN_FLIGHT, RunResult, failure_reason, read_attempt, write_attempt
-from trl_grpo_ext.sweep import TRAIN_LOG, _now, log_tail, run_env
+from trl_grpo_ext.runs import TRAIN_LOG_FILENAME
+from trl_grpo_ext.sweep import _now, log_tail, run_env
 
 POLL_S = 0.2
 
 
 def _start(job: Job) -> subprocess.Popen:
-    with open(Path(job.run_dir) / TRAIN_LOG, "a") as log:
+    with open(Path(job.run_dir) / TRAIN_LOG_FILENAME, "a") as log:
         return subprocess.Popen(
             [sys.executable, "-m", "trl_grpo_ext.launch.job", job.run_dir],
             stdout=log,
@@ -36,7 +37,7 @@ def _ended(job: Job, returncode: int) -> RunResult:
     """The job's own record of how it ended; one made here when it died before writing it (killed, crashed)."""
     record = read_attempt(Path(job.run_dir))
     if record is None or record.status in IN_FLIGHT:
-        tail = log_tail(Path(job.run_dir) / TRAIN_LOG)
+        tail = log_tail(Path(job.run_dir) / TRAIN_LOG_FILENAME)
         record = RunResult(job.name, "failed", job.run_dir, returncode=returncode, log_tail=tail, launcher="local")
         record.reason, record.finished_at = f"the job exited ({failure_reason(tail, returncode)})", _now()
         write_attempt(record)

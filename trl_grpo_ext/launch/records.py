@@ -9,9 +9,6 @@ node failure) is a run to resume.
 
 from __future__ import annotations
 
-import contextlib
-import fcntl
-import json
 import os
 import re
 import socket
@@ -19,8 +16,15 @@ from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import NamedTuple
 
-from trl_grpo_ext.run_files import PYTRIO_STATE_FILENAME, atomic_write_text, latest_checkpoint
-from trl_grpo_ext.sweep import ATTEMPT_FILE, DONE_MARKER, LOCK_FILE, SUMMARY_FILE, RunSpec, _now, summary_counts
+from trl_grpo_ext.runs import latest_checkpoint
+from trl_grpo_ext.runs.sweep_files import (
+    has_pytrio_state,
+    is_done,
+    read_attempt_record,
+    update_sweep_summary_entry,
+    write_attempt_record,
+)
+from trl_grpo_ext.sweep import RunSpec
 
 IN_FLIGHT = ("queued", "running")
 
@@ -59,51 +63,21 @@ class RunResult:
 
 def read_attempt(run_dir: Path) -> RunResult | None:
     """The run's last attempt record, or None (never started, or a record a kill left unreadable)."""
+    data = read_attempt_record(run_dir)
     try:
-        return RunResult.from_dict(json.loads((Path(run_dir) / ATTEMPT_FILE).read_text()))
-    except (OSError, ValueError, TypeError):
+        return RunResult.from_dict(data) if data is not None else None
+    except TypeError:
         return None
 
 
 def write_attempt(record: RunResult) -> None:
-    atomic_write_text(Path(record.run_dir) / ATTEMPT_FILE, json.dumps(asdict(record), indent=2, default=str))
-
-
-@contextlib.contextmanager
-def root_lock(output_root: Path, on_wait: str | None = None):
-    """The sweep output root's lock (held briefly: picking and starting runs, writing the summary)."""
-    output_root.mkdir(parents=True, exist_ok=True)
-    with open(output_root / LOCK_FILE, "a") as handle:
-        try:
-            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            if on_wait:
-                print(on_wait, flush=True)
-            fcntl.flock(handle, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(handle, fcntl.LOCK_UN)
+    write_attempt_record(record.run_dir, asdict(record))
 
 
 def update_summary_entry(record: RunResult) -> None:
     """A job's final record, put into its sweep's sweep_summary.json (in the output root, its folder's parent):
     the summary stays current when no sweep command waits for the jobs (SLURM without --wait)."""
-    root = Path(record.run_dir).parent
-    with root_lock(root):
-        try:
-            payload = json.loads((root / SUMMARY_FILE).read_text())
-            entries = payload["runs"]
-        except (OSError, ValueError, KeyError, TypeError):
-            return  # no summary yet: the sweep command writes one with every record it finds
-        entry = asdict(record)
-        names = [e.get("name") for e in entries]
-        if record.name in names:
-            entries[names.index(record.name)] = entry
-        else:
-            entries.append(entry)
-        payload.update(updated_at=_now(), counts=summary_counts(entries), runs=entries)
-        atomic_write_text(root / SUMMARY_FILE, json.dumps(payload, indent=2, default=str))
+    update_sweep_summary_entry(Path(record.run_dir).parent, asdict(record))
 
 
 def this_process() -> dict:
@@ -151,7 +125,7 @@ def resume_point(run_dir: Path) -> str:
     ckpt = latest_checkpoint(run_dir)
     if ckpt is not None:
         return f"resumes from {ckpt.name}"
-    if (run_dir / PYTRIO_STATE_FILENAME).is_file():
+    if has_pytrio_state(run_dir):
         return "resumes from its last saved PyTRIO state"
     return "starts from step 0"
 
@@ -160,7 +134,7 @@ def run_state(run: RunSpec, record: RunResult | None, scheduler) -> RunState:
     """Where `run` stands, from its folder and, for a record of a job in flight, the scheduler
     (`scheduler.lookup(record) -> RunState | None`, None: that job no longer exists)."""
     run_dir = run.run_dir
-    if (run_dir / DONE_MARKER).is_file():
+    if is_done(run_dir):
         if record is not None and record.status == "eval_failed":
             return RunState("done", f"trained; eval failed: {(record.eval or {}).get('error') or record.reason}")
         if record is not None and record.status in IN_FLIGHT:

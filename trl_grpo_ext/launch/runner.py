@@ -8,7 +8,6 @@ to it. Finished runs are skipped; a run that failed or was interrupted gets a ne
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 import shutil
 import signal
@@ -26,16 +25,14 @@ from trl_grpo_ext.launch.records import (
     RunState,
     local_process_alive,
     read_attempt,
-    root_lock,
     run_state,
     this_process,
     write_attempt,
 )
 from trl_grpo_ext.progress import progress_bar
+from trl_grpo_ext.runs import TRAIN_LOG_FILENAME
+from trl_grpo_ext.runs.sweep_files import is_done, output_root_lock, read_done_marker, read_eval_summary
 from trl_grpo_ext.sweep import (
-    DONE_MARKER,
-    EVAL_SUMMARY,
-    TRAIN_LOG,
     RunSpec,
     SweepSpec,
     _append_sweep_log,
@@ -80,7 +77,7 @@ def _stop_on_sigterm():
 def _skipped(run: RunSpec) -> RunResult:
     """A finished run this command leaves alone (noting when the sweep now gives it another config)."""
     result = RunResult(run.name, "skipped", str(run.run_dir))
-    marker = json.loads((run.run_dir / DONE_MARKER).read_text())
+    marker = read_done_marker(run.run_dir)
     result.wall_time = marker.get("wall_time")
     if marker.get("config") != run.config:
         result.log_tail = "finished with a different config than the sweep now gives; pass --force to rerun"
@@ -88,6 +85,13 @@ def _skipped(run: RunSpec) -> RunResult:
     if previous is not None and previous.eval is not None:
         result.eval = previous.eval
     return result
+
+
+def _evaluated(run: RunSpec) -> bool:
+    try:
+        return read_eval_summary(run.run_dir) is not None
+    except ValueError:  # unreadable: its job evaluates again
+        return False
 
 
 def _pick(spec: SweepSpec, runs: list[RunSpec], force: bool, scheduler: Scheduler):
@@ -102,8 +106,7 @@ def _pick(spec: SweepSpec, runs: list[RunSpec], force: bool, scheduler: Schedule
             continue
         if force and run.run_dir.exists():
             shutil.rmtree(run.run_dir)
-        done = (run.run_dir / DONE_MARKER).is_file()
-        if done and not (spec.evaluate and not (run.run_dir / EVAL_SUMMARY).is_file()):
+        if is_done(run.run_dir) and not (spec.evaluate and not _evaluated(run)):
             left.append(_skipped(run))
         else:
             start.append(run)  # new, failed, interrupted, or finished but not yet evaluated
@@ -161,7 +164,7 @@ def run_sweep(
     bar = progress_bar(len(runs), f"sweep {spec.name}", "run", requested=progress)
 
     def write_summary() -> Path:
-        with root_lock(spec.output_root):
+        with output_root_lock(spec.output_root):
             for name, result in list(results.items()):
                 if result.status in IN_FLIGHT:  # its job may have ended since: what it recorded is newer
                     results[name] = read_attempt(Path(result.run_dir)) or result
@@ -177,7 +180,7 @@ def run_sweep(
             if result.status not in ("finished", "skipped") and result.reason:
                 line += f": {result.reason}"
                 if result.status not in IN_FLIGHT:
-                    line += f" (log: {Path(result.run_dir) / TRAIN_LOG})"
+                    line += f" (log: {Path(result.run_dir) / TRAIN_LOG_FILENAME})"
             if result.wall_time is not None:
                 line += f" [{result.wall_time:.1f}s]"
             _append_sweep_log(spec, line)
@@ -192,7 +195,9 @@ def run_sweep(
     jobs, submitted = [], []
     try:
         # Picking and starting under the root's lock: a second sweep command then sees these runs' records.
-        with root_lock(spec.output_root, on_wait=f"waiting for another sweep command in {spec.output_root} ..."):
+        with output_root_lock(
+            spec.output_root, on_wait=f"waiting for another sweep command in {spec.output_root} ..."
+        ):
             start, left = _pick(spec, runs, force, Scheduler())
             _append_sweep_log(
                 spec, f"start {len(start)} of {len(runs)} runs, launcher={launcher}, parallel={parallel}"

@@ -2,7 +2,7 @@
 
 Runs asking for the same resources share one array (a TRL grid is one array; PyTRIO runs, which need no GPU, make
 another); each array task runs the sweep's job for one run folder (`launch/job.py`). Everything lands under
-`<output_root>/slurm/`: the sbatch script and its run list as submitted, and each task's own output `<A>_<a>.out`.
+`<output_root>/slurm_jobs/`: the sbatch script and its run list as submitted, and each task's own output `<A>_<a>.out`.
 State is read from squeue and the run folders only: no job accounting (sacct / slurmdbd) is needed.
 """
 
@@ -18,10 +18,11 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from trl_grpo_ext.launch.job import JOB_LOG_ENV, Job
+from trl_grpo_ext.launch.job import Job
 from trl_grpo_ext.launch.options import LauncherError
 from trl_grpo_ext.launch.records import RunResult, RunState, write_attempt
-from trl_grpo_ext.sweep import PACKAGE_ROOT, SLURM_FOLDER, RunSpec, SweepSpec, build_command
+from trl_grpo_ext.runs.names import slurm_array_files, slurm_task_output
+from trl_grpo_ext.sweep import PACKAGE_ROOT, RunSpec, SweepSpec, build_command
 
 # squeue states of a job that has not started (or waits to start again); every other listed state is running.
 QUEUED_STATES = {"PENDING", "REQUEUED", "REQUEUE_HOLD", "REQUEUE_FED", "RESV_DEL_HOLD", "SPECIAL_EXIT"}
@@ -136,10 +137,9 @@ def resources(spec: SweepSpec, run: RunSpec) -> Resources:
 
 def job_script(spec: SweepSpec, res: Resources, run_list: Path, count: int, parallel: int | None) -> str:
     """The sbatch script of one array: a task per line of `run_list`, each running the sweep's job for that run."""
-    out_dir = spec.output_root / SLURM_FOLDER
     throttle = f"%{parallel}" if parallel else ""
     lines = ["#!/bin/bash", f"#SBATCH --job-name={spec.name}", f"#SBATCH --array=0-{count - 1}{throttle}"]
-    lines += [f"#SBATCH --output={out_dir}/%A_%a.out", "#SBATCH --open-mode=append"]
+    lines += [f"#SBATCH --output={slurm_task_output(spec.output_root, '%A_%a')}", "#SBATCH --open-mode=append"]
     lines += [f"#SBATCH {option}" for option in res.sbatch_options()]
     source = f" {spec.source}" if spec.source else ""
     lines += [
@@ -147,19 +147,19 @@ def job_script(spec: SweepSpec, res: Resources, run_list: Path, count: int, para
         f"# {run_list}; the job resumes from the run's last complete checkpoint and records how it ended there.",
         f"cd {shlex.quote(str(Path.cwd()))}",
         f'export PYTHONPATH={shlex.quote(PACKAGE_ROOT)}"${{PYTHONPATH:+:$PYTHONPATH}}"',
-        f'export {JOB_LOG_ENV}={shlex.quote(str(out_dir))}/"${{SLURM_ARRAY_JOB_ID}}_${{SLURM_ARRAY_TASK_ID}}.out"',
         f"exec {shlex.quote(sys.executable)} -m trl_grpo_ext.launch.job --list {shlex.quote(str(run_list))} "
         '--index "$SLURM_ARRAY_TASK_ID"',
     ]
     return "\n".join(lines) + "\n"
 
 
-def _new_stem(folder: Path, name: str) -> Path:
+def _new_array_files(spec: SweepSpec) -> tuple[Path, Path]:
+    """(sbatch script, run list) paths for the next array, unused so far (the caller holds the root's lock)."""
     stamp = _dt.datetime.now().strftime("%Y%m%d-%H%M%S")
     n = 0
-    while (stem := folder / f"{name}-{stamp}-{n}").with_suffix(".sbatch").exists():
+    while (paths := slurm_array_files(spec.output_root, f"{spec.name}-{stamp}-{n}"))[0].exists():
         n += 1
-    return stem
+    return paths
 
 
 def plan(spec: SweepSpec, jobs: list[tuple[RunSpec, Job | None]]) -> list[tuple[Resources, list]]:
@@ -199,14 +199,11 @@ def preflight(spec: SweepSpec, runs: list[RunSpec], parallel: int | None) -> Non
 
 def submit(spec: SweepSpec, jobs: list[tuple[RunSpec, Job]], parallel: int | None) -> list[RunResult]:
     """sbatch one array per resource group; each run's record becomes `queued` with its task's job id."""
-    folder = spec.output_root / SLURM_FOLDER
-    folder.mkdir(parents=True, exist_ok=True)
     records = []
     for res, members in plan(spec, jobs):
-        stem = _new_stem(folder, spec.name)
-        run_list = stem.with_suffix(".runs")
+        script, run_list = _new_array_files(spec)
+        script.parent.mkdir(parents=True, exist_ok=True)
         run_list.write_text("".join(f"{job.run_dir}\n" for _, job in members))
-        script = stem.with_suffix(".sbatch")
         script.write_text(job_script(spec, res, run_list, len(members), parallel))
         out = _slurm(["sbatch", "--parsable", str(script)], f"sbatch refused {script}")
         array_id = out.strip().split(";")[0]  # "<id>" or "<id>;<cluster>"
@@ -215,7 +212,7 @@ def submit(spec: SweepSpec, jobs: list[tuple[RunSpec, Job]], parallel: int | Non
         for index, (_, job) in enumerate(members):
             job_id = f"{array_id}_{index}"
             record = RunResult(job.name, "queued", job.run_dir, launcher="slurm", job_id=job_id)
-            record.job_log = str(folder / f"{job_id}.out")
+            record.job_log = str(slurm_task_output(spec.output_root, job_id))
             write_attempt(record)
             records.append(record)
     return records
