@@ -15,9 +15,11 @@ def add_arguments(parser) -> None:
     parser.add_argument(
         "--dry-run", "--dry_run", dest="dry_run", action="store_true", help="list the runs, run nothing"
     )
+    from trl_grpo_ext.launch.options import LAUNCHERS
+
     parser.add_argument(
         "--launcher",
-        choices=["local", "slurm"],
+        choices=list(LAUNCHERS),
         default=None,
         help="where runs execute: here (local) or as SLURM job arrays (default: the file's `launcher:`, else local)",
     )
