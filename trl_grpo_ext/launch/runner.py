@@ -163,17 +163,18 @@ def run_sweep(
     lock = threading.Lock()
     bar = progress_bar(len(runs), f"sweep {spec.name}", "run", requested=progress)
 
-    def write_summary() -> Path:
+    def write_summary(refresh: bool = False) -> Path:
         with output_root_lock(spec.output_root):
-            for name, result in list(results.items()):
+            for name, result in list(results.items()) if refresh else ():
                 if result.status in IN_FLIGHT:  # its job may have ended since: what it recorded is newer
                     results[name] = read_attempt(Path(result.run_dir)) or result
             return _write_summary(spec, runs, results, started, previous)
 
-    def record(result: RunResult):
+    def record(result: RunResult, summary: bool = True):
         with lock:
             results[result.name] = result
-            write_summary()
+            if summary:
+                write_summary()
             line = f"{result.status:<12} {result.name}"
             if result.job_id:
                 line += f" (job {result.job_id})"
@@ -212,7 +213,8 @@ def run_sweep(
                 for _, job in jobs:
                     write_attempt(RunResult(job.name, "queued", job.run_dir, launcher="local", **owner))
         for result in left + failed + ([] if wait else submitted):
-            record(result)
+            record(result, summary=False)  # one summary for them all: a sweep may have thousands of runs
+        write_summary(refresh=True)
         if launcher == "local":
             local.run_jobs([job for _, job in jobs], parallel, record)
         elif wait:
@@ -229,7 +231,7 @@ def run_sweep(
         if previous_term is not None:
             signal.signal(signal.SIGTERM, previous_term)
         bar.close()
-        path = write_summary()
+        path = write_summary(refresh=True)
     return [results[r.name] for r in runs], path
 
 
