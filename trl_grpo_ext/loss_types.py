@@ -154,7 +154,7 @@ def ratio_bounds(config, loss_type: str | None = None) -> tuple[float | None, fl
 def wire_loss_config(loss_type: str, clip_low: float | None, clip_high: float | None) -> dict | None:
     """The service's ``loss_fn_config`` for built-in `loss_type` with these ratio bounds (Tinker's key names), or
     ``None`` for a loss that takes no bounds."""
-    if LOSSES[loss_type].bounds is None:
+    if not set(WIRE_CLIP_KEYS) <= set(LOSSES[loss_type].server_config or ()):
         return None
     return {WIRE_CLIP_LOW: clip_low, WIRE_CLIP_HIGH: clip_high}
 

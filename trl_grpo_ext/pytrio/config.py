@@ -27,6 +27,7 @@ from trl_grpo_ext.grpo_spec import (
     swanlab_mode_problems,
 )
 from trl_grpo_ext.loss_types import LOSSES, PYTRIO, ratio_bounds
+from trl_grpo_ext.rewards import reward_names
 
 
 @dataclass
@@ -166,14 +167,10 @@ class PyTrioGRPOConfig(GRPOSpec):
 
     def reward_column(self, name: str) -> int:
         """Position in ``reward_funcs`` of the reward `name` names (its entry or function name; validated)."""
-        from trl_grpo_ext.rewards import reward_names
-
         return reward_index(name, reward_names(self.reward_funcs))
 
     def validate(self) -> None:
         """Raise one ValueError listing every bad value (the shared GRPO spec's and this path's own)."""
-        from trl_grpo_ext.rewards import reward_names
-
         normalize_values(self)
         self.reward_funcs = reward_funcs_list(self.reward_funcs)
         problems = spec_problems(self, PYTRIO)
