@@ -216,7 +216,7 @@ def normalize_values(config) -> None:
 
 
 def swanlab_mode_problems(mode) -> list[str]:
-    """The one check of ``swanlab_mode`` (both paths; None: the default order of `trl_grpo_ext.callbacks`)."""
+    """The one check of ``swanlab_mode`` (both paths; None: `trl_grpo_ext.runs.tracking.swanlab_mode` picks one)."""
     if mode is None or mode in SWANLAB_MODES:
         return []
     return [f"swanlab_mode={mode!r} is not valid; valid values: {', '.join(SWANLAB_MODES)} (or unset)"]
