@@ -13,7 +13,6 @@ from trl import get_peft_config  # noqa: E402
 
 from trl_grpo_ext import callbacks as cbs  # noqa: E402
 from trl_grpo_ext.recipe import (  # noqa: E402
-    arm_test_kill_points,
     configure_cpu_threads,
     load_model,
     prepare_run,
@@ -63,7 +62,6 @@ def main(argv=None) -> int:
     )
     if swanlab_on:
         trainer.add_callback(cbs.SwanLabCompletionsCallback(trainer))
-    arm_test_kill_points(trainer)
     save_run_config(trainer, script_args, training_args, model_args)
     if run.resume_from_checkpoint:
         print(f"resuming from {run.resume_from_checkpoint}", flush=True)

@@ -7,6 +7,7 @@ import re
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -22,7 +23,6 @@ from trl_grpo_ext.runs import (
     run_metrics,
     truncate_metrics,
 )
-from trl_grpo_ext.test_hooks import TEST_KILL_ENV, maybe_kill
 
 
 def test_reader_skips_torn_and_non_object_lines_and_counts_them(tmp_path):
@@ -128,23 +128,36 @@ def test_resolve_resume_checkpoint(tmp_path):
 
 
 def test_kill_points_are_inert_unless_requested(monkeypatch):
-    monkeypatch.delenv(TEST_KILL_ENV, raising=False)
-    maybe_kill("step", 3)
-    monkeypatch.setenv(TEST_KILL_ENV, "step:4")
-    maybe_kill("step", 3)
-    maybe_kill("save", 4)
+    import kill_points
+    from transformers.trainer_callback import CallbackHandler
+
+    from trl_grpo_ext.runs import metrics as metrics_file
+
+    original = metrics_file.append_jsonl_row
+    monkeypatch.delenv(kill_points.TEST_KILL_ENV, raising=False)
+    assert kill_points.install(patch=monkeypatch.setattr) is None and metrics_file.append_jsonl_row is original
+    assert kill_points.install("step:4", patch=monkeypatch.setattr) == ("step", 4)
+    state = SimpleNamespace(global_step=3)
+    handler = CallbackHandler([], None, None, None, None)
+    handler.on_step_end(None, state, SimpleNamespace())  # step 3: alive
     with pytest.raises(ValueError, match="unknown kill point"):
-        maybe_kill("nowhere", 1)
+        kill_points.install("nowhere:1", patch=monkeypatch.setattr)
+    with pytest.raises(ValueError, match="step number"):
+        kill_points.parse("save:x")
 
 
 def test_metrics_kill_point_leaves_a_torn_row_that_the_next_append_repairs(tmp_path):
-    path = tmp_path / METRICS_FILENAME
+    """The run logger (both paths' writer) killed halfway through step 2's row, then the next append repairs it."""
+    import kill_points
+
     code = (
-        "import sys; from trl_grpo_ext.runs import append_jsonl_row as a\n"
-        "for s in (1, 2, 3): a(sys.argv[1], {'step': s, 'reward': 0.25})\n"
+        f"import sys; sys.path.insert(0, {str(kill_points.SCRIPT.parent)!r}); import kill_points; kill_points.install()\n"
+        "from trl_grpo_ext.runs.metrics import RunLogger\n"
+        "for s in (1, 2, 3): RunLogger(sys.argv[1]).log(s, {'reward': 0.25})\n"
     )
-    env = {**os.environ, TEST_KILL_ENV: "metrics:2"}
-    proc = subprocess.run([sys.executable, "-c", code, str(path)], env=env, capture_output=True, timeout=60)
+    env = {**os.environ, kill_points.TEST_KILL_ENV: "metrics:2"}
+    proc = subprocess.run([sys.executable, "-c", code, str(tmp_path)], env=env, capture_output=True, timeout=60)
+    path = tmp_path / METRICS_FILENAME
     assert proc.returncode == -9, proc.stderr
     assert not path.read_text().endswith("\n") and read_metrics_file(path) == ([{"step": 1, "reward": 0.25}], 1)
     append_jsonl_row(path, {"step": 2})

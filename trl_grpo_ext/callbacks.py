@@ -23,7 +23,6 @@ from trl_grpo_ext.runs import (
 )
 from trl_grpo_ext.runs.metrics import RunLogger
 from trl_grpo_ext.runs.tracking import jsonable
-from trl_grpo_ext.test_hooks import maybe_kill
 
 # Keys of the end-of-training summary log (not a step's metrics).
 _SUMMARY_KEYS = {"train_runtime", "train_samples_per_second", "train_steps_per_second", "total_flos", "train_loss"}
@@ -48,10 +47,6 @@ class MetricsJsonlCallback(TrainerCallback):
             return
         # A fresh run (global_step 0) starts a new file; a resumed one keeps rows up to its checkpoint.
         self._logger(args).start(state.global_step)
-
-    def on_step_end(self, args, state, control, **kwargs):
-        # Test-only kill point: the optimizer step is done but neither logged nor checkpointed.
-        maybe_kill("step", int(state.global_step))
 
     def on_log(self, args, state, control, logs=None, **kwargs):
         if not state.is_world_process_zero or not logs:

@@ -23,7 +23,6 @@ from trl_grpo_ext.runs import (
     run_metrics,
     write_run_config,
 )
-from trl_grpo_ext.test_hooks import TEST_KILL_ENV, maybe_kill
 
 _START = time.time()
 
@@ -176,20 +175,6 @@ def load_model_and_tokenizer(model_args, training_args):
         raise ValueError("model_name_or_path is not set; use 'embedded', a hub id or a local path")
     path = resolve_model(model_args.model_name_or_path)
     return load_model(path, model_args, training_args), load_tokenizer(path, model_args, training_args)
-
-
-def arm_test_kill_points(trainer) -> None:
-    """Test-only ($TRL_GRPO_EXT_TEST_KILL="save:N"): die inside checkpoint-N's save, after the model and optimizer
-    are written and before trainer_state.json (`transformers.Trainer._save_checkpoint` saves the RNG state between)."""
-    if not os.environ.get(TEST_KILL_ENV):
-        return
-    save_rng_state = trainer._save_rng_state
-
-    def killing_save_rng_state(output_dir):
-        maybe_kill("save", int(trainer.state.global_step))
-        return save_rng_state(output_dir)
-
-    trainer._save_rng_state = killing_save_rng_state
 
 
 def _use_chat(script_args, tokenizer) -> bool:
