@@ -289,7 +289,8 @@ def test_paired_comparison_per_task_and_summary_line():
 
 
 def format_p_for(fixed, broken):
-    from trl_grpo_ext.stats import format_p, mcnemar_exact
+    from trl_grpo_ext.report.stats import mcnemar_exact
+    from trl_grpo_ext.report.text import format_p
 
     return format_p(mcnemar_exact(fixed, broken))
 

@@ -22,6 +22,8 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any, Callable, Protocol, Sequence
 
+from trl_grpo_ext.report.stats import mcnemar_exact, paired_bootstrap_ci
+from trl_grpo_ext.report.text import format_p, interval_text
 from trl_grpo_ext.runs import (
     TRAINER_STATE_FILENAME,
     atomic_write_json,
@@ -282,8 +284,6 @@ def compare_results(before: Sequence[ProblemResult], after: Sequence[ProblemResu
 def paired_gain(before: Sequence[bool], after: Sequence[bool], seed: int = 0) -> dict:
     """Rates before/after on the same items, the paired gain with its 95% paired-bootstrap interval, and the exact
     McNemar p-value of the discordant pairs (`fixed`: wrong -> right, `broken`: right -> wrong)."""
-    from trl_grpo_ext.stats import mcnemar_exact, paired_bootstrap_ci
-
     b = [float(bool(x)) for x in before]
     a = [float(bool(x)) for x in after]
     iv = paired_bootstrap_ci(b, a, seed=seed)
@@ -328,11 +328,9 @@ def paired_comparison(before: Sequence[ProblemResult], after: Sequence[ProblemRe
 
 def format_gain(label: str, g: dict) -> str:
     """`format-independent accuracy 0.220 -> 0.330, paired gain +0.110 [+0.070, +0.150] (n=400, McNemar p=1e-5)`."""
-    from trl_grpo_ext.stats import format_p, signed
-
-    ci = _interval(g, missing=" (no interval)")
+    gain = interval_text(g["gain"], g.get("ci_low"), g.get("ci_high"), 3)
     return (
-        f"{label} {g['before']:.3f} -> {g['after']:.3f}, paired gain {signed(g['gain'], 3)}{ci} "
+        f"{label} {g['before']:.3f} -> {g['after']:.3f}, paired gain {gain} "
         f"(n={g['n']}, McNemar p={format_p(g['mcnemar_p'])})"
     )
 
@@ -351,19 +349,8 @@ def format_paired(paired: dict, indent: str = "") -> list[str]:
 
 def _short_gain(label: str, g: dict) -> str:
     """`boxed 0.02 -> 0.30, gain +0.280 [+0.200, +0.360] (p=1e-9)`: a per-task part of `format_paired`."""
-    from trl_grpo_ext.stats import format_p, signed
-
-    return (
-        f"{label} {g['before']:.2f} -> {g['after']:.2f}, gain {signed(g['gain'], 3)}{_interval(g)} "
-        f"(p={format_p(g['mcnemar_p'])})"
-    )
-
-
-def _interval(g: dict, missing: str = "") -> str:
-    """` [+0.070, +0.150]`: a paired gain's 95% interval as printed, or `missing` when it has none."""
-    from trl_grpo_ext.stats import signed
-
-    return f" [{signed(g['ci_low'], 3)}, {signed(g['ci_high'], 3)}]" if g.get("ci_low") is not None else missing
+    gain = interval_text(g["gain"], g.get("ci_low"), g.get("ci_high"), 3, missing="")
+    return f"{label} {g['before']:.2f} -> {g['after']:.2f}, gain {gain} (p={format_p(g['mcnemar_p'])})"
 
 
 # -------------------------------------------------------------------------------------------- data
