@@ -12,6 +12,7 @@ sys.path[:0] = [str(Path(__file__).resolve().parents[1]), str(Path(__file__).res
 from trl import get_peft_config  # noqa: E402
 
 from trl_grpo_ext import callbacks as cbs  # noqa: E402
+from trl_grpo_ext.evaluation import recipe_eval_options  # noqa: E402
 from trl_grpo_ext.recipe import (  # noqa: E402
     configure_cpu_threads,
     load_model,
@@ -49,8 +50,8 @@ def main(argv=None) -> int:
         )
     callbacks = [cbs.MetricsJsonlCallback()]
     if run.eval_problems:
-        eval_tokens = script_args.eval_max_new_tokens or training_args.max_completion_length
-        callbacks.append(cbs.BeforeAfterEvalCallback(run.eval_problems, eval_tokens))
+        eval_options = recipe_eval_options(script_args, training_args)
+        callbacks.append(cbs.BeforeAfterEvalCallback(run.eval_problems, eval_options))
     trainer = trl_grpo_ext.GRPOTrainer(
         model=model,
         reward_funcs=run.reward_funcs,

@@ -38,13 +38,30 @@ def line_style(position: int) -> tuple[str, str]:
     return f"C{position % 10}", LINE_STYLES[position % len(LINE_STYLES)]
 
 
+def _one_plot():
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(7, 4.2), dpi=110)
+    return plt, fig, ax
+
+
+def _finish(plt, fig, ax, metric: str, title: str, fontsize: int, path: Path) -> None:
+    """Labels, grid and legend of a one-metric plot over optimizer steps; saved to `path` and closed."""
+    ax.set_xlabel("optimizer step")
+    ax.set_ylabel(metric)
+    ax.set_title(title, fontsize=fontsize)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7, loc="best")
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+
+
 def plot_curves(curves: list[Curve], metric: str, title: str, path: Path, smooth_window: int = 1) -> bool:
     """One PNG with a line per curve that has values; False (no file) when none has."""
     curves = [c for c in curves if c.values]
     if not curves:
         return False
-    plt = _pyplot()
-    fig, ax = plt.subplots(figsize=(7, 4.2), dpi=110)
+    plt, fig, ax = _one_plot()
     for curve in curves:
         color, style = line_style(curve.position)
         if smooth_window > 1:
@@ -62,15 +79,8 @@ def plot_curves(curves: list[Curve], metric: str, title: str, path: Path, smooth
                 label=curve.label,
                 marker=marker,
             )
-    ax.set_xlabel("optimizer step")
-    ax.set_ylabel(metric)
     suffix = f" (moving average over {smooth_window} steps)" if smooth_window > 1 else ""
-    ax.set_title(title + suffix, fontsize=10)
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=7, loc="best")
-    fig.tight_layout()
-    fig.savefig(path)
-    plt.close(fig)
+    _finish(plt, fig, ax, metric, title + suffix, 10, path)
     return True
 
 
@@ -125,21 +135,13 @@ def plot_bands(bands: list[Band], metric: str, title: str, path: Path) -> bool:
     bands = [b for b in bands if b.steps]
     if not bands:
         return False
-    plt = _pyplot()
-    fig, ax = plt.subplots(figsize=(7, 4.2), dpi=110)
+    plt, fig, ax = _one_plot()
     for band in bands:
         color = f"C{band.position % 10}"
         ax.plot(band.steps, band.mean, color=color, linewidth=1.8, label=f"{band.label} (n={band.runs})")
         if band.runs > 1:
             ax.fill_between(band.steps, band.low, band.high, color=color, alpha=0.2, linewidth=0)
-    ax.set_xlabel("optimizer step")
-    ax.set_ylabel(metric)
-    ax.set_title(title, fontsize=9)
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=7, loc="best")
-    fig.tight_layout()
-    fig.savefig(path)
-    plt.close(fig)
+    _finish(plt, fig, ax, metric, title, 9, path)
     return True
 
 

@@ -21,7 +21,15 @@ from dataclasses import dataclass
 from typing import Sequence
 
 import numpy as np
-from scipy import stats
+
+
+def _scipy_stats():
+    """`scipy.stats`, imported on first use: it takes seconds to import, and most users of this module (the
+    recipes, `trl-grpo-ext sweep`) reach a statistic only at the end of a run, if at all."""
+    from scipy import stats
+
+    return stats
+
 
 CONFIDENCE = 0.95
 N_RESAMPLES = 10_000
@@ -59,7 +67,7 @@ def t_quantile(p: float, df: float) -> float:
         raise ValueError(f"p must be in (0, 1), got {p}")
     if df <= 0:
         raise ValueError(f"df must be > 0, got {df}")
-    return float(stats.t.ppf(p, df))
+    return float(_scipy_stats().t.ppf(p, df))
 
 
 def _finite(values: Sequence[float]) -> list[float]:
@@ -100,7 +108,7 @@ def welch_diff_ci(a: Sequence[float], b: Sequence[float], confidence: float = CO
     with warnings.catch_warnings():
         # scipy warns of precision loss when one side's values are all equal; its variance is then exactly 0.
         warnings.simplefilter("ignore", RuntimeWarning)
-        ci = stats.ttest_ind(xa, xb, equal_var=False).confidence_interval(confidence)
+        ci = _scipy_stats().ttest_ind(xa, xb, equal_var=False).confidence_interval(confidence)
     return Interval(diff, float(ci.low), float(ci.high), n, "welch")
 
 
@@ -115,6 +123,7 @@ def bootstrap_ci(
     mean = float(xs.mean())
     if n < 2:
         return Interval(mean, None, None, n, "bootstrap")
+    stats = _scipy_stats()
     with warnings.catch_warnings():
         # all resampled means equal (identical values): the interval is that value, no warning needed
         warnings.simplefilter("ignore", stats.DegenerateDataWarning)
@@ -157,7 +166,7 @@ def mcnemar_exact(fixed: int, broken: int) -> float:
     if fixed + broken == 0:
         return 1.0
     # the smaller count, so that swapping the two (a symmetric test) gives the same bits
-    return float(stats.binomtest(min(fixed, broken), fixed + broken, 0.5).pvalue)
+    return float(_scipy_stats().binomtest(min(fixed, broken), fixed + broken, 0.5).pvalue)
 
 
 def _percentiles(values: np.ndarray, confidence: float) -> tuple[float, float]:
