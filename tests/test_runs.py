@@ -209,3 +209,44 @@ def test_each_run_file_name_is_spelled_once_in_the_package():
         for line, text in _string_literals(path):
             found += [f"{path.relative_to(ROOT)}:{line}: {value}" for value, p in patterns.items() if p.search(text)]
     assert found == []
+
+
+# ------------------------------------------------------------------------------------------ the run logger
+
+
+def test_run_logger_rows_and_swanlab_mirror(tmp_path, caplog):
+    """The one writer of step metrics (TRL callback and PyTRIO loop): a row per step with NaN as null, the numeric
+    values mirrored to the SwanLab run, whose failures are warnings with the message redacted."""
+    import logging
+
+    import torch
+
+    from trl_grpo_ext.runs import EVAL_METRICS_FILENAME, RunLogger
+
+    class FakeRun:
+        def __init__(self):
+            self.logged, self.finished = [], 0
+
+        def log(self, data, step=None):
+            if step == 3:
+                raise RuntimeError("upload refused for key SECRET")
+            self.logged.append((step, data))
+
+        def finish(self):
+            self.finished += 1
+
+    (tmp_path / METRICS_FILENAME).write_text('{"step": 1}\n{"step": 2}\n')
+    run = FakeRun()
+    logger = RunLogger(tmp_path, run, redact=lambda error: str(error).replace("SECRET", "***"))
+    assert logger.start(1) == 1  # resumed after step 1: step 2 runs again
+    row = logger.log(2, {"reward": torch.tensor(0.5), "loss": float("nan"), "note": "x"})
+    assert row == {"step": 2, "reward": 0.5, "loss": None, "note": "x"}
+    logger.log(5, {"eval_reward": 0.1}, EVAL_METRICS_FILENAME)  # not a step's metrics: not mirrored
+    with caplog.at_level(logging.WARNING):
+        logger.log(3, {"reward": 1.0})
+    logger.close()
+    logger.close()
+    assert [r["step"] for r in run_metrics(tmp_path)] == [1, 2, 3]
+    assert read_metrics_file(tmp_path / EVAL_METRICS_FILENAME)[0] == [{"step": 5, "eval_reward": 0.1}]
+    assert run.logged == [(2, {"reward": 0.5})] and run.finished == 1
+    assert "upload refused for key ***" in caplog.text and "SECRET" not in caplog.text

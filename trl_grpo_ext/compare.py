@@ -82,7 +82,7 @@ def metrics_by_step(path: Path) -> tuple[list[dict], list[str]]:
     rows, bad = read_metrics_file(path)
     no_step = 0
     for row in rows:
-        step = row.get("step", row.get("global_step"))
+        step = row.get("step")
         if not is_number(step):
             no_step += 1
             continue
