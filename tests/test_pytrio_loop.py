@@ -253,7 +253,8 @@ def test_builtin_loss_config_uses_ratio_bounds():
         "clip_high_threshold": pytest.approx(1.3),
     }
     assert builtin_loss_config(cfg(loss_type="importance_sampling")) is None
-    assert cfg(loss_type="cispo", cispo_clip_low=0.5).clip_bounds == (0.5, None)
+    # one default on both paths (the shared GRPO spec): cispo's upper bound is 4.0 here too, not "None: 4.0"
+    assert cfg(loss_type="cispo", cispo_clip_low=0.5).clip_bounds == (0.5, 4.0)
 
 
 # --------------------------------------------------------------------------------------------------------------

@@ -107,26 +107,23 @@ def prepare_run(script_args, training_args, model_args) -> PreparedRun:
     resume = resolve_resume_checkpoint(training_args.resume_from_checkpoint, training_args.output_dir)
     if not model_args.model_name_or_path:
         raise ValueError("model_name_or_path is not set; use 'embedded', a hub id or a local path")
-    path = resolve_model(model_args.model_name_or_path)
+    path = resolve_model(model_args.model_name_or_path, progress=not getattr(training_args, "disable_tqdm", False))
     tokenizer = load_tokenizer(path, model_args, training_args)
     train_dataset, eval_problems = build_datasets(script_args, training_args, tokenizer)
     funcs = reward_functions(reward_names, training_args, tokenizer)
-    check_reward_options(training_args, funcs)
+    check_reward_options(training_args, funcs, reward_names)
     return PreparedRun(path, tokenizer, funcs, train_dataset, eval_problems, resume)
 
 
-def check_reward_options(training_args, funcs) -> None:
-    """`reward_weights` and `degenerate_reward` against the reward functions, as the trainers check them at build
-    time (TRL's `GRPOTrainer.__init__`, ours), but before the model loads."""
+def check_reward_options(training_args, funcs, entries=None) -> None:
+    """The options that name reward functions (`trl_grpo_ext.grpo_spec.reward_option_problems`), as the trainer
+    checks them when built, but before the model loads."""
+    from trl_grpo_ext.grpo_spec import raise_problems, reward_option_problems
     from trl_grpo_ext.reward_aggregation import reward_func_name
+    from trl_grpo_ext.rewards import reward_names
 
-    names = [reward_func_name(f) for f in funcs]
-    weights = getattr(training_args, "reward_weights", None)
-    if weights is not None and len(weights) != len(funcs):
-        raise ValueError(f"reward_weights has {len(weights)} entries for {len(funcs)} reward functions ({names})")
-    degenerate = getattr(training_args, "degenerate_reward", None)
-    if degenerate is not None and degenerate not in names:
-        raise ValueError(f"degenerate_reward={degenerate!r} is not one of the reward functions {names}")
+    names = reward_names(entries, [reward_func_name(f) for f in funcs])
+    raise_problems("GRPOConfig", reward_option_problems(training_args, names))
 
 
 def load_tokenizer(path: str, model_args, training_args):
@@ -166,16 +163,6 @@ def load_model(path: str, model_args, training_args):
     if training_args.gradient_checkpointing:
         model.config.use_cache = False
     return model
-
-
-def load_model_and_tokenizer(model_args, training_args):
-    """Model and tokenizer for `model_args.model_name_or_path` ('embedded', a hub id or a local path)."""
-    from trl_grpo_ext.models import resolve_model
-
-    if not model_args.model_name_or_path:
-        raise ValueError("model_name_or_path is not set; use 'embedded', a hub id or a local path")
-    path = resolve_model(model_args.model_name_or_path)
-    return load_model(path, model_args, training_args), load_tokenizer(path, model_args, training_args)
 
 
 def _use_chat(script_args, tokenizer) -> bool:

@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from trl_grpo_ext.dynamic_sampling import GroupFilter, GroupRef
+from trl_grpo_ext.loss_types import wire_loss_config
 from trl_grpo_ext.pytrio.checkpoint import (
     LoopState,
     check_resumable,
@@ -133,7 +134,7 @@ def advantages_for(config: PyTrioGRPOConfig, rewards, rewards_per_func) -> tuple
     rewards_per_func = torch.as_tensor(rewards_per_func, dtype=torch.float32)
     degenerate_rewards = None
     if config.degenerate_reward is not None:
-        degenerate_rewards = rewards_per_func[:, list(config.reward_funcs).index(config.degenerate_reward)]
+        degenerate_rewards = rewards_per_func[:, config.reward_column(config.degenerate_reward)]
     advantages, degenerate = group_advantages(
         torch.as_tensor(rewards, dtype=torch.float32),
         config.num_generations,
@@ -228,11 +229,8 @@ def make_custom_loss(config: PyTrioGRPOConfig, rows: TokenRows, record: dict):
 
 
 def builtin_loss_config(config: PyTrioGRPOConfig) -> dict | None:
-    """``loss_fn_config`` for the service's built-in losses (Tinker's key names for the ppo ratio bounds)."""
-    if config.loss_type == "ppo":
-        low, high = config.clip_bounds
-        return {"clip_low_threshold": low, "clip_high_threshold": high}
-    return None
+    """``loss_fn_config`` for the service's built-in losses (Tinker's key names for the ratio bounds)."""
+    return wire_loss_config(config.loss_type, *config.clip_bounds)
 
 
 def local_loss_metrics(config: PyTrioGRPOConfig, rows: TokenRows, new_logprobs) -> dict:
@@ -583,7 +581,7 @@ class GRPOLoop:
 
             c = self.config
             name = c.curriculum_reward or c.degenerate_reward
-            rewards = scored.rewards if name is None else scored.rewards_per_func[:, list(c.reward_funcs).index(name)]
+            rewards = scored.rewards if name is None else scored.rewards_per_func[:, c.reward_column(name)]
             tasks = [row.get("task") for row in scored.rows for _ in range(c.num_generations)]
             self.curriculum.update(tasks, passed_values(rewards.tolist(), c.curriculum_pass_threshold))
             metrics.update(self.curriculum.metrics())
