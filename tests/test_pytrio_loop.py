@@ -403,9 +403,14 @@ def loop_config(tmp_path, **kw):
     return PyTrioGRPOConfig(**base)
 
 
-def run_loop(config, **kw):
+def run_loop(config, stop_after=None, **kw):
+    """Train `config` on ROWS; with `stop_after`, stop after that many steps, as a kill would (`StoppingLoop`)."""
+    from stopping_loop import StoppingLoop
+
     from trl_grpo_ext.pytrio.loop import GRPOLoop
 
+    if stop_after is not None:
+        return StoppingLoop(config, rows=ROWS, stop_after=stop_after, **kw).run()
     return GRPOLoop(config, rows=ROWS, **kw).run()
 
 

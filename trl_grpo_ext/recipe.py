@@ -15,6 +15,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from trl_grpo_ext.evaluation import HELDOUT_SEED, heldout_lines, problems_from_rows
 from trl_grpo_ext.runs import (
     EVAL_BEFORE_AFTER_FILENAME,
     RUN_SUMMARY_FILENAME,
@@ -23,7 +24,6 @@ from trl_grpo_ext.runs import (
     run_metrics,
     write_run_config,
 )
-from trl_grpo_ext.test_hooks import TEST_KILL_ENV, maybe_kill
 
 _START = time.time()
 
@@ -165,20 +165,6 @@ def load_model(path: str, model_args, training_args):
     return model
 
 
-def arm_test_kill_points(trainer) -> None:
-    """Test-only ($TRL_GRPO_EXT_TEST_KILL="save:N"): die inside checkpoint-N's save, after the model and optimizer
-    are written and before trainer_state.json (`transformers.Trainer._save_checkpoint` saves the RNG state between)."""
-    if not os.environ.get(TEST_KILL_ENV):
-        return
-    save_rng_state = trainer._save_rng_state
-
-    def killing_save_rng_state(output_dir):
-        maybe_kill("save", int(trainer.state.global_step))
-        return save_rng_state(output_dir)
-
-    trainer._save_rng_state = killing_save_rng_state
-
-
 def _use_chat(script_args, tokenizer) -> bool:
     if script_args.prompt_format == "auto":
         return bool(getattr(tokenizer, "chat_template", None))
@@ -221,8 +207,6 @@ def build_datasets(script_args, training_args, tokenizer):
         )
     eval_problems = []
     if script_args.eval_num_samples:
-        from trl_grpo_ext.evaluation import HELDOUT_SEED, problems_from_rows
-
         # One held-out set whatever the training seed: seeds of a sweep are then compared on the same problems
         # (paired), and the cached "before" eval of the model on that set is reused across runs.
         rows = load_problems(
@@ -272,26 +256,6 @@ def summarize_metrics(rows: list[dict], window: int = 10) -> dict:
     return out
 
 
-def _eval_lines(evals: dict) -> list[str]:
-    """Held-out lines of the printed summary: each eval's figures, then the paired gains with their intervals."""
-    from trl_grpo_ext.evaluation import format_paired
-
-    lines = []
-    for label in ("before", "after"):
-        if isinstance(evals.get(label), dict) and "accuracy" in evals[label]:
-            r = evals[label]
-            any_format = r.get("accuracy_any_format")
-            lines.append(
-                f"  held-out {label} (n={r.get('n')}): boxed accuracy {r['accuracy']:.3f}"
-                + (f", format-independent accuracy {any_format:.3f}" if any_format is not None else "")
-                + f", boxed rate {r['boxed_rate']:.3f}"
-            )
-    if "paired" in evals:
-        lines.append("  held-out paired gains (95% paired-bootstrap interval, exact McNemar p):")
-        lines += format_paired(evals["paired"], indent="    ")
-    return lines
-
-
 def save_run_config(trainer, script_args, training_args, model_args) -> None:
     """`<output_dir>/config.yaml` (main process): script, model and training arguments as the run used them, so
     `trl-grpo-ext compare` groups runs launched by hand, not only by `sweep`, that differ only in seed."""
@@ -328,7 +292,7 @@ def report_run(trainer, training_args) -> dict:
             f"  mean reward, first {summary['window']} logged steps: {summary['reward_first']:.3f}; "
             f"last {summary['window']}: {summary['reward_last']:.3f}"
         )
-    lines += _eval_lines(summary.get("eval", {}))
+    lines += heldout_lines(summary.get("eval", {}))
     lines.append(
         f"  wall time {summary['wall_time_s']} s (CPU time {summary['cpu_time_s']} s, {summary['torch_threads']} torch "
         f"threads), peak RSS {summary['peak_rss_gb']} GB"

@@ -39,6 +39,7 @@ from typing import TYPE_CHECKING, Any, Callable, Mapping
 
 import yaml
 
+from trl_grpo_ext.evaluation import EMBEDDED_DATA, eval_cli_args, sweep_eval_options
 from trl_grpo_ext.launch.options import LAUNCHERS, LEGACY_LAUNCHERS, SlurmOptions
 from trl_grpo_ext.runs import (
     ADAPTER_CONFIG_FILENAME,
@@ -254,6 +255,8 @@ def parse_sweep(data: dict, source: Path | None = None, output_root: str | None 
     evaluate = data.get("evaluate")
     if evaluate is not None and not isinstance(evaluate, dict):
         raise ValueError(f"{where}'evaluate' must be a mapping of `trl-grpo-ext eval` options")
+    if evaluate:
+        evaluate = sweep_eval_options(evaluate, where)
     parallel = int(data["parallel"]) if data.get("parallel") is not None else None
     if parallel is not None and parallel < 1:
         raise ValueError(f"{where}'parallel' must be >= 1")
@@ -527,15 +530,12 @@ def eval_command(run: RunSpec, options: dict) -> list[str]:
         raise FileNotFoundError(f"{run_dir} holds no saved model (no config.json, adapter or checkpoint)")
     cmd = [sys.executable, "-m", "trl_grpo_ext.cli", "eval"]
     cmd += model_args
-    for key, value in options.items():
-        if key in ("model", "adapter", "out"):
-            continue
-        if isinstance(value, bool):
-            if value:
-                cmd.append(f"--{key}")
-            continue
-        cmd += [f"--{key}", str(value)]
-    if options.get("data", "embedded") == "embedded" and "tasks" not in options and run.config.get("synthetic_tasks"):
+    cmd += eval_cli_args(options)
+    if (
+        options.get("data", EMBEDDED_DATA) == EMBEDDED_DATA
+        and "tasks" not in options
+        and run.config.get("synthetic_tasks")
+    ):
         cmd += ["--tasks", str(run.config["synthetic_tasks"])]  # evaluate on the task mix it trained on
     cmd += ["--out", str(run_dir / EVAL_RESULTS_FILENAME)]
     return cmd

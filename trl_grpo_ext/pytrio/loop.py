@@ -43,7 +43,6 @@ from trl_grpo_ext.rewards import get_reward_funcs
 from trl_grpo_ext.runs import PYTRIO_SERVER_DIRNAME, write_run_config
 from trl_grpo_ext.runs.metrics import RunLogger
 from trl_grpo_ext.runs.tracking import start_swanlab
-from trl_grpo_ext.test_hooks import maybe_kill
 
 logger = logging.getLogger(__name__)
 
@@ -372,14 +371,11 @@ class GRPOLoop:
         service_client=None,
         rows: list[dict] | None = None,
         tokenizer=None,
-        stop_after: int | None = None,
     ):
         self.config = config
         self._service = service_client
         self._rows = rows
         self._tokenizer = tokenizer
-        # Tests stop a run early (as a kill would) after this many steps of this invocation.
-        self._stop_after = stop_after
         self._prompt_cache: dict[int, list[int]] = {}
         self.curriculum = None  # `trl_grpo_ext.data.curriculum.Curriculum` with ``curriculum: true`` (`prepare`)
         self._checked: tuple[LoopState | None] | None = None  # (resume state,) once `check_inputs` has passed
@@ -669,7 +665,6 @@ class GRPOLoop:
         if not isinstance(path, str) or not path:
             raise PyTrioLoopError(f"save_state returned no checkpoint path ({result!r})")
         # Saved remotely, not yet recorded here: a kill now resumes from the previous recorded checkpoint.
-        maybe_kill("save", step_done)
         state.step = step_done
         state.data_position = stream.position
         state.curriculum = self.curriculum.state_dict() if self.curriculum is not None else None
@@ -741,7 +736,6 @@ class GRPOLoop:
         sink = RunLogger(out, swanlab, redact)
         sink.start(state.step)
         try:
-            done_here = 0
             for step in range(state.step, c.max_steps):
                 metrics = self.train_step(training_client, stream, step)
                 step_done = step + 1
@@ -757,9 +751,6 @@ class GRPOLoop:
                 )
                 if c.save_every and step_done % c.save_every == 0 and step_done < c.max_steps:
                     self._checkpoint(training_client, state, stream, step_done)
-                done_here += 1
-                if self._stop_after is not None and done_here >= self._stop_after:
-                    return {"stopped_at": step_done, "state_path": state.state_path}
 
             if state.step < c.max_steps:
                 self._checkpoint(training_client, state, stream, c.max_steps)
