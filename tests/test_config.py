@@ -18,6 +18,7 @@ NEW_FIELDS = (
     "curriculum",
     "share_prompt_prefix",
     "share_prompt_prefix_across_microbatches",
+    "max_packed_tokens",
 )
 
 

@@ -529,6 +529,10 @@ def test_config_validates_the_option(tmp_path):
     for bad in (0, -3, 1.5, True, "4096"):
         with pytest.raises(ValueError, match="max_packed_tokens"):
             GRPOConfig(output_dir=str(tmp_path), use_cpu=True, report_to="none", max_packed_tokens=bad)
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text(f"output_dir: {tmp_path}\nuse_cpu: true\nreport_to: none\nmax_packed_tokens: 2048\n")
+    (config,) = trl.TrlParser((GRPOConfig,)).parse_args_and_config(["--config", str(recipe)])
+    assert config.max_packed_tokens == 2048
 
 
 def test_plan_type_is_exposed():
