@@ -23,8 +23,8 @@ MARGIN = 0.9
 # FLOP-equivalents per element a gather copies (memory-bound, against compute-bound matmuls).
 GATHER_FLOPS = 16
 # FLOP-equivalents of one more attention call per layer (an sdpa bucket: its gathers, launch, Python): about
-# 40 us at a CPU core's ~50 GFLOP/s, 20 us at a GPU's ~250 TFLOP/s.
-CALL_OVERHEAD_FLOPS = {"cpu": 2e6, "cuda": 5e9}
+# 100 us at a CPU core's ~50 GFLOP/s (forward and backward of a few small ops), 20 us at a GPU's ~250 TFLOP/s.
+CALL_OVERHEAD_FLOPS = {"cpu": 5e6, "cuda": 5e9}
 
 
 @dataclass(frozen=True)
