@@ -339,7 +339,7 @@ class SegmentAttention:
         layer = module.layer_idx
         return torch.cat([self.context_keys[layer], key], dim=1), torch.cat([self.context_values[layer], value], 1)
 
-    def __call__(self, original, module, query, key, value, dropout=0.0, scaling=None, **kwargs):
+    def __call__(self, original, module, query, key, value, dropout=0.0, scaling=None):
         if query.size(0) != 1 or query.size(2) != self.stream_length:
             raise ValueError(f"prefix_attention: a stream of {self.stream_length} tokens, got {tuple(query.shape)}")
         keys, values = self.key_source(module, key, value)
@@ -396,14 +396,6 @@ def install() -> None:
             wrapper = functools.partial(_dispatch, current)
             _WRAPPED[name] = wrapper
             AttentionInterface.register(name, wrapper)
-
-
-def installed(attn_implementation: str) -> bool:
-    """Whether `attn_implementation`'s registered function is the wrapper `install` put there."""
-    from transformers import AttentionInterface
-
-    wrapper = _WRAPPED.get(attn_implementation)
-    return wrapper is not None and AttentionInterface._global_mapping.get(attn_implementation) is wrapper
 
 
 def placeholder_mask(device) -> torch.Tensor:
