@@ -359,13 +359,17 @@ def _digits_reward(completions, **kwargs):
 
 @pytest.fixture(scope="module")
 def local_pytrio(tiny_model_path, tmp_path_factory):
-    from trl_grpo_ext.pytrio.server import running_server
+    from pytrio_faults import FaultInjector
+
+    from trl_grpo_ext.pytrio.server import LocalPyTrioServer, ServerConfig
     from trl_grpo_ext.rewards import REWARD_REGISTRY, register_reward
 
     if TEST_REWARD not in REWARD_REGISTRY:
         register_reward(TEST_REWARD)(_digits_reward)
     home = tmp_path_factory.mktemp("pytrio-home")
-    with running_server(tiny_model_path, api_key=SECRET_KEY, ephemeral_storage=True) as server:
+    server = LocalPyTrioServer(ServerConfig(model=tiny_model_path, api_key=SECRET_KEY, ephemeral_storage=True))
+    server.faults = FaultInjector().install(server)  # test hook: error answers on demand (tests/pytrio_faults.py)
+    with server:
         server.home = str(home)
         yield server
     REWARD_REGISTRY.pop(TEST_REWARD, None)  # other modules iterate over the registry
