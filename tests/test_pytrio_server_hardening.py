@@ -327,3 +327,73 @@ def test_stop_leaves_no_thread_behind(engine, tiny_model_path, tmp_path):
     while any(t.is_alive() for t in started) and time.monotonic() < deadline:  # a run's worker ends after its event
         time.sleep(0.05)
     assert not [t.name for t in started if t.is_alive()]
+
+
+def test_every_control_route_passes_the_path_parameters_its_handler_takes():
+    import inspect
+    import re
+
+    from trl_grpo_ext.pytrio.server.routes import CONTROL_ROUTES
+
+    assert len({(r.method, r.path) for r in CONTROL_ROUTES}) == len(CONTROL_ROUTES)
+    for route in CONTROL_ROUTES:
+        taken = list(inspect.signature(route.handler).parameters)[3:]  # after self, query, body
+        assert taken == re.findall(r"{(\w+)}", route.path), route.path
+
+
+def test_an_answer_the_client_could_not_parse_is_a_clear_server_error(make_server):
+    import httpx
+
+    server = make_server(api_key="k")
+    server.model_alias = None  # a bug: the model list would go out without an alias
+    answer = httpx.get(f"{server.base_url}/api/models", headers={"Authorization": "Bearer k"})
+    assert answer.status_code == 422 and answer.json()["code"] == "internal_error"
+    assert "ModelListResponse" in answer.json()["message"] and "alias" in answer.json()["message"]
+
+
+def test_stop_answers_a_waiting_long_poll(make_server, engine, monkeypatch):
+    """A status read waiting for an event that cannot run (the model is busy) is answered when the server stops,
+    not cut off when uvicorn gives up on it."""
+    import httpx
+    import msgpack
+    from pytrio.protocol.actor.events.event import (
+        EventEnvelope,
+        EventMetadata,
+        EventType,
+        generate_event_id,
+        pack_event_envelope,
+    )
+
+    from trl_grpo_ext.pytrio.server.events import EventRecord
+
+    waiting = threading.Event()
+    wait = EventRecord.wait
+
+    async def wait_and_tell(self, *args):
+        waiting.set()
+        await wait(self, *args)
+
+    monkeypatch.setattr(EventRecord, "wait", wait_and_tell)
+    server = make_server(api_key="k")
+    auth = {"Authorization": "Bearer k"}
+    lora = {"train_mlp": True, "train_attn": True, "train_unembed": True}
+    with httpx.Client(base_url=server.base_url, timeout=60) as client, ThreadPoolExecutor(1) as pool:
+        sid = client.post("/api/openapi/v1/service-sessions", json={"sdk_version": "x"}, headers=auth).json()
+        run = client.post(f"/api/openapi/v1/service-sessions/{sid['service_session_cuid']}/training-runs",
+                          json={"base_model": server.model_alias, "lora_rank": 4, **lora}, headers=auth).json()  # fmt: skip
+        token = {"Authorization": f"Bearer {run['actor_jwt']['token']}", "Accept": "application/msgpack"}
+        metadata = EventMetadata(index=1, step=0, timestamp=0, sdk="pytrio", sdk_version="0.2.9",
+                                 run_id=run["training_run_cuid"])  # fmt: skip
+        envelope = EventEnvelope(event_id=generate_event_id(), type=EventType.TRAINER_INIT_RUN, metadata=metadata,
+                                 payload={"base_model": server.model_alias, "lora_config": {"rank": 4, **lora}})  # fmt: skip
+        with engine.lock:  # the event waits for the model
+            submitted = client.post("/actor/v1/events", content=pack_event_envelope(envelope),
+                                    headers={**token, "Content-Type": "application/msgpack"})  # fmt: skip
+            assert submitted.status_code == 202
+            poll = pool.submit(
+                client.get, f"/actor/v1/events/{envelope.event_id}", headers={**token, "Prefer": "wait=60"}
+            )
+            assert waiting.wait(60)
+            server.stop()
+        answer = poll.result(timeout=60)
+    assert answer.status_code == 200 and msgpack.unpackb(answer.content)["status"] in ("accepted", "running")
