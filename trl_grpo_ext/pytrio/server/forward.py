@@ -35,8 +35,9 @@ class ForwardDatum:
 
 
 class ForwardBackward:
-    """The forward/backward side of `ModelEngine` (uses its ``peft`` model, ``device``, ``lock``, ``runs`` and the
-    ``max_batch_tokens`` / ``share_prefix`` / ``min_shared_prefix`` settings)."""
+    """The forward/backward side of `ModelEngine` (uses its ``peft`` model, ``device``, ``lock``, ``vocab_size``,
+    ``cache_kw``, ``prefix_sharing_reason``, its runs (``_run``, ``_activate``) and the ``max_batch_tokens`` /
+    ``share_prefix`` / ``min_shared_prefix`` settings)."""
 
     def _check_tokens(self, datum: ForwardDatum) -> None:
         if max(datum.tokens, default=0) >= self.vocab_size or min(datum.tokens, default=0) < 0:

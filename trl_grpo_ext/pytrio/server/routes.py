@@ -118,7 +118,7 @@ CONTROL_ROUTES = [
 
 
 # ---------------------------------------------------------------- answers
-def reply(status: int, body: object, msgpack_body: bool = False, close: bool = False) -> Response:
+def respond(status: int, body: object, msgpack_body: bool = False, close: bool = False) -> Response:
     """An answer of the local server: JSON (or msgpack) with a request id for the client's logs."""
     if msgpack_body:
         content, media_type = msgpack.packb(body, use_bin_type=True), "application/msgpack"
@@ -134,7 +134,7 @@ def error_response(scope: Scope, error: ApiError, close: bool = False) -> Respon
     """``{"code", "message"}`` with the error's status; msgpack where the client reads events as msgpack."""
     headers = Headers(scope=scope)
     wants_msgpack = "msgpack" in headers.get("accept", "") and scope["path"].startswith("/actor/v1/events")
-    return reply(error.status, {"code": error.code, "message": error.message}, wants_msgpack, close)
+    return respond(error.status, {"code": error.code, "message": error.message}, wants_msgpack, close)
 
 
 def large_unread_body(scope: Scope) -> bool:
@@ -254,7 +254,7 @@ def _control_endpoint(route: ControlRoute) -> Callable:
         body = _json_body(raw) if raw and route.json_body else {}
         query = parse_qs(request.url.query)
         server = request.app.state.server
-        return reply(200, await server._in_thread(_call_control, route, server, query, body, request.path_params))
+        return respond(200, await server._in_thread(_call_control, route, server, query, body, request.path_params))
 
     return endpoint
 
@@ -278,7 +278,7 @@ async def submit_event(request: Request) -> Response:
     server = request.app.state.server
     raw = await request.body()
     status, body = await server._in_thread(server.submit_event, request.state.actor_token, raw)
-    return reply(status, body, msgpack_body=True)
+    return respond(status, body, msgpack_body=True)
 
 
 @answers_errors
@@ -287,20 +287,20 @@ async def event_status(request: Request) -> Response:
     server = request.app.state.server
     seconds = float(wait.group(1)) if wait else 0.0
     body = await server.get_event(request.state.actor_token, request.path_params["event_id"], seconds)
-    return reply(200, body, msgpack_body=True)
+    return respond(200, body, msgpack_body=True)
 
 
 @answers_errors
 async def heartbeat(request: Request) -> Response:
     await request.body()
-    return reply(200, {"heartbeat_ms": request.app.state.server.config.heartbeat_ms})
+    return respond(200, {"heartbeat_ms": request.app.state.server.config.heartbeat_ms})
 
 
 @answers_errors
 async def sample(request: Request) -> Response:
     body = _json_body(await request.body() or b"{}")
     server = request.app.state.server
-    return reply(200, await server.sample(request.state.actor_token, request.path_params["rid"], body))
+    return respond(200, await server.sample(request.state.actor_token, request.path_params["rid"], body))
 
 
 ACTOR_ROUTES = [
