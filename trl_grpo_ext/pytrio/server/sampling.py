@@ -2,10 +2,9 @@
 
 The async PyTRIO loop sends one ``sample`` request per prompt at once; served one at a time they would take as many
 memory-bound decodes as there are prompts. Here a request waits in a queue (its HTTP request awaits the `Future`
-`submit` returns, holding no thread); the worker starts a batch with the oldest
-one and, between decode steps, admits every queued request on the same adapter snapshot (up to `max_rows` rows), so
-concurrent requests share each decode step. Nothing waits on a clock: a request that finds the worker idle starts at
-once.
+that `submit` returns, holding no thread); the worker starts a batch with the oldest one and, between decode steps,
+admits every queued request on the same adapter snapshot (up to `max_rows` rows), so concurrent requests share each
+decode step. Nothing waits on a clock: a request that finds the worker idle starts at once.
 
 What a request samples does not depend on its batch-mates: each has its own seeded generator and draws from its own
 rows only (`RequestRows`); the batch changes only the float rounding of the shared forward (padding, batch size),
