@@ -12,14 +12,15 @@ sys.path[:0] = [str(Path(__file__).resolve().parents[1]), str(Path(__file__).res
 from trl import get_peft_config  # noqa: E402
 
 from trl_grpo_ext import callbacks as cbs  # noqa: E402
+from trl_grpo_ext.evaluation import recipe_eval_options  # noqa: E402
 from trl_grpo_ext.recipe import (  # noqa: E402
-    arm_test_kill_points,
     configure_cpu_threads,
     load_model,
     prepare_run,
     report_run,
     save_run_config,
 )
+from trl_grpo_ext.runs.tracking import start_swanlab  # noqa: E402
 from trl_grpo_ext.script_args import parse_recipe_args  # noqa: E402
 
 EMBEDDED_RECIPE = Path(__file__).resolve().parent / "gsm8k" / "embedded.yaml"
@@ -40,11 +41,17 @@ def main(argv=None) -> int:
     model = load_model(run.model_path, model_args, training_args)
     swanlab_on = "swanlab" in (training_args.report_to or [])
     if swanlab_on:  # before the trainer: transformers' SwanLab callback needs an active run
-        cbs.init_swanlab(training_args, script_args.swanlab_project, script_args.swanlab_mode, training_args.to_dict())
+        start_swanlab(
+            training_args.output_dir,
+            script_args.swanlab_project,
+            training_args.run_name,
+            script_args.swanlab_mode,
+            training_args.to_dict(),
+        )
     callbacks = [cbs.MetricsJsonlCallback()]
     if run.eval_problems:
-        eval_tokens = script_args.eval_max_new_tokens or training_args.max_completion_length
-        callbacks.append(cbs.BeforeAfterEvalCallback(run.eval_problems, eval_tokens))
+        eval_options = recipe_eval_options(script_args, training_args)
+        callbacks.append(cbs.BeforeAfterEvalCallback(run.eval_problems, eval_options))
     trainer = trl_grpo_ext.GRPOTrainer(
         model=model,
         reward_funcs=run.reward_funcs,
@@ -56,7 +63,6 @@ def main(argv=None) -> int:
     )
     if swanlab_on:
         trainer.add_callback(cbs.SwanLabCompletionsCallback(trainer))
-    arm_test_kill_points(trainer)
     save_run_config(trainer, script_args, training_args, model_args)
     if run.resume_from_checkpoint:
         print(f"resuming from {run.resume_from_checkpoint}", flush=True)

@@ -34,7 +34,7 @@ from trl_grpo_ext.pytrio.loop import (
     reward_step_metrics,
     rollouts_from_response,
 )
-from trl_grpo_ext.run_files import METRICS_FILENAME, run_metrics, truncate_metrics
+from trl_grpo_ext.runs import METRICS_FILENAME, run_metrics, truncate_metrics
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -253,7 +253,8 @@ def test_builtin_loss_config_uses_ratio_bounds():
         "clip_high_threshold": pytest.approx(1.3),
     }
     assert builtin_loss_config(cfg(loss_type="importance_sampling")) is None
-    assert cfg(loss_type="cispo", cispo_clip_low=0.5).clip_bounds == (0.5, None)
+    # one default on both paths (the shared GRPO spec): cispo's upper bound is 4.0 here too, not "None: 4.0"
+    assert cfg(loss_type="cispo", cispo_clip_low=0.5).clip_bounds == (0.5, 4.0)
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -406,9 +407,14 @@ def loop_config(tmp_path, **kw):
     return PyTrioGRPOConfig(**base)
 
 
-def run_loop(config, **kw):
+def run_loop(config, stop_after=None, **kw):
+    """Train `config` on ROWS; with `stop_after`, stop after that many steps, as a kill would (`StoppingLoop`)."""
+    from stopping_loop import StoppingLoop
+
     from trl_grpo_ext.pytrio.loop import GRPOLoop
 
+    if stop_after is not None:
+        return StoppingLoop(config, rows=ROWS, stop_after=stop_after, **kw).run()
     return GRPOLoop(config, rows=ROWS, **kw).run()
 
 

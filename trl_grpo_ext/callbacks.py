@@ -1,140 +1,81 @@
-"""Trainer callbacks: `metrics.jsonl` for the comparison tools, and SwanLab setup for TRL recipes.
+"""Trainer callbacks of the TRL recipes: `metrics.jsonl` rows (`runs.RunLogger`, the PyTRIO loop's writer too), the
+latest completions as a SwanLab table, and the greedy held-out eval before and after training.
 
 `<output_dir>/metrics.jsonl` holds one JSON object per logged optimizer step: `"step"` plus TRL's logged
-keys (`reward`, `rewards/<name>/mean`, `frac_reward_zero_std`, `entropy`, ...) plus ours (`step_time`).
-The PyTRIO loop writes the same format (docs/ARCHITECTURE.md).
+keys (`reward`, `rewards/<name>/mean`, `frac_reward_zero_std`, `entropy`, `step_time`, ...).
 """
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import json
-import math
-import os
 import time
 from pathlib import Path
 
 from transformers import TrainerCallback
 
-from trl_grpo_ext.run_files import (
+from trl_grpo_ext.evaluation import (
+    RECIPE_EVAL_BATCH_SIZE,
+    EvalOptions,
+    HFGenerator,
+    as_problems,
+    cached_greedy_eval,
+    eval_cache_key,
+    eval_set_hash,
+    evaluate,
+    format_paired,
+    greedy_summary,
+    heldout_line,
+    live_model_identity,
+    live_model_settings,
+    load_cached_eval,
+    paired_comparison,
+    read_results,
+    write_results,
+)
+from trl_grpo_ext.runs import (
+    EVAL_AFTER_PROBLEMS_FILENAME,
     EVAL_BEFORE_AFTER_FILENAME,
+    EVAL_BEFORE_PROBLEMS_FILENAME,
     EVAL_METRICS_FILENAME,
     METRICS_FILENAME,
-    append_jsonl_row,
-    maybe_kill,
-    truncate_metrics,
+    atomic_write_json,
 )
+from trl_grpo_ext.runs.metrics import RunLogger
+from trl_grpo_ext.runs.tracking import jsonable
 
 # Keys of the end-of-training summary log (not a step's metrics).
 _SUMMARY_KEYS = {"train_runtime", "train_samples_per_second", "train_steps_per_second", "total_flos", "train_loss"}
 
 
-def _jsonable(value):
-    if hasattr(value, "item"):
-        value = value.item()
-    if isinstance(value, float) and not math.isfinite(value):
-        return None  # JSON has no NaN/inf; readers treat null as missing
-    return value
-
-
 class MetricsJsonlCallback(TrainerCallback):
-    """Append each logged step's metrics to `<output_dir>/metrics.jsonl` (main process only).
+    """Append each logged step's metrics to `<output_dir>/metrics.jsonl` (main process only), through `RunLogger`.
 
     On resume from a checkpoint, rows logged after that checkpoint are dropped first: those steps run
-    again, so the file ends with exactly one row per logged step.
+    again, so the file ends with exactly one row per logged step. The trainer's own `eval_*` logs go to
+    `eval_metrics.jsonl`.
     """
 
-    def __init__(self, output_dir: str | None = None, filename: str = METRICS_FILENAME):
+    def __init__(self, output_dir: str | None = None):
         self.output_dir = output_dir
-        self.filename = filename
-        self._step_start = None
-        self._step_times: list[float] = []
 
-    def _path(self, args) -> Path:
-        return Path(self.output_dir or args.output_dir) / self.filename
+    def _logger(self, args) -> RunLogger:
+        return RunLogger(self.output_dir or args.output_dir)
 
     def on_train_begin(self, args, state, control, **kwargs):
         if not state.is_world_process_zero:
             return
         # A fresh run (global_step 0) starts a new file; a resumed one keeps rows up to its checkpoint.
-        truncate_metrics(self._path(args), state.global_step)
-
-    def on_step_begin(self, args, state, control, **kwargs):
-        self._step_start = time.perf_counter()
-
-    def on_step_end(self, args, state, control, **kwargs):
-        if self._step_start is not None:
-            self._step_times.append(time.perf_counter() - self._step_start)
-            self._step_start = None
-        # Test-only kill point: the optimizer step is done but neither logged nor checkpointed.
-        maybe_kill("step", int(state.global_step))
+        self._logger(args).start(state.global_step)
 
     def on_log(self, args, state, control, logs=None, **kwargs):
         if not state.is_world_process_zero or not logs:
             return
         if _SUMMARY_KEYS & set(logs):
             return
-        if all(key.startswith("eval_") for key in logs if key != "epoch"):
-            filename = EVAL_METRICS_FILENAME
-        else:
-            filename = self.filename
-        row = {"step": int(state.global_step)}
-        row.update({key: _jsonable(value) for key, value in logs.items()})
-        if filename == self.filename and self._step_times:
-            row.setdefault("step_time", sum(self._step_times) / len(self._step_times))
-            self._step_times = []
-        append_jsonl_row(Path(self.output_dir or args.output_dir) / filename, row)
-
-
-# ------------------------------------------------------------------------------------------- SwanLab
-
-
-def swanlab_mode(requested: str | None = None) -> str:
-    """The SwanLab mode to use: `requested`, else $SWANLAB_MODE, else online with an API key, else offline."""
-    if requested:
-        return requested
-    if os.environ.get("SWANLAB_MODE"):
-        return os.environ["SWANLAB_MODE"]
-    if os.environ.get("SWANLAB_API_KEY"):
-        return "online"
-    try:  # a key saved by `swanlab login`
-        from swanlab.sdk.internal.settings import create_settings
-
-        if create_settings().api_key:
-            return "online"
-    except Exception:
-        pass
-    return "offline"
-
-
-def init_swanlab(args, project: str = "trl-grpo-ext", mode: str | None = None, config: dict | None = None):
-    """Start the SwanLab run before the trainer is built.
-
-    transformers' own SwanLab callback (`report_to: swanlab`) calls `swanlab.get_run()`, which raises
-    "No active Run" in swanlab >= 0.10 unless a run exists; starting it here also lets us choose the mode
-    and keep offline logs under `<output_dir>/swanlog`. Returns the run, or None in 'disabled' mode.
-    """
-    import swanlab
-
-    mode = swanlab_mode(mode)
-    if mode == "disabled":
-        return None
-    log_dir = Path(args.output_dir) / "swanlog"
-    log_dir.mkdir(parents=True, exist_ok=True)
-    try:
-        return swanlab.init(
-            project=project,
-            name=args.run_name or Path(args.output_dir).name,
-            mode=mode,
-            log_dir=str(log_dir),
-            config=config or {},
-            reinit=True,
-        )
-    except Exception as err:
-        hint = {
-            "online": " Log in with `swanlab login` (or set SWANLAB_API_KEY), or use swanlab_mode: offline.",
-            "local": " Local mode needs the dashboard: pip install 'swanlab[dashboard]'.",
-        }.get(mode, "")
-        raise RuntimeError(f"could not start SwanLab in {mode!r} mode ({type(err).__name__}: {err}).{hint}") from err
+        evaluation = all(key.startswith("eval_") for key in logs if key != "epoch")
+        self._logger(args).log(state.global_step, logs, EVAL_METRICS_FILENAME if evaluation else METRICS_FILENAME)
 
 
 class SwanLabCompletionsCallback(TrainerCallback):
@@ -164,8 +105,8 @@ class SwanLabCompletionsCallback(TrainerCallback):
             prompt = prompts[i][-1]["content"] if isinstance(prompts[i], list) else prompts[i]
             completion = completions[i][-1]["content"] if isinstance(completions[i], list) else completions[i]
             row = [str(prompt), str(completion)]
-            row += [_jsonable(values[i]) if i < len(values) else None for values in rewards.values()]
-            row.append(_jsonable(advantages[i]) if i < len(advantages) else None)
+            row += [jsonable(values[i]) if i < len(values) else None for values in rewards.values()]
+            row.append(jsonable(advantages[i]) if i < len(advantages) else None)
             rows.append(row)
         swanlab.log({"completions": swanlab.echarts.Table().add(headers, rows)}, step=state.global_step)
 
@@ -177,8 +118,6 @@ def greedy_accuracy(model, tokenizer, problems: list[dict], max_new_tokens: int,
     """Greedy held-out figures of `model` on problems {'prompt', 'answer' (GSM8K style), optional 'task'}:
     boxed accuracy, format-independent accuracy, boxed rate, mean completion length, per task. The same
     eval as `trl-grpo-ext eval` (`trl_grpo_ext.evaluation.evaluate`)."""
-    from trl_grpo_ext.evaluation import HFGenerator, as_problems, evaluate, greedy_summary
-
     with HFGenerator.borrowing(model, tokenizer, max_new_tokens) as gen:
         results, _ = evaluate(as_problems(problems), gen, 1, batch_size, progress=False)
     return greedy_summary(results)
@@ -194,41 +133,34 @@ class BeforeAfterEvalCallback(TrainerCallback):
     The "before" eval comes from the on-disk cache when this model was already evaluated on these problems
     with these settings (`evaluation.cached_greedy_eval`). A resumed run keeps its step-0 "before" eval from
     the run folder (else the cache); it never evaluates resumed weights as "before".
+
+    `options`: the eval's `EvalOptions` (the recipes': `evaluation.recipe_eval_options`); it uses the token limit,
+    batch size, cache and progress ones. Keyword `overrides` replace fields of it (`max_new_tokens=64`).
     """
 
-    def __init__(self, problems: list, max_new_tokens: int, batch_size: int = 32, use_cache: bool = True):
-        from trl_grpo_ext.evaluation import as_problems
-
+    def __init__(self, problems: list, options: EvalOptions | None = None, **overrides):
+        if options is not None and not isinstance(options, EvalOptions):
+            raise TypeError(f"BeforeAfterEvalCallback: options must be EvalOptions, got {type(options).__name__}")
         if not problems:
             raise ValueError("BeforeAfterEvalCallback needs at least one problem")
-        if max_new_tokens < 1 or batch_size < 1:
-            raise ValueError("BeforeAfterEvalCallback: max_new_tokens and batch_size must be >= 1")
         self.problems = as_problems(problems)
-        self.max_new_tokens = max_new_tokens
-        self.batch_size = batch_size
-        self.use_cache = use_cache
+        self.options = dataclasses.replace(options or EvalOptions(batch_size=RECIPE_EVAL_BATCH_SIZE), **overrides)
         self.results: dict = {}
         self.before = None  # per-problem results of the "before" eval
 
     def _eval_set(self) -> dict:
-        from trl_grpo_ext.evaluation import eval_set_hash
-
         return {
             "n": len(self.problems),
             "sha256": eval_set_hash(self.problems),
-            "max_new_tokens": self.max_new_tokens,
-            "batch_size": self.batch_size,
+            "max_new_tokens": self.options.max_new_tokens,
+            "batch_size": self.options.batch_size,
         }
 
     def _write(self, args) -> None:
-        from trl_grpo_ext.run_files import atomic_write_json
-
         atomic_write_json(Path(args.output_dir) / EVAL_BEFORE_AFTER_FILENAME, self.results, indent=2)
 
     def _resumed_before(self, out: Path, eval_set: dict):
         """The step-0 results a previous attempt of this run wrote, if they are of this eval set."""
-        from trl_grpo_ext.evaluation import EVAL_BEFORE_PROBLEMS_FILENAME, read_results
-
         try:
             saved = json.loads((out / EVAL_BEFORE_AFTER_FILENAME).read_text())
             if saved.get("eval_set", {}).get("sha256") != eval_set["sha256"] or "before" not in saved:
@@ -239,30 +171,17 @@ class BeforeAfterEvalCallback(TrainerCallback):
         return (results, saved["before"]) if len(results) == len(self.problems) else (None, None)
 
     def on_train_begin(self, args, state, control, model=None, processing_class=None, **kwargs):
-        import contextlib
-
-        from trl_grpo_ext.evaluation import (
-            EVAL_BEFORE_PROBLEMS_FILENAME,
-            HFGenerator,
-            cached_greedy_eval,
-            eval_cache_key,
-            greedy_summary,
-            live_model_identity,
-            live_model_settings,
-            load_cached_eval,
-            write_results,
-        )
-
+        o = self.options
         out, main = Path(args.output_dir), state.is_world_process_zero
         eval_set = self._eval_set()
-        identity = live_model_identity(model) if self.use_cache else None
-        settings = live_model_settings(model, self.max_new_tokens)
+        identity = live_model_identity(model) if o.cache else None
+        settings = live_model_settings(model, o.max_new_tokens)
         start = time.perf_counter()
         if state.global_step > 0:  # resumed: the weights are no longer the "before" model's
             results, entry = self._resumed_before(out, eval_set)
             source = "run folder"
             if results is None and identity is not None:
-                key, _ = eval_cache_key(identity, self.problems, {**settings, "batch_size": self.batch_size})
+                key, _ = eval_cache_key(identity, self.problems, {**settings, "batch_size": o.batch_size})
                 results, entry, source = load_cached_eval(key, len(self.problems)), None, "cache"
             if results is None:
                 if main:
@@ -277,15 +196,15 @@ class BeforeAfterEvalCallback(TrainerCallback):
             with contextlib.ExitStack() as stack:
 
                 def borrow():
-                    return stack.enter_context(HFGenerator.borrowing(model, processing_class, self.max_new_tokens))
+                    return stack.enter_context(HFGenerator.borrowing(model, processing_class, o.max_new_tokens))
 
                 results, info = cached_greedy_eval(
                     self.problems,
                     borrow,
                     identity,
                     settings,
-                    self.batch_size,
-                    progress=False,
+                    o.batch_size,
+                    progress=o.progress and main,
                     desc="eval before",
                     write=main,
                 )
@@ -298,22 +217,13 @@ class BeforeAfterEvalCallback(TrainerCallback):
         if main:
             write_results(out / EVAL_BEFORE_PROBLEMS_FILENAME, results)
             self._write(args)
-            print(f"[eval before] {_eval_line(entry)} ({source}, {entry.get('seconds')} s)", flush=True)
+            print(f"[eval before] {heldout_line(entry)} ({source}, {entry.get('seconds')} s)", flush=True)
 
     def on_train_end(self, args, state, control, model=None, processing_class=None, **kwargs):
-        from trl_grpo_ext.evaluation import (
-            EVAL_AFTER_PROBLEMS_FILENAME,
-            HFGenerator,
-            evaluate,
-            format_paired,
-            greedy_summary,
-            paired_comparison,
-            write_results,
-        )
-
+        o, main = self.options, state.is_world_process_zero
         start = time.perf_counter()
-        with HFGenerator.borrowing(model, processing_class, self.max_new_tokens) as gen:
-            results, _ = evaluate(self.problems, gen, 1, self.batch_size, progress=False, desc="eval after")
+        with HFGenerator.borrowing(model, processing_class, o.max_new_tokens) as gen:
+            results, _ = evaluate(self.problems, gen, 1, o.batch_size, progress=o.progress and main, desc="eval after")
         entry = {
             **greedy_summary(results),
             "step": int(state.global_step),
@@ -322,16 +232,9 @@ class BeforeAfterEvalCallback(TrainerCallback):
         self.results["after"] = entry
         if self.before is not None:
             self.results["paired"] = paired_comparison(self.before, results)
-        if state.is_world_process_zero:
+        if main:
             write_results(Path(args.output_dir) / EVAL_AFTER_PROBLEMS_FILENAME, results)
             self._write(args)
-            print(f"[eval after] {_eval_line(entry)} ({entry['seconds']} s)", flush=True)
+            print(f"[eval after] {heldout_line(entry)} ({entry['seconds']} s)", flush=True)
             for line in format_paired(self.results["paired"]) if "paired" in self.results else []:
                 print(f"[eval paired] {line}", flush=True)
-
-
-def _eval_line(entry: dict) -> str:
-    return (
-        f"step {entry['step']}: format-independent accuracy {entry['accuracy_any_format']:.3f}, boxed accuracy "
-        f"{entry['accuracy']:.3f}, boxed rate {entry['boxed_rate']:.3f} on {entry['n']} held-out problems"
-    )

@@ -14,30 +14,30 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import yaml
-
-from trl_grpo_ext.run_files import EVAL_BEFORE_AFTER_FILENAME, METRICS_FILENAME, read_metrics_file
-
-# Where a run's config may lie, best first: the sweep's marker and config, then what recipes save.
-CONFIG_CANDIDATES = (
-    "sweep_done.json",
-    "sweep_config.yaml",
-    "config.yaml",
-    "run_config.yaml",
-    "config.json",
-    "training_config.json",
-    "args.json",
+from trl_grpo_ext.evaluation import read_results
+from trl_grpo_ext.report.curves import normalized_auc, smooth
+from trl_grpo_ext.report.plots import Curve, plot_curves, plot_panels
+from trl_grpo_ext.report.tables import escape, markdown_table
+from trl_grpo_ext.runs import (
+    EVAL_AFTER_PROBLEMS_FILENAME,
+    EVAL_BEFORE_AFTER_FILENAME,
+    EVAL_BEFORE_PROBLEMS_FILENAME,
+    METRICS_FILENAME,
+    read_metrics_file,
 )
+from trl_grpo_ext.runs.folders import (
+    CONFIG_CANDIDATES,
+    is_number,
+    read_heldout_accuracy,
+    read_run_config,
+    run_backend,
+    run_folders,
+)
+from trl_grpo_ext.runs.sweep_files import read_eval_summary
+from trl_grpo_ext.seed_comparison import group_by_seed, seed_section
+
 # Config keys that differ between any two runs by construction and say nothing about the variant.
 IGNORED_CONFIG_KEYS = {"output_dir", "run_name", "logging_dir", "resume_from_checkpoint", "hub_model_id"}
-# Canonical metric -> other spellings seen in older TRL versions or other loggers.
-ALIASES = {
-    "reward": ("reward", "train/reward", "rewards/mean"),
-    "completions/mean_length": ("completions/mean_length", "completion_length", "train/completions/mean_length"),
-    "kl": ("kl", "train/kl", "objective/kl"),
-    "entropy": ("entropy", "train/entropy"),
-    "frac_degenerate": ("frac_degenerate", "train/frac_degenerate"),
-}
 PLOTS = (
     ("reward", "reward"),
     ("frac_degenerate", "fraction of degenerate groups"),
@@ -45,7 +45,6 @@ PLOTS = (
     ("kl", "KL to reference"),
     ("completions/mean_length", "mean completion length (tokens)"),
 )
-EVAL_SUMMARY = "eval_summary.json"
 
 
 @dataclass
@@ -67,21 +66,13 @@ class RunData:
     heldout_problems: dict = field(default_factory=dict)
 
     def series(self, metric: str) -> tuple[list[float], list[float]]:
-        """(steps, values) of a metric, finite values only, under any of its known spellings."""
-        names = ALIASES.get(metric, (metric,))
+        """(steps, values) of a metric, finite values only."""
         steps, values = [], []
         for row in self.rows:
-            for name in names:
-                v = row.get(name)
-                if _is_number(v):
-                    steps.append(float(row["step"]))
-                    values.append(float(v))
-                    break
+            if is_number(row.get(metric)):
+                steps.append(float(row["step"]))
+                values.append(float(row[metric]))
         return steps, values
-
-
-def _is_number(v: Any) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
 
 
 def metrics_by_step(path: Path) -> tuple[list[dict], list[str]]:
@@ -91,8 +82,8 @@ def metrics_by_step(path: Path) -> tuple[list[dict], list[str]]:
     rows, bad = read_metrics_file(path)
     no_step = 0
     for row in rows:
-        step = row.get("step", row.get("global_step"))
-        if not _is_number(step):
+        step = row.get("step")
+        if not is_number(step):
             no_step += 1
             continue
         by_step.setdefault(int(step), {}).update(row)
@@ -102,63 +93,6 @@ def metrics_by_step(path: Path) -> tuple[list[dict], list[str]]:
     if no_step:
         notes.append(f"{no_step} line(s) without a 'step' in {path.name} skipped")
     return [by_step[s] for s in sorted(by_step)], notes
-
-
-def read_config(run_dir: Path) -> tuple[dict, str | None, dict | None]:
-    """(config, file it came from, sweep marker if any) for a run folder; ({}, None, None) when none is found."""
-    marker = None
-    for name in CONFIG_CANDIDATES:
-        p = run_dir / name
-        if not p.is_file():
-            continue
-        try:
-            data = yaml.safe_load(p.read_text()) if p.suffix == ".yaml" else json.loads(p.read_text())
-        except (yaml.YAMLError, json.JSONDecodeError, OSError):
-            continue
-        if not isinstance(data, dict):
-            continue
-        if name == "config.json" and ("model_type" in data or "architectures" in data):
-            continue  # the saved model's own config (`save_model` writes it), not the run's
-        if name == "sweep_done.json":
-            marker = data
-            if isinstance(data.get("config"), dict):
-                return data["config"], name, marker
-            continue
-        return data, name, marker
-    return {}, None, marker
-
-
-def looks_like_run(path: Path) -> bool:
-    return (path / METRICS_FILENAME).is_file() or any((path / n).is_file() for n in CONFIG_CANDIDATES)
-
-
-def expand_run_dirs(paths: list[str | os.PathLike]) -> list[Path]:
-    """Run folders from the arguments; a sweep's output root stands for all the runs under it."""
-    out: list[Path] = []
-    for raw in paths:
-        p = Path(raw)
-        if not p.is_dir():
-            raise FileNotFoundError(f"run folder not found: {p}")
-        if looks_like_run(p):
-            out.append(p)
-            continue
-        children = _sweep_children(p)
-        if not children:
-            raise FileNotFoundError(f"{p} holds no {METRICS_FILENAME} or saved config, and no run folders under it")
-        out.extend(children)
-    return out
-
-
-def _sweep_children(root: Path) -> list[Path]:
-    children = [c for c in root.iterdir() if c.is_dir() and looks_like_run(c)]
-    order: dict[str, int] = {}
-    summary = root / "sweep_summary.json"
-    if summary.is_file():
-        try:
-            order = {r["name"]: i for i, r in enumerate(json.loads(summary.read_text()).get("runs", []))}
-        except (json.JSONDecodeError, KeyError, TypeError, AttributeError):
-            order = {}
-    return sorted(children, key=lambda c: (order.get(c.name, len(order)), c.name))
 
 
 def load_run(path: Path, label: str | None = None) -> RunData:
@@ -173,27 +107,21 @@ def load_run(path: Path, label: str | None = None) -> RunData:
     else:
         rows = []
         notes.append(f"no {METRICS_FILENAME} in {path}")
-    config, source, marker = read_config(path)
+    config, source, marker = read_run_config(path)
     if source is None:
         notes.append("no saved config found (looked for " + ", ".join(CONFIG_CANDIDATES) + ")")
-    backend = (marker or {}).get("backend") or config.get("backend")
-    if backend is None:  # no sweep marker: the files each backend leaves behind tell
-        if (path / "pytrio_state.json").is_file() or "pytrio_base_url" in config:
-            backend = "pytrio"
-        elif any(c.name.startswith("checkpoint-") for c in path.iterdir()) or "model_name_or_path" in config:
-            backend = "trl"
     wall = (marker or {}).get("wall_time")
-    if not _is_number(wall):
-        runtimes = [r["train_runtime"] for r in rows if _is_number(r.get("train_runtime"))]
-        times = [r["step_time"] for r in rows if _is_number(r.get("step_time"))]
+    if not is_number(wall):
+        runtimes = [r["train_runtime"] for r in rows if is_number(r.get("train_runtime"))]
+        times = [r["step_time"] for r in rows if is_number(r.get("step_time"))]
         wall = runtimes[-1] if runtimes else (sum(times) if times else None)
-    eval_summary = None
-    if (path / EVAL_SUMMARY).is_file():
-        try:
-            eval_summary = json.loads((path / EVAL_SUMMARY).read_text()).get("summary")
-        except (json.JSONDecodeError, AttributeError):
-            notes.append(f"unreadable {EVAL_SUMMARY}")
-    heldout = read_heldout_accuracy(path / EVAL_BEFORE_AFTER_FILENAME, notes)
+    try:
+        eval_summary = read_eval_summary(path)
+    except ValueError as err:
+        eval_summary = None
+        notes.append(str(err))
+    heldout = read_heldout_accuracy(path, notes)
+    backend = run_backend(path, config, marker)
     run = RunData(label or path.name, path, rows, config, source, backend, wall, eval_summary, notes, heldout)
     run.heldout_problems = read_heldout_problems(path, notes)
     return run
@@ -201,8 +129,6 @@ def load_run(path: Path, label: str | None = None) -> RunData:
 
 def read_heldout_problems(run_dir: Path, notes: list[str]) -> dict:
     """The recipe's per-problem before/after results (eval_before.jsonl / eval_after.jsonl) that exist."""
-    from trl_grpo_ext.evaluation import EVAL_AFTER_PROBLEMS_FILENAME, EVAL_BEFORE_PROBLEMS_FILENAME, read_results
-
     out = {}
     for when, name in (("before", EVAL_BEFORE_PROBLEMS_FILENAME), ("after", EVAL_AFTER_PROBLEMS_FILENAME)):
         if (run_dir / name).is_file():
@@ -213,32 +139,8 @@ def read_heldout_problems(run_dir: Path, notes: list[str]) -> dict:
     return out
 
 
-def read_heldout_accuracy(path: Path, notes: list[str]) -> dict:
-    """{'before', 'after': boxed accuracy, 'before_any_format', 'after_any_format': format-independent accuracy,
-    'n': problems} from eval_before_after.json (what it holds of these); {} when absent."""
-    if not path.is_file():
-        return {}
-    try:
-        data = json.loads(path.read_text())
-    except (json.JSONDecodeError, OSError, UnicodeDecodeError):
-        data = None
-    if not isinstance(data, dict):
-        notes.append(f"unreadable {path.name}")
-        return {}
-    out = {}
-    for when in ("before", "after"):
-        entry = data.get(when)
-        if isinstance(entry, dict) and _is_number(entry.get("accuracy")):
-            out[when] = float(entry["accuracy"])
-            if _is_number(entry.get("accuracy_any_format")):
-                out[f"{when}_any_format"] = float(entry["accuracy_any_format"])
-            if _is_number(entry.get("n")):
-                out["n"] = int(entry["n"])
-    return out
-
-
 def load_runs(paths: list[str | os.PathLike]) -> list[RunData]:
-    dirs = expand_run_dirs(paths)
+    dirs = run_folders(paths)
     return [load_run(d, label) for d, label in zip(dirs, unique_labels(dirs), strict=True)]
 
 
@@ -256,29 +158,6 @@ def unique_labels(dirs: list[Path]) -> list[str]:
 
 
 # ------------------------------------------------------------------------------------------- numbers
-
-
-def smooth(values: list[float], window: int) -> list[float]:
-    """Trailing moving average; the first points average over what exists so far."""
-    if window <= 1 or not values:
-        return list(values)
-    out, total = [], 0.0
-    for i, v in enumerate(values):
-        total += v
-        if i >= window:
-            total -= values[i - window]
-        out.append(total / min(i + 1, window))
-    return out
-
-
-def normalized_auc(steps: list[float], values: list[float]) -> float | None:
-    """Trapezoid area under the curve divided by the step span: the run's average level over training."""
-    if not values:
-        return None
-    if len(values) == 1 or steps[-1] == steps[0]:
-        return values[-1]
-    area = sum((steps[i + 1] - steps[i]) * (values[i] + values[i + 1]) / 2 for i in range(len(values) - 1))
-    return area / (steps[-1] - steps[0])
 
 
 def _mean(values: list[float]) -> float | None:
@@ -313,7 +192,7 @@ def summarize(run: RunData, smooth_window: int = 1) -> dict:
         out["heldout_gain_any_format"] = run.heldout["after_any_format"] - run.heldout["before_any_format"]
     if run.eval_summary:
         for key in ("pass@1", "maj@k", "pass@k"):
-            if _is_number(run.eval_summary.get(key)):
+            if is_number(run.eval_summary.get(key)):
                 out[f"eval_{key}"] = run.eval_summary[key]
     return out
 
@@ -408,17 +287,7 @@ def _fmt(key: str, value: Any) -> str:
         return f"{value:.1f}"
     if isinstance(value, float):
         return f"{value:.3f}"
-    return _escape(str(value))
-
-
-def _escape(text: str) -> str:
-    return text.replace("|", "\\|").replace("\n", " ")
-
-
-def markdown_table(header: list[str], rows: list[list[str]]) -> str:
-    lines = ["| " + " | ".join(header) + " |", "|" + "|".join(["---"] * len(header)) + "|"]
-    lines += ["| " + " | ".join(row) + " |" for row in rows]
-    return "\n".join(lines)
+    return escape(str(value))
 
 
 def results_table(runs: list[RunData], summaries: list[dict]) -> str:
@@ -428,96 +297,19 @@ def results_table(runs: list[RunData], summaries: list[dict]) -> str:
     rows = []
     for run, s in zip(runs, summaries, strict=False):
         values = {**s, "backend": run.backend}
-        rows.append([_escape(run.label)] + [_fmt(key, values.get(key)) for key, _ in cols])
+        rows.append([escape(run.label)] + [_fmt(key, values.get(key)) for key, _ in cols])
     return markdown_table(["run"] + [title for _, title in cols], rows)
 
 
 def diff_table(runs: list[RunData], keys: list[str]) -> str:
     rows = [
-        [_escape(r.label)] + [_escape(json.dumps(r.config[k]) if k in r.config else "–") for k in keys] for r in runs
+        [escape(r.label)] + [escape(json.dumps(r.config[k]) if k in r.config else "–") for k in keys] for r in runs
     ]
     return markdown_table(["run"] + keys, rows)
 
 
-# Runs whose curves coincide (same seed, a setting that did not change training) stay visible as
-# dashes or dots over the solid line.
-LINE_STYLES = ("-", "--", ":", "-.")
-
-
-def _line_style(index: int) -> tuple[str, str]:
-    return f"C{index % 10}", LINE_STYLES[index % len(LINE_STYLES)]
-
-
-def plot_metric(runs: list[RunData], metric: str, title: str, path: Path, smooth_window: int = 1) -> bool:
-    """One PNG with a line per run that logged `metric`; False (no file) when none did."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    # The run's position, not the plotted line's, picks its style: the same run looks alike in every plot.
-    series = [(i, run, *run.series(metric)) for i, run in enumerate(runs)]
-    series = [(i, run, s, v) for i, run, s, v in series if v]
-    if not series:
-        return False
-    fig, ax = plt.subplots(figsize=(7, 4.2), dpi=110)
-    for i, run, steps, values in series:
-        color, style = _line_style(i)
-        if smooth_window > 1:
-            ax.plot(steps, values, color=color, alpha=0.25, linewidth=1, linestyle=style)
-            ax.plot(steps, smooth(values, smooth_window), color=color, linewidth=2, linestyle=style, label=run.label)
-        else:
-            marker = "." if len(steps) < 40 else None
-            ax.plot(steps, values, color=color, linewidth=1.8, linestyle=style, label=run.label, marker=marker)
-    ax.set_xlabel("optimizer step")
-    ax.set_ylabel(metric)
-    suffix = f" (moving average over {smooth_window} steps)" if smooth_window > 1 else ""
-    ax.set_title(title + suffix, fontsize=10)
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=7, loc="best")
-    fig.tight_layout()
-    fig.savefig(path)
-    plt.close(fig)
-    return True
-
-
-def plot_overview(runs: list[RunData], metrics: list[str], path: Path, smooth_window: int = 1) -> bool:
-    """All plotted metrics in one figure (a grid of small panels, one legend), for a quick look."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    if not metrics:
-        return False
-    ncols = min(3, len(metrics))
-    nrows = math.ceil(len(metrics) / ncols)
-    fig, axes = plt.subplots(nrows, ncols, figsize=(4.2 * ncols, 3.0 * nrows + 0.6), dpi=100, squeeze=False)
-    for ax, metric in zip(axes.flat, metrics, strict=False):
-        for i, run in enumerate(runs):
-            steps, values = run.series(metric)
-            if values:
-                color, style = _line_style(i)
-                ax.plot(
-                    steps, smooth(values, smooth_window), color=color, linestyle=style, linewidth=1.6, label=run.label
-                )
-        ax.set_title(metric, fontsize=9)
-        ax.set_xlabel("step", fontsize=8)
-        ax.tick_params(labelsize=7)
-        ax.grid(alpha=0.3)
-    for ax in list(axes.flat)[len(metrics) :]:
-        ax.axis("off")
-    handles, labels = [], []
-    for ax in axes.flat:
-        for h, lab in zip(*ax.get_legend_handles_labels(), strict=False):
-            if lab not in labels:
-                handles.append(h)
-                labels.append(lab)
-    fig.legend(handles, labels, loc="lower center", ncol=min(3, len(labels)), fontsize=8, frameon=False)
-    fig.tight_layout(rect=(0, 0.06 + 0.03 * math.ceil(len(labels) / 3), 1, 1))
-    fig.savefig(path)
-    plt.close(fig)
-    return True
+def _curves(runs: list[RunData], metric: str) -> list[Curve]:
+    return [Curve(run.label, *run.series(metric), position=i) for i, run in enumerate(runs)]
 
 
 def plot_filename(metric: str) -> str:
@@ -550,12 +342,12 @@ def build_report(run_paths: list[str | os.PathLike], out_dir: str | os.PathLike,
     plots: dict[str, Path] = {}
     for metric, title in PLOTS:
         path = out / plot_filename(metric)
-        if plot_metric(runs, metric, title, path, smooth_window):
+        if plot_curves(_curves(runs, metric), metric, title, path, smooth_window):
             plots[metric] = path
         else:
             notes.append(f"no run logged '{metric}'; no plot")
 
-    if plot_overview(runs, list(plots), out / "overview.png", smooth_window):
+    if plot_panels({metric: _curves(runs, metric) for metric in plots}, out / "overview.png", smooth_window):
         plots["overview"] = out / "overview.png"
 
     md = ["# Run comparison", ""]
@@ -574,7 +366,7 @@ def build_report(run_paths: list[str | os.PathLike], out_dir: str | os.PathLike,
         md += [
             "held-out acc before/after: the recipe's greedy accuracy on "
             + "/".join(map(str, sizes))
-            + " held-out problems at the first and last step (eval_before_after.json): boxed (the answer in"
+            + f" held-out problems at the first and last step ({EVAL_BEFORE_AFTER_FILENAME}): boxed (the answer in"
             " `\\boxed{}`, as the reward reads it) and any-format (the boxed answer, else the last number).",
             "",
         ]
@@ -589,8 +381,6 @@ def build_report(run_paths: list[str | os.PathLike], out_dir: str | os.PathLike,
         md += ["A key that only some runs' configs hold is compared among those runs.", ""]
     verdicts: list[str] = []
     if len(runs) > 1:
-        from trl_grpo_ext.seed_comparison import group_by_seed, seed_section
-
         groups = group_by_seed(runs, summaries, IGNORED_CONFIG_KEYS)
         section, seed_plots, seed_payload = seed_section(groups, out, smooth_window)
         md += section

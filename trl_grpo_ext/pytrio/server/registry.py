@@ -20,7 +20,7 @@ from pathlib import Path
 
 from trl_grpo_ext.pytrio.server.adapters import LoraSettings, next_snapshot_uid
 from trl_grpo_ext.pytrio.server.errors import ApiError
-from trl_grpo_ext.run_files import atomic_write_text
+from trl_grpo_ext.runs import atomic_write_text
 
 logger = logging.getLogger(__name__)
 
