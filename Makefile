@@ -35,6 +35,8 @@ test: $(STAMP)
 lint: $(STAMP)
 	$(BIN)/ruff check $(LINT_PATHS)
 	$(BIN)/ruff format --check $(LINT_PATHS)
+	# The package's layering: no import cycles, no import of a higher layer ([tool.importlinter] in pyproject.toml).
+	$(BIN)/lint-imports --no-cache
 
 bench: $(STAMP)
 	$(BIN)/python bench/rewards.py

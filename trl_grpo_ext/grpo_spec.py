@@ -25,6 +25,7 @@ import warnings
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 
+from trl_grpo_ext.data.curriculum import curriculum_settings_problems
 from trl_grpo_ext.loss_types import (
     CISPO_CLIP,
     DEFAULT_CLIP,
@@ -275,9 +276,6 @@ def _clip_problems(config) -> list[str]:
 
 
 def _sampling_problems(config) -> list[str]:
-    # imported here: the curriculum module imports torch, which a config need not load to be parsed
-    from trl_grpo_ext.data.curriculum import curriculum_settings_problems
-
     batches = config.max_generation_batches
     problems = (
         [] if _is_int(batches) and batches >= 1 else [f"max_generation_batches={batches!r} must be an integer >= 1"]

@@ -15,7 +15,12 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from trl_grpo_ext.data import load_dataset_split, load_problems
 from trl_grpo_ext.evaluation import HELDOUT_SEED, heldout_lines, problems_from_rows
+from trl_grpo_ext.grpo_spec import raise_problems, reward_option_problems
+from trl_grpo_ext.models import resolve_model
+from trl_grpo_ext.reward_aggregation import reward_func_name
+from trl_grpo_ext.rewards import reward_functions, reward_names
 from trl_grpo_ext.runs import (
     EVAL_BEFORE_AFTER_FILENAME,
     RUN_SUMMARY_FILENAME,
@@ -24,6 +29,7 @@ from trl_grpo_ext.runs import (
     run_metrics,
     write_run_config,
 )
+from trl_grpo_ext.trl_sampling import prompt_pool_factor
 
 _START = time.time()
 
@@ -100,28 +106,22 @@ def prepare_run(script_args, training_args, model_args) -> PreparedRun:
 
     Nothing is written to the run folder and no model weights are loaded here.
     """
-    from trl_grpo_ext.models import resolve_model
-
-    reward_names = list(script_args.reward_funcs)
-    reward_functions(reward_names)  # unknown names fail before anything slow
+    names = list(script_args.reward_funcs)
+    reward_functions(names)  # unknown names fail before anything slow
     resume = resolve_resume_checkpoint(training_args.resume_from_checkpoint, training_args.output_dir)
     if not model_args.model_name_or_path:
         raise ValueError("model_name_or_path is not set; use 'embedded', a hub id or a local path")
     path = resolve_model(model_args.model_name_or_path, progress=not getattr(training_args, "disable_tqdm", False))
     tokenizer = load_tokenizer(path, model_args, training_args)
     train_dataset, eval_problems = build_datasets(script_args, training_args, tokenizer)
-    funcs = reward_functions(reward_names, training_args, tokenizer)
-    check_reward_options(training_args, funcs, reward_names)
+    funcs = reward_functions(names, training_args, tokenizer)
+    check_reward_options(training_args, funcs, names)
     return PreparedRun(path, tokenizer, funcs, train_dataset, eval_problems, resume)
 
 
 def check_reward_options(training_args, funcs, entries=None) -> None:
     """The options that name reward functions (`trl_grpo_ext.grpo_spec.reward_option_problems`), as the trainer
     checks them when built, but before the model loads."""
-    from trl_grpo_ext.grpo_spec import raise_problems, reward_option_problems
-    from trl_grpo_ext.reward_aggregation import reward_func_name
-    from trl_grpo_ext.rewards import reward_names
-
     names = reward_names(entries, [reward_func_name(f) for f in funcs])
     raise_problems("GRPOConfig", reward_option_problems(training_args, names))
 
@@ -182,13 +182,9 @@ def prompts_per_run(training_args) -> int:
 
 def build_datasets(script_args, training_args, tokenizer):
     """(train dataset with `prompt`/`answer`, held-out eval `Problem`s (`evaluation.problems_from_rows`) or [])."""
-    from trl_grpo_ext.data import load_dataset_split, load_problems
-
     chat = _use_chat(script_args, tokenizer)
     num_train = script_args.num_train_samples
     if num_train is None and script_args.dataset_name == "synthetic" and training_args.max_steps > 0:
-        from trl_grpo_ext.trl_sampling import prompt_pool_factor
-
         num_train = (
             prompts_per_run(training_args) * prompt_pool_factor(training_args, script_args.synthetic_tasks) + 64
         )
@@ -217,15 +213,6 @@ def build_datasets(script_args, training_args, tokenizer):
         )
         eval_problems = problems_from_rows(rows, one_shot=script_args.one_shot, chat=chat)
     return train, eval_problems
-
-
-def reward_functions(names, training_args=None, tokenizer=None):
-    """Registry rewards by name; the trainer's length limit and EOS let `hybrid` veto truncated completions."""
-    from trl_grpo_ext import get_reward_funcs
-
-    eos = [tokenizer.eos_token_id] if tokenizer is not None and tokenizer.eos_token_id is not None else None
-    limit = getattr(training_args, "max_completion_length", None)
-    return get_reward_funcs(list(names), max_completion_length=limit, eos_token_ids=eos)
 
 
 def peak_rss_gb() -> float:

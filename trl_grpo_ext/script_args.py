@@ -211,6 +211,7 @@ def parse_recipe_args(argv: list[str] | None = None, default_config: str | None 
     """
     import sys
 
+    # trl loads in seconds: when parsing, not with this module (the sweep imports `ScriptArguments`)
     from trl import ModelConfig, TrlParser
 
     from trl_grpo_ext.config import GRPOConfig

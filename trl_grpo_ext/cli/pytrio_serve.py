@@ -105,7 +105,7 @@ def run(args: argparse.Namespace) -> int:
     if args.host not in ("127.0.0.1", "localhost", "::1"):
         logging.warning("binding %s exposes the server beyond this machine; anyone with the key can train", args.host)
 
-    from trl_grpo_ext.pytrio.server import LocalPyTrioServer
+    from trl_grpo_ext.pytrio.server import LocalPyTrioServer  # torch, starlette: after the arguments are checked
 
     stop = threading.Event()
     # installed before the address is printed: a supervisor may send SIGTERM as soon as it reads it

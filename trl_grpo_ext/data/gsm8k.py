@@ -6,6 +6,8 @@ import json
 import logging
 from pathlib import Path
 
+from trl_grpo_ext.answers import parse_ground_truth
+
 logger = logging.getLogger(__name__)
 
 HUB_ID, HUB_CONFIG = "openai/gsm8k", "main"
@@ -69,8 +71,6 @@ def validate_rows(rows: list[dict], on_malformed: str = "error", source: str = "
 
     on_malformed='error' raises naming the first bad row; 'drop' skips bad rows and logs how many.
     """
-    from trl_grpo_ext.answers import parse_ground_truth
-
     if on_malformed not in ON_MALFORMED:
         raise ValueError(f"on_malformed must be one of {ON_MALFORMED}, got {on_malformed!r}")
     kept, dropped = [], []

@@ -8,6 +8,7 @@ columns other than ``prompt`` reach the reward functions as keyword arguments, a
 
 from __future__ import annotations
 
+from trl_grpo_ext.data import load_dataset_split
 from trl_grpo_ext.data.loading import SYNTHETIC_SOURCE
 
 GSM8K_HUB_ID = "openai/gsm8k"
@@ -23,8 +24,6 @@ def data_source(config) -> str:
 
 
 def load_train_rows(config) -> list[dict]:
-    from trl_grpo_ext.data import load_dataset_split
-
     dataset = load_dataset_split(
         data_source(config),
         config.dataset_split,

@@ -22,6 +22,7 @@ from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from trl_grpo_ext.models import resolve_model
 from trl_grpo_ext.pytrio.server.actor import ActorHandlers
 from trl_grpo_ext.pytrio.server.adapters import LoraSnapshot
 from trl_grpo_ext.pytrio.server.checkpoints import CheckpointStore
@@ -228,8 +229,6 @@ class LocalPyTrioServer(ControlHandlers, ActorHandlers, TrainingHandlers, Checkp
 
 def _resolve_model(model: str) -> str:
     if str(model).strip().lower() == "embedded":
-        from trl_grpo_ext.models import resolve_model  # lazy: only the embedded model needs it
-
         return resolve_model(model)
     path = Path(model).expanduser()
     return str(path.resolve()) if path.exists() else str(model)
