@@ -334,6 +334,12 @@ def reward_index(name: str, reward_names: Sequence[Collection[str]]) -> int | No
     return None
 
 
+def curriculum_pass_reward(config) -> str | None:
+    """The reward whose value decides a curriculum pass: ``curriculum_reward``, else ``degenerate_reward``; None:
+    the weighted total reward."""
+    return getattr(config, "curriculum_reward", None) or getattr(config, "degenerate_reward", None)
+
+
 def reward_option_problems(config, reward_names: Sequence[Collection[str]]) -> list[str]:
     """``reward_weights``, ``degenerate_reward`` and ``curriculum_reward`` of `config` against its reward functions.
 

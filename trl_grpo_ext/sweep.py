@@ -515,7 +515,7 @@ def eval_command(run: RunSpec, options: dict) -> list[str]:
     elif (ckpt := latest_checkpoint(run_dir)) is not None:
         model_args = ["--model", str(ckpt)]
     else:
-        raise FileNotFoundError(f"{run_dir} holds no saved model (no config.json, adapter or checkpoint)")
+        raise FileNotFoundError(f"{run_dir} holds no saved model (no {MODEL_CONFIG_FILENAME}, adapter or checkpoint)")
     cmd = [sys.executable, "-m", "trl_grpo_ext.cli", "eval"]
     cmd += model_args
     cmd += eval_cli_args(options)

@@ -34,7 +34,7 @@ from trl.trainer.utils import RepeatSampler, shuffle_sequence_dict, split_tensor
 from trl_grpo_ext.data.curriculum import Curriculum, TaskPools, curriculum_from_tasks, draw_tasks, passed_values
 from trl_grpo_ext.data.synthetic import parse_task_mix
 from trl_grpo_ext.dynamic_sampling import GroupFilter, GroupRef
-from trl_grpo_ext.grpo_spec import raise_problems, reward_index, reward_option_problems
+from trl_grpo_ext.grpo_spec import curriculum_pass_reward, raise_problems, reward_index, reward_option_problems
 from trl_grpo_ext.reward_aggregation import weighted_rewards
 from trl_grpo_ext.rewards import reward_names
 from trl_grpo_ext.runs import CURRICULUM_STATE_FILENAME, atomic_write_json, checkpoint_dir
@@ -272,7 +272,7 @@ class CurriculumMixin:
         )
         names = reward_names(func_names=self.reward_func_names)
         raise_problems("GRPOTrainer", reward_option_problems(self.args, names))
-        name = self.args.curriculum_reward or getattr(self.args, "degenerate_reward", None)
+        name = curriculum_pass_reward(self.args)
         self._curriculum_column = None if name is None else reward_index(name, names)
 
     # Checkpoints carry the pass-rate estimates, as TRL 1.16 does its adaptive-entropy state (same two hooks), so a

@@ -9,11 +9,12 @@ import signal
 import sys
 import threading
 
+from trl_grpo_ext.models import EMBEDDED_NAME
 from trl_grpo_ext.pytrio.server.config import API_KEY_ENV, MIB, ServerConfig, read_api_key_file
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    defaults = ServerConfig(model="embedded")
+    defaults = ServerConfig(model=EMBEDDED_NAME)
     parser.add_argument("--model", required=True, help="model folder, hub id, or 'embedded' (SmolLM2-135M-Instruct)")
     parser.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1: this machine only)")
     parser.add_argument("--port", type=int, default=8710, help="port (0 picks a free one)")

@@ -11,6 +11,7 @@ from trl_grpo_ext.answers import parse_ground_truth
 logger = logging.getLogger(__name__)
 
 HUB_ID, HUB_CONFIG = "openai/gsm8k", "main"
+HUB_NAMES = ("gsm8k", HUB_ID)  # the sources that mean GSM8K from the hub
 ON_MALFORMED = ("error", "drop")
 
 
@@ -55,7 +56,7 @@ def load_gsm8k_rows(source: str, split: str = "train") -> list[dict]:
         return read_jsonl(path)
     from datasets import load_dataset
 
-    hub_id = HUB_ID if source in ("gsm8k", HUB_ID) else source
+    hub_id = HUB_ID if source in HUB_NAMES else source
     config = HUB_CONFIG if hub_id == HUB_ID else None
     try:
         return [dict(row) for row in load_dataset(hub_id, config, split=split)]

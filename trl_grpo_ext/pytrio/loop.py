@@ -29,8 +29,9 @@ from pathlib import Path
 
 from trl_grpo_ext.data.curriculum import CurriculumPromptStream, curriculum_from_tasks, passed_values
 from trl_grpo_ext.dynamic_sampling import GroupFilter, GroupRef
+from trl_grpo_ext.grpo_spec import curriculum_pass_reward
 from trl_grpo_ext.loss_types import wire_loss_config
-from trl_grpo_ext.models import check_local_model, resolve_model
+from trl_grpo_ext.models import check_local_model, is_embedded, resolve_model
 from trl_grpo_ext.pytrio import connection
 from trl_grpo_ext.pytrio.checkpoint import (
     LoopState,
@@ -409,7 +410,7 @@ class GRPOLoop:
             return training_client.get_tokenizer()
         except Exception as error:  # noqa: BLE001 - fall back to a local copy of the model
             base = self.config.base_model
-            if base.strip().lower() == "embedded" or Path(base).is_dir():
+            if is_embedded(base) or Path(base).is_dir():
                 return AutoTokenizer.from_pretrained(resolve_model(base))
             raise PyTrioLoopError(
                 f"no tokenizer for {base!r} ({type(error).__name__}: {redact(error)}); set tokenizer_name_or_path"
@@ -573,7 +574,7 @@ class GRPOLoop:
         metrics.update(completion_metrics(scored.rollouts))
         if self.curriculum is not None:
             c = self.config
-            name = c.curriculum_reward or c.degenerate_reward
+            name = curriculum_pass_reward(c)
             rewards = scored.rewards if name is None else scored.rewards_per_func[:, c.reward_column(name)]
             tasks = [row.get("task") for row in scored.rows for _ in range(c.num_generations)]
             self.curriculum.update(tasks, passed_values(rewards.tolist(), c.curriculum_pass_threshold))
@@ -676,7 +677,7 @@ class GRPOLoop:
         c = self.config
         self._rows = self._load_rows()
         get_reward_funcs(c.reward_funcs)  # unknown names: a ValueError listing the valid ones
-        if c.pytrio_base_url == LOCAL_SERVER_NAME and c.base_model.strip().lower() != "embedded":
+        if c.pytrio_base_url == LOCAL_SERVER_NAME and not is_embedded(c.base_model):
             check_local_model(c.base_model)  # a local-looking path that is not a model folder
         previous = load_loop_state(c.output_dir) if c.resume else None
         if c.resume and previous is None:

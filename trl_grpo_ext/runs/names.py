@@ -35,7 +35,7 @@ CHECKPOINT_PATTERN = re.compile(rf"{CHECKPOINT_PREFIX}-(\d+)")
 TRAINER_STATE_FILENAME = "trainer_state.json"
 CURRICULUM_STATE_FILENAME = "curriculum_state.json"
 # A model saved into the run folder (`save_model`): a LoRA adapter's config (peft), else the model's config
-# (transformers; every model folder has one, so this name is spelled in models.py too).
+# (transformers; every model folder has one: `trl_grpo_ext.models` checks model folders by it too).
 ADAPTER_CONFIG_FILENAME = "adapter_config.json"
 MODEL_CONFIG_FILENAME = "config.json"
 

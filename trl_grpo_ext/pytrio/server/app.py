@@ -22,7 +22,7 @@ from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from trl_grpo_ext.models import resolve_model
+from trl_grpo_ext.models import EMBEDDED_NAME, is_embedded, resolve_model
 from trl_grpo_ext.pytrio.server.actor import ActorHandlers
 from trl_grpo_ext.pytrio.server.adapters import LoraSnapshot
 from trl_grpo_ext.pytrio.server.checkpoints import CheckpointStore
@@ -228,13 +228,13 @@ class LocalPyTrioServer(ControlHandlers, ActorHandlers, TrainingHandlers, Checkp
 
 
 def _resolve_model(model: str) -> str:
-    if str(model).strip().lower() == "embedded":
+    if is_embedded(model):
         return resolve_model(model)
     path = Path(model).expanduser()
     return str(path.resolve()) if path.exists() else str(model)
 
 
 def _default_alias(requested: str, model_id: str) -> str:
-    if str(requested).strip().lower() == "embedded":
-        return "embedded"
+    if is_embedded(requested):
+        return EMBEDDED_NAME
     return Path(model_id).name or model_id
