@@ -12,9 +12,9 @@ with ``p_t <- (1 - ema) * p_t + ema * batch_pass_rate_t`` for the tasks that bat
 Deterministic: the weights are a function of the observed (task, passed) pairs in order; the samplers draw from
 seeded `random.Random` streams, never from the clock or thread timing.
 
-Used by the TRL trainer (`trl_grpo_ext.trl_sampling.CurriculumMixin` with `trl_grpo_ext.trl_sampling.CurriculumSampler`,
-a torch sampler) and the PyTRIO loop (`CurriculumPromptStream`). No torch here: configs and the PyTRIO loop import
-this module without loading it.
+Used by the TRL trainer (`trl_grpo_ext.trl_sampling`: `CurriculumMixin` with `CurriculumSampler`, a torch
+sampler) and the PyTRIO loop (`CurriculumPromptStream`). No torch here: configs and the PyTRIO loop import this
+module without loading it.
 """
 
 from __future__ import annotations
