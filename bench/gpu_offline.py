@@ -162,6 +162,7 @@ def make_trainer(kind: str, model_path: Path, args, out: Path, attn: str, comple
     import torch
     import trl
     from datasets import Dataset
+    from transformers.trainer_callback import PrinterCallback
 
     import trl_grpo_ext
 
@@ -181,6 +182,7 @@ def make_trainer(kind: str, model_path: Path, args, out: Path, attn: str, comple
         cls = trl_grpo_ext.GRPOTrainer
     data = Dataset.from_dict({"prompt": prompts(args)})
     trainer = cls(str(model_path), [token_reward], args=config, train_dataset=data)
+    trainer.remove_callback(PrinterCallback)  # the tables say it; no log dict per step
     trainer.model.train()
     trainer.current_gradient_accumulation_steps = config.gradient_accumulation_steps  # read by _compute_loss
     return trainer
@@ -390,13 +392,13 @@ def format_report(report: dict) -> str:
         f"{env['transformers']}, trl {env['trl']}, accelerate {env['accelerate']}, peft {env['peft']}",
         f"gpu_offline: model: {report['model']}",
         "agreement (|loss diff|, relative grad diff; tolerance = TRL's own change from one padding column):",
-        f"  {'loss type':20s} {'loss (TRL)':>11s} {'tol loss':>9s} {'ours':>9s} {'ours+share':>10s} "
+        f"  {'loss type':27s} {'loss (TRL)':>11s} {'tol loss':>9s} {'ours':>9s} {'ours+share':>10s} "
         f"{'tol grad':>9s} {'ours':>9s} {'ours+share':>10s}  result",
     ]
     for r in report["agreement"]:
         name = f"{r['loss_type']} ({r['family']})"
         lines.append(
-            f"  {name:20s} {r['loss_trl']:11.4g} {r['tolerance_loss']:9.2e} {r['ours_noshare_loss_diff']:9.2e} "
+            f"  {name:27s} {r['loss_trl']:11.4g} {r['tolerance_loss']:9.2e} {r['ours_noshare_loss_diff']:9.2e} "
             f"{r['ours_loss_diff']:10.2e} {r['tolerance_grad']:9.2e} {r['ours_noshare_grad_diff']:9.2e} "
             f"{r['ours_grad_diff']:10.2e}  {'ok' if r['ok'] else 'FAILED'}"
         )
@@ -427,6 +429,9 @@ def run(args) -> int:
     if args.device == "cuda" and not torch.cuda.is_available():
         print("gpu_offline: error: no CUDA GPU is visible to torch (--dry-run runs on CPU)", file=sys.stderr)
         return 2
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # "Loading weights" bars, once per trainer
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
