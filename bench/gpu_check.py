@@ -204,7 +204,7 @@ def train_in_process(out: str, recipe_argv: list[str]) -> int:
 
 def summarize(out: str) -> dict:
     """The figures the check prints, from the files the training and eval processes wrote."""
-    from trl_grpo_ext.run_files import run_metrics
+    from trl_grpo_ext.runs import run_metrics
 
     out = Path(out)
     rows = run_metrics(out / "train")

@@ -23,6 +23,7 @@ from trl_grpo_ext.recipe import (  # noqa: E402
     report_run,
     save_run_config,
 )
+from trl_grpo_ext.runs.tracking import start_swanlab  # noqa: E402
 from trl_grpo_ext.script_args import parse_recipe_args  # noqa: E402
 
 EMBEDDED_RECIPE = Path(__file__).resolve().parent / "gsm8k" / "embedded.yaml"
@@ -43,7 +44,13 @@ def main(argv=None) -> int:
     model = load_model(run.model_path, model_args, training_args)
     swanlab_on = "swanlab" in (training_args.report_to or [])
     if swanlab_on:  # before the trainer: transformers' SwanLab callback needs an active run
-        cbs.init_swanlab(training_args, script_args.swanlab_project, script_args.swanlab_mode, training_args.to_dict())
+        start_swanlab(
+            training_args.output_dir,
+            script_args.swanlab_project,
+            training_args.run_name,
+            script_args.swanlab_mode,
+            training_args.to_dict(),
+        )
     callbacks = [cbs.MetricsJsonlCallback()]
     if run.eval_problems:
         eval_tokens = script_args.eval_max_new_tokens or training_args.max_completion_length

@@ -11,7 +11,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # runnable from a checkout without an install
 
-from trl_grpo_ext.run_files import (  # noqa: E402
+from trl_grpo_ext.runs import (  # noqa: E402
     EVAL_BEFORE_AFTER_FILENAME,
     METRICS_FILENAME,
     REWARD_CURVE_FILENAME,

@@ -5,8 +5,9 @@ import json
 import pytest
 from transformers import TrainerControl, TrainerState, TrainingArguments
 
-from trl_grpo_ext.callbacks import MetricsJsonlCallback, greedy_accuracy, swanlab_mode
-from trl_grpo_ext.run_files import EVAL_METRICS_FILENAME, METRICS_FILENAME, read_metrics_file
+from trl_grpo_ext.callbacks import MetricsJsonlCallback, greedy_accuracy
+from trl_grpo_ext.runs import EVAL_METRICS_FILENAME, METRICS_FILENAME, read_metrics_file
+from trl_grpo_ext.runs.tracking import swanlab_mode
 
 
 def _rows(path):
@@ -28,8 +29,11 @@ def _log(cb, args, state, step, **logs):
 def test_one_row_per_logged_step_with_trl_keys(args, tmp_path):
     cb, state = MetricsJsonlCallback(), TrainerState()
     cb.on_train_begin(args, state, TrainerControl())
-    _log(cb, args, state, 1, reward=0.5, frac_reward_zero_std=0.25, **{"rewards/boxed_reward/mean": 0.5})
-    _log(cb, args, state, 2, reward=float("nan"), loss=0.1)
+    # TRL's GRPOTrainer logs step_time itself (the seconds of the step's training_step calls)
+    _log(
+        cb, args, state, 1, reward=0.5, frac_reward_zero_std=0.25, step_time=0.5, **{"rewards/boxed_reward/mean": 0.5}
+    )
+    _log(cb, args, state, 2, reward=float("nan"), loss=0.1, step_time=0.25)
     cb.on_log(args, state, TrainerControl(), logs={"train_runtime": 3.0, "train_loss": 0.1})  # end summary: skipped
     cb.on_log(args, state, TrainerControl(), logs={"eval_reward": 0.7, "epoch": 1.0})  # eval goes elsewhere
     rows = _rows(tmp_path / METRICS_FILENAME)

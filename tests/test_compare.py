@@ -264,7 +264,8 @@ def test_cli_prints_table(runs, tmp_path, capsys):
 
 def _seeded_run(root, loss, seed, rewards, correct):
     """A sweep-style run folder: config with loss and seed, reward curve, and per-problem held-out results."""
-    from trl_grpo_ext.evaluation import EVAL_AFTER_PROBLEMS_FILENAME, Problem, score_problem, write_results
+    from trl_grpo_ext.evaluation import Problem, score_problem, write_results
+    from trl_grpo_ext.runs import EVAL_AFTER_PROBLEMS_FILENAME
 
     config = {**BASE, "loss_type": loss, "seed": seed, "output_dir": f"/x/{loss}-{seed}"}
     d = write_run(
@@ -362,7 +363,8 @@ def test_heldout_differences_pair_only_on_one_common_eval_set(tmp_path):
     held = next(v for v in report.verdicts if v.startswith("held-out boxed acc after"))
     assert "paired over 40 problems" in held and "significant at 95%" in held
     # one run evaluated on other problems: no pairing on a partial overlap, the seeds' accuracies instead
-    from trl_grpo_ext.evaluation import EVAL_AFTER_PROBLEMS_FILENAME, Problem, score_problem, write_results
+    from trl_grpo_ext.evaluation import Problem, score_problem, write_results
+    from trl_grpo_ext.runs import EVAL_AFTER_PROBLEMS_FILENAME
 
     other = [score_problem(i, Problem(f"other{i}", "1", "p"), "\\boxed{1}", []) for i in range(40)]
     write_results(b[1] / EVAL_AFTER_PROBLEMS_FILENAME, other)

@@ -2,7 +2,7 @@
 `--resume_from_checkpoint true`: every step ends up in metrics.jsonl exactly once and the run ends at max_steps.
 
 The kill points are deterministic: $TRL_GRPO_EXT_TEST_KILL="<point>:<step>" makes the recipe SIGKILL itself there
-(`trl_grpo_ext.run_files.maybe_kill`). One run folder goes through all three kills, so the test is four short runs of
+(`trl_grpo_ext.test_hooks.maybe_kill`). One run folder goes through all three kills, so the test is four short runs of
 the tiny model; the first is launched the way `accelerate launch recipes/gsm8k_grpo.py` is, without a thread count.
 """
 
@@ -15,7 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from trl_grpo_ext.run_files import METRICS_FILENAME, TEST_KILL_ENV, is_complete_checkpoint, read_metrics_file
+from trl_grpo_ext.runs import METRICS_FILENAME, is_complete_checkpoint, read_metrics_file
+from trl_grpo_ext.test_hooks import TEST_KILL_ENV
 
 ROOT = Path(__file__).resolve().parents[1]
 MAX_STEPS = 6

@@ -34,7 +34,7 @@ from trl_grpo_ext.pytrio.loop import (
     reward_step_metrics,
     rollouts_from_response,
 )
-from trl_grpo_ext.run_files import METRICS_FILENAME, run_metrics, truncate_metrics
+from trl_grpo_ext.runs import METRICS_FILENAME, run_metrics, truncate_metrics
 
 ROOT = Path(__file__).resolve().parents[1]
 

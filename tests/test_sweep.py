@@ -11,10 +11,10 @@ from pathlib import Path
 import pytest
 import yaml
 
+from trl_grpo_ext.runs import SWEEP_DONE_FILENAME as DONE_MARKER
+from trl_grpo_ext.runs import SWEEP_SUMMARY_FILENAME as SUMMARY_FILE
+from trl_grpo_ext.runs import TRAIN_LOG_FILENAME as TRAIN_LOG
 from trl_grpo_ext.sweep import (
-    DONE_MARKER,
-    SUMMARY_FILE,
-    TRAIN_LOG,
     build_command,
     describe_runs,
     eval_command,

@@ -1,70 +1,55 @@
-"""Trainer callbacks: `metrics.jsonl` for the comparison tools, and SwanLab setup for TRL recipes.
+"""Trainer callbacks of the TRL recipes: `metrics.jsonl` rows (`runs.RunLogger`, the PyTRIO loop's writer too), the
+latest completions as a SwanLab table, and the greedy held-out eval before and after training.
 
 `<output_dir>/metrics.jsonl` holds one JSON object per logged optimizer step: `"step"` plus TRL's logged
-keys (`reward`, `rewards/<name>/mean`, `frac_reward_zero_std`, `entropy`, ...) plus ours (`step_time`).
-The PyTRIO loop writes the same format (docs/ARCHITECTURE.md).
+keys (`reward`, `rewards/<name>/mean`, `frac_reward_zero_std`, `entropy`, `step_time`, ...).
 """
 
 from __future__ import annotations
 
 import json
-import math
-import os
 import time
 from pathlib import Path
 
 from transformers import TrainerCallback
 
-from trl_grpo_ext.run_files import (
+from trl_grpo_ext.runs import (
+    EVAL_AFTER_PROBLEMS_FILENAME,
     EVAL_BEFORE_AFTER_FILENAME,
+    EVAL_BEFORE_PROBLEMS_FILENAME,
     EVAL_METRICS_FILENAME,
     METRICS_FILENAME,
-    append_jsonl_row,
-    maybe_kill,
-    truncate_metrics,
+    atomic_write_json,
 )
+from trl_grpo_ext.runs.metrics import RunLogger
+from trl_grpo_ext.runs.tracking import jsonable
+from trl_grpo_ext.test_hooks import maybe_kill
 
 # Keys of the end-of-training summary log (not a step's metrics).
 _SUMMARY_KEYS = {"train_runtime", "train_samples_per_second", "train_steps_per_second", "total_flos", "train_loss"}
 
 
-def _jsonable(value):
-    if hasattr(value, "item"):
-        value = value.item()
-    if isinstance(value, float) and not math.isfinite(value):
-        return None  # JSON has no NaN/inf; readers treat null as missing
-    return value
-
-
 class MetricsJsonlCallback(TrainerCallback):
-    """Append each logged step's metrics to `<output_dir>/metrics.jsonl` (main process only).
+    """Append each logged step's metrics to `<output_dir>/metrics.jsonl` (main process only), through `RunLogger`.
 
     On resume from a checkpoint, rows logged after that checkpoint are dropped first: those steps run
-    again, so the file ends with exactly one row per logged step.
+    again, so the file ends with exactly one row per logged step. The trainer's own `eval_*` logs go to
+    `eval_metrics.jsonl`.
     """
 
-    def __init__(self, output_dir: str | None = None, filename: str = METRICS_FILENAME):
+    def __init__(self, output_dir: str | None = None):
         self.output_dir = output_dir
-        self.filename = filename
-        self._step_start = None
-        self._step_times: list[float] = []
 
-    def _path(self, args) -> Path:
-        return Path(self.output_dir or args.output_dir) / self.filename
+    def _logger(self, args) -> RunLogger:
+        return RunLogger(self.output_dir or args.output_dir)
 
     def on_train_begin(self, args, state, control, **kwargs):
         if not state.is_world_process_zero:
             return
         # A fresh run (global_step 0) starts a new file; a resumed one keeps rows up to its checkpoint.
-        truncate_metrics(self._path(args), state.global_step)
-
-    def on_step_begin(self, args, state, control, **kwargs):
-        self._step_start = time.perf_counter()
+        self._logger(args).start(state.global_step)
 
     def on_step_end(self, args, state, control, **kwargs):
-        if self._step_start is not None:
-            self._step_times.append(time.perf_counter() - self._step_start)
-            self._step_start = None
         # Test-only kill point: the optimizer step is done but neither logged nor checkpointed.
         maybe_kill("step", int(state.global_step))
 
@@ -73,68 +58,8 @@ class MetricsJsonlCallback(TrainerCallback):
             return
         if _SUMMARY_KEYS & set(logs):
             return
-        if all(key.startswith("eval_") for key in logs if key != "epoch"):
-            filename = EVAL_METRICS_FILENAME
-        else:
-            filename = self.filename
-        row = {"step": int(state.global_step)}
-        row.update({key: _jsonable(value) for key, value in logs.items()})
-        if filename == self.filename and self._step_times:
-            row.setdefault("step_time", sum(self._step_times) / len(self._step_times))
-            self._step_times = []
-        append_jsonl_row(Path(self.output_dir or args.output_dir) / filename, row)
-
-
-# ------------------------------------------------------------------------------------------- SwanLab
-
-
-def swanlab_mode(requested: str | None = None) -> str:
-    """The SwanLab mode to use: `requested`, else $SWANLAB_MODE, else online with an API key, else offline."""
-    if requested:
-        return requested
-    if os.environ.get("SWANLAB_MODE"):
-        return os.environ["SWANLAB_MODE"]
-    if os.environ.get("SWANLAB_API_KEY"):
-        return "online"
-    try:  # a key saved by `swanlab login`
-        from swanlab.sdk.internal.settings import create_settings
-
-        if create_settings().api_key:
-            return "online"
-    except Exception:
-        pass
-    return "offline"
-
-
-def init_swanlab(args, project: str = "trl-grpo-ext", mode: str | None = None, config: dict | None = None):
-    """Start the SwanLab run before the trainer is built.
-
-    transformers' own SwanLab callback (`report_to: swanlab`) calls `swanlab.get_run()`, which raises
-    "No active Run" in swanlab >= 0.10 unless a run exists; starting it here also lets us choose the mode
-    and keep offline logs under `<output_dir>/swanlog`. Returns the run, or None in 'disabled' mode.
-    """
-    import swanlab
-
-    mode = swanlab_mode(mode)
-    if mode == "disabled":
-        return None
-    log_dir = Path(args.output_dir) / "swanlog"
-    log_dir.mkdir(parents=True, exist_ok=True)
-    try:
-        return swanlab.init(
-            project=project,
-            name=args.run_name or Path(args.output_dir).name,
-            mode=mode,
-            log_dir=str(log_dir),
-            config=config or {},
-            reinit=True,
-        )
-    except Exception as err:
-        hint = {
-            "online": " Log in with `swanlab login` (or set SWANLAB_API_KEY), or use swanlab_mode: offline.",
-            "local": " Local mode needs the dashboard: pip install 'swanlab[dashboard]'.",
-        }.get(mode, "")
-        raise RuntimeError(f"could not start SwanLab in {mode!r} mode ({type(err).__name__}: {err}).{hint}") from err
+        evaluation = all(key.startswith("eval_") for key in logs if key != "epoch")
+        self._logger(args).log(state.global_step, logs, EVAL_METRICS_FILENAME if evaluation else METRICS_FILENAME)
 
 
 class SwanLabCompletionsCallback(TrainerCallback):
@@ -164,8 +89,8 @@ class SwanLabCompletionsCallback(TrainerCallback):
             prompt = prompts[i][-1]["content"] if isinstance(prompts[i], list) else prompts[i]
             completion = completions[i][-1]["content"] if isinstance(completions[i], list) else completions[i]
             row = [str(prompt), str(completion)]
-            row += [_jsonable(values[i]) if i < len(values) else None for values in rewards.values()]
-            row.append(_jsonable(advantages[i]) if i < len(advantages) else None)
+            row += [jsonable(values[i]) if i < len(values) else None for values in rewards.values()]
+            row.append(jsonable(advantages[i]) if i < len(advantages) else None)
             rows.append(row)
         swanlab.log({"completions": swanlab.echarts.Table().add(headers, rows)}, step=state.global_step)
 
@@ -221,13 +146,11 @@ class BeforeAfterEvalCallback(TrainerCallback):
         }
 
     def _write(self, args) -> None:
-        from trl_grpo_ext.run_files import atomic_write_json
-
         atomic_write_json(Path(args.output_dir) / EVAL_BEFORE_AFTER_FILENAME, self.results, indent=2)
 
     def _resumed_before(self, out: Path, eval_set: dict):
         """The step-0 results a previous attempt of this run wrote, if they are of this eval set."""
-        from trl_grpo_ext.evaluation import EVAL_BEFORE_PROBLEMS_FILENAME, read_results
+        from trl_grpo_ext.evaluation import read_results
 
         try:
             saved = json.loads((out / EVAL_BEFORE_AFTER_FILENAME).read_text())
@@ -242,7 +165,6 @@ class BeforeAfterEvalCallback(TrainerCallback):
         import contextlib
 
         from trl_grpo_ext.evaluation import (
-            EVAL_BEFORE_PROBLEMS_FILENAME,
             HFGenerator,
             cached_greedy_eval,
             eval_cache_key,
@@ -302,7 +224,6 @@ class BeforeAfterEvalCallback(TrainerCallback):
 
     def on_train_end(self, args, state, control, model=None, processing_class=None, **kwargs):
         from trl_grpo_ext.evaluation import (
-            EVAL_AFTER_PROBLEMS_FILENAME,
             HFGenerator,
             evaluate,
             format_paired,

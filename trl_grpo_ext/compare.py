@@ -14,30 +14,26 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import yaml
-
-from trl_grpo_ext.run_files import EVAL_BEFORE_AFTER_FILENAME, METRICS_FILENAME, read_metrics_file
-
-# Where a run's config may lie, best first: the sweep's marker and config, then what recipes save.
-CONFIG_CANDIDATES = (
-    "sweep_done.json",
-    "sweep_config.yaml",
-    "config.yaml",
-    "run_config.yaml",
-    "config.json",
-    "training_config.json",
-    "args.json",
+from trl_grpo_ext.evaluation import read_results
+from trl_grpo_ext.runs import (
+    EVAL_AFTER_PROBLEMS_FILENAME,
+    EVAL_BEFORE_AFTER_FILENAME,
+    EVAL_BEFORE_PROBLEMS_FILENAME,
+    METRICS_FILENAME,
+    read_metrics_file,
 )
+from trl_grpo_ext.runs.folders import (
+    CONFIG_CANDIDATES,
+    is_number,
+    read_heldout_accuracy,
+    read_run_config,
+    run_backend,
+    run_folders,
+)
+from trl_grpo_ext.runs.sweep_files import read_eval_summary
+
 # Config keys that differ between any two runs by construction and say nothing about the variant.
 IGNORED_CONFIG_KEYS = {"output_dir", "run_name", "logging_dir", "resume_from_checkpoint", "hub_model_id"}
-# Canonical metric -> other spellings seen in older TRL versions or other loggers.
-ALIASES = {
-    "reward": ("reward", "train/reward", "rewards/mean"),
-    "completions/mean_length": ("completions/mean_length", "completion_length", "train/completions/mean_length"),
-    "kl": ("kl", "train/kl", "objective/kl"),
-    "entropy": ("entropy", "train/entropy"),
-    "frac_degenerate": ("frac_degenerate", "train/frac_degenerate"),
-}
 PLOTS = (
     ("reward", "reward"),
     ("frac_degenerate", "fraction of degenerate groups"),
@@ -45,7 +41,6 @@ PLOTS = (
     ("kl", "KL to reference"),
     ("completions/mean_length", "mean completion length (tokens)"),
 )
-EVAL_SUMMARY = "eval_summary.json"
 
 
 @dataclass
@@ -67,21 +62,13 @@ class RunData:
     heldout_problems: dict = field(default_factory=dict)
 
     def series(self, metric: str) -> tuple[list[float], list[float]]:
-        """(steps, values) of a metric, finite values only, under any of its known spellings."""
-        names = ALIASES.get(metric, (metric,))
+        """(steps, values) of a metric, finite values only."""
         steps, values = [], []
         for row in self.rows:
-            for name in names:
-                v = row.get(name)
-                if _is_number(v):
-                    steps.append(float(row["step"]))
-                    values.append(float(v))
-                    break
+            if is_number(row.get(metric)):
+                steps.append(float(row["step"]))
+                values.append(float(row[metric]))
         return steps, values
-
-
-def _is_number(v: Any) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
 
 
 def metrics_by_step(path: Path) -> tuple[list[dict], list[str]]:
@@ -92,7 +79,7 @@ def metrics_by_step(path: Path) -> tuple[list[dict], list[str]]:
     no_step = 0
     for row in rows:
         step = row.get("step", row.get("global_step"))
-        if not _is_number(step):
+        if not is_number(step):
             no_step += 1
             continue
         by_step.setdefault(int(step), {}).update(row)
@@ -102,63 +89,6 @@ def metrics_by_step(path: Path) -> tuple[list[dict], list[str]]:
     if no_step:
         notes.append(f"{no_step} line(s) without a 'step' in {path.name} skipped")
     return [by_step[s] for s in sorted(by_step)], notes
-
-
-def read_config(run_dir: Path) -> tuple[dict, str | None, dict | None]:
-    """(config, file it came from, sweep marker if any) for a run folder; ({}, None, None) when none is found."""
-    marker = None
-    for name in CONFIG_CANDIDATES:
-        p = run_dir / name
-        if not p.is_file():
-            continue
-        try:
-            data = yaml.safe_load(p.read_text()) if p.suffix == ".yaml" else json.loads(p.read_text())
-        except (yaml.YAMLError, json.JSONDecodeError, OSError):
-            continue
-        if not isinstance(data, dict):
-            continue
-        if name == "config.json" and ("model_type" in data or "architectures" in data):
-            continue  # the saved model's own config (`save_model` writes it), not the run's
-        if name == "sweep_done.json":
-            marker = data
-            if isinstance(data.get("config"), dict):
-                return data["config"], name, marker
-            continue
-        return data, name, marker
-    return {}, None, marker
-
-
-def looks_like_run(path: Path) -> bool:
-    return (path / METRICS_FILENAME).is_file() or any((path / n).is_file() for n in CONFIG_CANDIDATES)
-
-
-def expand_run_dirs(paths: list[str | os.PathLike]) -> list[Path]:
-    """Run folders from the arguments; a sweep's output root stands for all the runs under it."""
-    out: list[Path] = []
-    for raw in paths:
-        p = Path(raw)
-        if not p.is_dir():
-            raise FileNotFoundError(f"run folder not found: {p}")
-        if looks_like_run(p):
-            out.append(p)
-            continue
-        children = _sweep_children(p)
-        if not children:
-            raise FileNotFoundError(f"{p} holds no {METRICS_FILENAME} or saved config, and no run folders under it")
-        out.extend(children)
-    return out
-
-
-def _sweep_children(root: Path) -> list[Path]:
-    children = [c for c in root.iterdir() if c.is_dir() and looks_like_run(c)]
-    order: dict[str, int] = {}
-    summary = root / "sweep_summary.json"
-    if summary.is_file():
-        try:
-            order = {r["name"]: i for i, r in enumerate(json.loads(summary.read_text()).get("runs", []))}
-        except (json.JSONDecodeError, KeyError, TypeError, AttributeError):
-            order = {}
-    return sorted(children, key=lambda c: (order.get(c.name, len(order)), c.name))
 
 
 def load_run(path: Path, label: str | None = None) -> RunData:
@@ -173,27 +103,21 @@ def load_run(path: Path, label: str | None = None) -> RunData:
     else:
         rows = []
         notes.append(f"no {METRICS_FILENAME} in {path}")
-    config, source, marker = read_config(path)
+    config, source, marker = read_run_config(path)
     if source is None:
         notes.append("no saved config found (looked for " + ", ".join(CONFIG_CANDIDATES) + ")")
-    backend = (marker or {}).get("backend") or config.get("backend")
-    if backend is None:  # no sweep marker: the files each backend leaves behind tell
-        if (path / "pytrio_state.json").is_file() or "pytrio_base_url" in config:
-            backend = "pytrio"
-        elif any(c.name.startswith("checkpoint-") for c in path.iterdir()) or "model_name_or_path" in config:
-            backend = "trl"
     wall = (marker or {}).get("wall_time")
-    if not _is_number(wall):
-        runtimes = [r["train_runtime"] for r in rows if _is_number(r.get("train_runtime"))]
-        times = [r["step_time"] for r in rows if _is_number(r.get("step_time"))]
+    if not is_number(wall):
+        runtimes = [r["train_runtime"] for r in rows if is_number(r.get("train_runtime"))]
+        times = [r["step_time"] for r in rows if is_number(r.get("step_time"))]
         wall = runtimes[-1] if runtimes else (sum(times) if times else None)
-    eval_summary = None
-    if (path / EVAL_SUMMARY).is_file():
-        try:
-            eval_summary = json.loads((path / EVAL_SUMMARY).read_text()).get("summary")
-        except (json.JSONDecodeError, AttributeError):
-            notes.append(f"unreadable {EVAL_SUMMARY}")
-    heldout = read_heldout_accuracy(path / EVAL_BEFORE_AFTER_FILENAME, notes)
+    try:
+        eval_summary = read_eval_summary(path)
+    except ValueError as err:
+        eval_summary = None
+        notes.append(str(err))
+    heldout = read_heldout_accuracy(path, notes)
+    backend = run_backend(path, config, marker)
     run = RunData(label or path.name, path, rows, config, source, backend, wall, eval_summary, notes, heldout)
     run.heldout_problems = read_heldout_problems(path, notes)
     return run
@@ -201,8 +125,6 @@ def load_run(path: Path, label: str | None = None) -> RunData:
 
 def read_heldout_problems(run_dir: Path, notes: list[str]) -> dict:
     """The recipe's per-problem before/after results (eval_before.jsonl / eval_after.jsonl) that exist."""
-    from trl_grpo_ext.evaluation import EVAL_AFTER_PROBLEMS_FILENAME, EVAL_BEFORE_PROBLEMS_FILENAME, read_results
-
     out = {}
     for when, name in (("before", EVAL_BEFORE_PROBLEMS_FILENAME), ("after", EVAL_AFTER_PROBLEMS_FILENAME)):
         if (run_dir / name).is_file():
@@ -213,32 +135,8 @@ def read_heldout_problems(run_dir: Path, notes: list[str]) -> dict:
     return out
 
 
-def read_heldout_accuracy(path: Path, notes: list[str]) -> dict:
-    """{'before', 'after': boxed accuracy, 'before_any_format', 'after_any_format': format-independent accuracy,
-    'n': problems} from eval_before_after.json (what it holds of these); {} when absent."""
-    if not path.is_file():
-        return {}
-    try:
-        data = json.loads(path.read_text())
-    except (json.JSONDecodeError, OSError, UnicodeDecodeError):
-        data = None
-    if not isinstance(data, dict):
-        notes.append(f"unreadable {path.name}")
-        return {}
-    out = {}
-    for when in ("before", "after"):
-        entry = data.get(when)
-        if isinstance(entry, dict) and _is_number(entry.get("accuracy")):
-            out[when] = float(entry["accuracy"])
-            if _is_number(entry.get("accuracy_any_format")):
-                out[f"{when}_any_format"] = float(entry["accuracy_any_format"])
-            if _is_number(entry.get("n")):
-                out["n"] = int(entry["n"])
-    return out
-
-
 def load_runs(paths: list[str | os.PathLike]) -> list[RunData]:
-    dirs = expand_run_dirs(paths)
+    dirs = run_folders(paths)
     return [load_run(d, label) for d, label in zip(dirs, unique_labels(dirs), strict=True)]
 
 
@@ -313,7 +211,7 @@ def summarize(run: RunData, smooth_window: int = 1) -> dict:
         out["heldout_gain_any_format"] = run.heldout["after_any_format"] - run.heldout["before_any_format"]
     if run.eval_summary:
         for key in ("pass@1", "maj@k", "pass@k"):
-            if _is_number(run.eval_summary.get(key)):
+            if is_number(run.eval_summary.get(key)):
                 out[f"eval_{key}"] = run.eval_summary[key]
     return out
 
@@ -574,7 +472,7 @@ def build_report(run_paths: list[str | os.PathLike], out_dir: str | os.PathLike,
         md += [
             "held-out acc before/after: the recipe's greedy accuracy on "
             + "/".join(map(str, sizes))
-            + " held-out problems at the first and last step (eval_before_after.json): boxed (the answer in"
+            + f" held-out problems at the first and last step ({EVAL_BEFORE_AFTER_FILENAME}): boxed (the answer in"
             " `\\boxed{}`, as the reward reads it) and any-format (the boxed answer, else the last number).",
             "",
         ]

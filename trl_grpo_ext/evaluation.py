@@ -22,7 +22,14 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any, Callable, Protocol, Sequence
 
-from trl_grpo_ext.run_files import atomic_write_json, atomic_write_text
+from trl_grpo_ext.runs import (
+    TRAINER_STATE_FILENAME,
+    atomic_write_json,
+    eval_compare_path,
+    eval_summary_path,
+    read_jsonl,
+    write_jsonl,
+)
 
 Prompt = Any  # a list of chat messages, or a plain string for models without a chat template
 
@@ -450,7 +457,7 @@ def load_rows(data: str, limit: int | None = None, seed: int = HELDOUT_SEED, tas
 
 EVAL_CACHE_VERSION = 1
 # Files of a model folder that decide its outputs: weights, config, tokenizer and chat template.
-_IDENTITY_SKIP = {"README.md", ".gitattributes", "training_args.bin", "trainer_state.json"}
+_IDENTITY_SKIP = {"README.md", ".gitattributes", "training_args.bin", TRAINER_STATE_FILENAME}
 
 
 def eval_cache_dir() -> Path:
@@ -723,34 +730,24 @@ class HFGenerator:
 
 # ------------------------------------------------------------------------------------------- output
 
-# Per-problem greedy results of the recipes' before/after eval, next to eval_before_after.json in a run folder.
-EVAL_BEFORE_PROBLEMS_FILENAME = "eval_before.jsonl"
-EVAL_AFTER_PROBLEMS_FILENAME = "eval_after.jsonl"
-
-
-def summary_path_for(out: str | os.PathLike) -> Path:
-    """`eval.jsonl` -> `eval_summary.json` (the name the sweep looks for in a run folder)."""
-    out = Path(out)
-    return out.with_name(f"{out.stem}_summary.json")
+# Per-problem greedy results of the recipes' before/after eval sit next to eval_before_after.json in a run folder
+# (`runs.EVAL_BEFORE_PROBLEMS_FILENAME`, `runs.EVAL_AFTER_PROBLEMS_FILENAME`); `trl-grpo-ext eval` writes its summary
+# beside its per-problem results.
+summary_path_for = eval_summary_path
 
 
 def write_results(path: str | os.PathLike, results: Sequence[ProblemResult]) -> Path:
-    path = Path(path)
-    atomic_write_text(path, "".join(json.dumps(asdict(r)) + "\n" for r in results))
-    return path
+    return write_jsonl(path, (asdict(r) for r in results))
 
 
 def read_results(path: str | os.PathLike) -> list[ProblemResult]:
     """Per-problem results written by `write_results`; ValueError naming the file when one is unreadable."""
-    path = Path(path)
     out = []
-    for lineno, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
-        if not line.strip():
-            continue
+    for number, row in enumerate(read_jsonl(path), 1):
         try:
-            out.append(ProblemResult.from_dict(json.loads(line)))
-        except (ValueError, TypeError) as err:
-            raise ValueError(f"{path}:{lineno}: not a per-problem result ({err})") from None
+            out.append(ProblemResult.from_dict(row))
+        except TypeError as err:
+            raise ValueError(f"{path}: row {number}: not a per-problem result ({err})") from None
     return out
 
 
@@ -846,8 +843,7 @@ def run_eval(cfg: EvalRun, make_generator=None, identify=None) -> dict:
 
     if cfg.compare_model:
         before, before_summary = one(cfg.compare_model, None, "eval compare_model")
-        out = Path(cfg.out)
-        write_results(out.with_name(f"{out.stem}_compare{out.suffix or '.jsonl'}"), before)
+        write_results(eval_compare_path(cfg.out), before)
         payload["compare_summary"] = before_summary
         payload["delta"] = {
             key: summary[key] - before_summary[key]

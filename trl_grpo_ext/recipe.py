@@ -15,16 +15,15 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from trl_grpo_ext.run_files import (
+from trl_grpo_ext.runs import (
     EVAL_BEFORE_AFTER_FILENAME,
     RUN_SUMMARY_FILENAME,
-    TEST_KILL_ENV,
     atomic_write_json,
-    maybe_kill,
     resolve_resume_checkpoint,
     run_metrics,
     write_run_config,
 )
+from trl_grpo_ext.test_hooks import TEST_KILL_ENV, maybe_kill
 
 _START = time.time()
 

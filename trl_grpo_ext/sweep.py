@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import datetime as _dt
 import hashlib
 import itertools
 import json
@@ -43,16 +42,30 @@ from typing import Any, Callable
 
 import yaml
 
-from trl_grpo_ext.run_files import METRICS_FILENAME, PYTRIO_STATE_FILENAME, atomic_write_text, latest_checkpoint
+from trl_grpo_ext.runs import (
+    ADAPTER_CONFIG_FILENAME,
+    EVAL_LOG_FILENAME,
+    EVAL_RESULTS_FILENAME,
+    MODEL_CONFIG_FILENAME,
+    SWEEP_CONFIG_FILENAME,
+    TRAIN_LOG_FILENAME,
+    latest_checkpoint,
+)
+from trl_grpo_ext.runs.sweep_files import (
+    append_sweep_log,
+    has_previous_attempt,
+    has_pytrio_state,
+    is_done,
+    read_done_marker,
+    read_eval_summary,
+    read_sweep_summary,
+    set_aside_metrics,
+    write_done_marker,
+    write_sweep_config,
+    write_sweep_summary,
+)
+from trl_grpo_ext.runs.sweep_files import now_iso as _now
 
-DONE_MARKER = "sweep_done.json"
-RUN_CONFIG = "sweep_config.yaml"
-TRAIN_LOG = "train.log"
-EVAL_LOG = "eval.log"
-EVAL_RESULTS = "eval.jsonl"
-EVAL_SUMMARY = "eval_summary.json"
-SUMMARY_FILE = "sweep_summary.json"
-SWEEP_LOG = "sweep.log"
 LOG_TAIL_LINES = 40
 MAX_NAME_LEN = 150
 
@@ -97,21 +110,13 @@ def _trl_resume_args(run_dir: Path) -> list[str]:
 
 def _pytrio_resume_args(run_dir: Path) -> list[str]:
     # The PyTRIO loop records its last save_state in <output_dir>/pytrio_state.json and reloads it on --resume.
-    return ["--resume", "true"] if (run_dir / PYTRIO_STATE_FILENAME).is_file() else []
+    return ["--resume", "true"] if has_pytrio_state(run_dir) else []
 
 
 BACKENDS: dict[str, Backend] = {
     "trl": Backend("trl", "recipes/gsm8k_grpo.py", _trl_resume_args),
     "pytrio": Backend("pytrio", "recipes/gsm8k_pytrio.py", _pytrio_resume_args),
 }
-
-
-def _has_previous_attempt(run_dir: Path) -> bool:
-    return (
-        (run_dir / METRICS_FILENAME).is_file()
-        or (run_dir / PYTRIO_STATE_FILENAME).is_file()
-        or latest_checkpoint(run_dir) is not None
-    )
 
 
 # --------------------------------------------------------------------------------------------- loading
@@ -424,9 +429,9 @@ def validate_runs(spec: SweepSpec, runs: list[RunSpec]) -> list[str]:
 
 def run_status(run: RunSpec) -> str:
     """`done` (marker present), `resume` (a previous attempt left outputs) or `new`."""
-    if (run.run_dir / DONE_MARKER).is_file():
+    if is_done(run.run_dir):
         return "done"
-    if _has_previous_attempt(run.run_dir):
+    if has_previous_attempt(run.run_dir):
         return "resume"
     return "new"
 
@@ -460,7 +465,7 @@ def build_command(spec: SweepSpec, run: RunSpec) -> list[str]:
         cmd.append(script)
     else:
         cmd = [sys.executable, script]
-    cmd += ["--config", str(run.run_dir / RUN_CONFIG)]
+    cmd += ["--config", str(run.run_dir / SWEEP_CONFIG_FILENAME)]
     cmd += backend.resume_args(run.run_dir)
     return cmd
 
@@ -489,10 +494,6 @@ def log_tail(path: Path, lines: int = LOG_TAIL_LINES) -> str:
         f.seek(max(0, size - 64_000))
         text = f.read().decode("utf-8", errors="replace")
     return "\n".join(text.splitlines()[-lines:])
-
-
-def _now() -> str:
-    return _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
 
 
 class _ProcessTable:
@@ -547,26 +548,15 @@ def _run_logged(cmd: list[str], log_path: Path, env: dict, table: _ProcessTable,
             table.discard(proc)
 
 
-def _set_aside_stale_metrics(run_dir: Path) -> None:
-    # A previous attempt died before its first checkpoint: the retry starts from step 0, so its old
-    # metrics would interleave with the new ones. Kept under another name rather than deleted.
-    metrics = run_dir / METRICS_FILENAME
-    if metrics.is_file():
-        n = 1
-        while (run_dir / f"metrics.attempt-{n}.jsonl").exists():
-            n += 1
-        metrics.rename(run_dir / f"metrics.attempt-{n}.jsonl")
-
-
 def eval_command(run: RunSpec, options: dict) -> list[str]:
     """`trl-grpo-ext eval` on a finished run's model (its saved adapter over the base model when it has one)."""
     run_dir = run.run_dir
-    if (run_dir / "adapter_config.json").is_file():
+    if (run_dir / ADAPTER_CONFIG_FILENAME).is_file():
         base = run.config.get("model_name_or_path")
         if not base:
             raise ValueError(f"{run_dir} holds a LoRA adapter but the config names no 'model_name_or_path'")
         model_args = ["--model", str(base), "--adapter", str(run_dir)]
-    elif (run_dir / "config.json").is_file():
+    elif (run_dir / MODEL_CONFIG_FILENAME).is_file():
         model_args = ["--model", str(run_dir)]
     elif (ckpt := latest_checkpoint(run_dir)) is not None:
         model_args = ["--model", str(ckpt)]
@@ -584,7 +574,7 @@ def eval_command(run: RunSpec, options: dict) -> list[str]:
         cmd += [f"--{key}", str(value)]
     if options.get("data", "embedded") == "embedded" and "tasks" not in options and run.config.get("synthetic_tasks"):
         cmd += ["--tasks", str(run.config["synthetic_tasks"])]  # evaluate on the task mix it trained on
-    cmd += ["--out", str(run_dir / EVAL_RESULTS)]
+    cmd += ["--out", str(run_dir / EVAL_RESULTS_FILENAME)]
     return cmd
 
 
@@ -614,31 +604,32 @@ def execute_run(spec: SweepSpec, run: RunSpec, table: _ProcessTable, force: bool
     status = run_status(run)
     result = RunResult(run.name, "skipped", str(run_dir))
     if status == "done":
-        marker = json.loads((run_dir / DONE_MARKER).read_text())
+        marker = read_done_marker(run_dir)
         result.wall_time = marker.get("wall_time")
         if marker.get("config") != run.config:
             result.log_tail = "finished with a different config than the sweep now gives; pass --force to rerun"
     else:
         run_dir.mkdir(parents=True, exist_ok=True)
-        with open(run_dir / RUN_CONFIG, "w") as f:
-            yaml.safe_dump(run.config, f, sort_keys=False)
+        write_sweep_config(run_dir, run.config)
         resume = _backend(spec, run.backend).resume_args(run_dir)
         if status == "resume" and not resume:
-            _set_aside_stale_metrics(run_dir)
+            # A previous attempt died before its first checkpoint: the retry starts from step 0, so its old
+            # metrics would interleave with the new ones. Kept under another name rather than deleted.
+            set_aside_metrics(run_dir)
         elif resume:
             result.resumed_from = str(latest_checkpoint(run_dir) or run_dir)
         cmd = build_command(spec, run)
         result.command = cmd
         start = time.monotonic()
-        rc = _run_logged(cmd, run_dir / TRAIN_LOG, run_env(spec, run), table, f"train {run.name}")
+        rc = _run_logged(cmd, run_dir / TRAIN_LOG_FILENAME, run_env(spec, run), table, f"train {run.name}")
         result.wall_time = round(time.monotonic() - start, 3)
         result.returncode = rc
         result.finished_at = _now()
         if table.stopping:
-            result.status, result.log_tail = "interrupted", log_tail(run_dir / TRAIN_LOG)
+            result.status, result.log_tail = "interrupted", log_tail(run_dir / TRAIN_LOG_FILENAME)
             return result
         if rc != 0:
-            result.status, result.log_tail = "failed", log_tail(run_dir / TRAIN_LOG)
+            result.status, result.log_tail = "failed", log_tail(run_dir / TRAIN_LOG_FILENAME)
             return result
         marker = {
             "name": run.name,
@@ -651,7 +642,7 @@ def execute_run(spec: SweepSpec, run: RunSpec, table: _ProcessTable, force: bool
             "finished_at": result.finished_at,
             "resumed_from": result.resumed_from,
         }
-        atomic_write_text(run_dir / DONE_MARKER, json.dumps(marker, indent=2, default=str))
+        write_done_marker(run_dir, marker)
         result.status = "finished"
 
     if spec.evaluate:
@@ -662,31 +653,33 @@ def execute_run(spec: SweepSpec, run: RunSpec, table: _ProcessTable, force: bool
 
 
 def _evaluate_run(spec: SweepSpec, run: RunSpec, table: _ProcessTable) -> dict:
-    summary_path = run.run_dir / EVAL_SUMMARY
-    if summary_path.is_file():
-        return {"status": "skipped", **json.loads(summary_path.read_text()).get("summary", {})}
+    try:
+        summary = read_eval_summary(run.run_dir)
+    except ValueError:
+        summary = None
+    if summary is not None:
+        return {"status": "skipped", **summary}
     try:
         cmd = eval_command(run, spec.evaluate)
     except (FileNotFoundError, ValueError) as e:
         return {"status": "failed", "error": str(e)}
-    rc = _run_logged(cmd, run.run_dir / EVAL_LOG, run_env(spec, run), table, f"eval {run.name}")
-    if rc != 0 or not summary_path.is_file():
-        return {"status": "failed", "returncode": rc, "log_tail": log_tail(run.run_dir / EVAL_LOG)}
-    return {"status": "finished", **json.loads(summary_path.read_text()).get("summary", {})}
+    rc = _run_logged(cmd, run.run_dir / EVAL_LOG_FILENAME, run_env(spec, run), table, f"eval {run.name}")
+    try:
+        summary = read_eval_summary(run.run_dir) if rc == 0 else None
+    except ValueError:
+        summary = None
+    if summary is None:
+        return {"status": "failed", "returncode": rc, "log_tail": log_tail(run.run_dir / EVAL_LOG_FILENAME)}
+    return {"status": "finished", **summary}
 
 
 def _previous_summary(spec: SweepSpec) -> dict[str, dict]:
-    path = spec.output_root / SUMMARY_FILE
-    try:
-        return {r["name"]: r for r in json.loads(path.read_text())["runs"]}
-    except (OSError, ValueError, KeyError, TypeError):
-        return {}
+    return {r["name"]: r for r in read_sweep_summary(spec.output_root)}
 
 
 def _write_summary(
     spec: SweepSpec, runs: list[RunSpec], results: dict[str, RunResult], started: str, previous: dict[str, dict]
 ) -> Path:
-    path = spec.output_root / SUMMARY_FILE
     # Runs left out of this invocation (--only) keep what an earlier one recorded, in the sweep's order.
     try:
         order = [r.name for r in expand(spec)]
@@ -703,13 +696,11 @@ def _write_summary(
         "counts": {s: sum(1 for r in ordered if r["status"] == s) for s in sorted({r["status"] for r in ordered})},
         "runs": ordered,
     }
-    atomic_write_text(path, json.dumps(payload, indent=2, default=str))
-    return path
+    return write_sweep_summary(spec.output_root, payload)
 
 
 def _append_sweep_log(spec: SweepSpec, line: str) -> None:
-    with open(spec.output_root / SWEEP_LOG, "a") as f:
-        f.write(f"{_now()} {line}\n")
+    append_sweep_log(spec.output_root, line)
 
 
 def _stop_on_sigterm():
@@ -754,7 +745,7 @@ def run_sweep(
             _write_summary(spec, runs, results, started, previous)
             line = f"{result.status:<12} {result.name}"
             if result.returncode not in (None, 0):
-                line += f" (exit {result.returncode}, log: {Path(result.run_dir) / TRAIN_LOG})"
+                line += f" (exit {result.returncode}, log: {Path(result.run_dir) / TRAIN_LOG_FILENAME})"
             if result.wall_time is not None:
                 line += f" [{result.wall_time:.1f}s]"
             _append_sweep_log(spec, line)

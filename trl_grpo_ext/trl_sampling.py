@@ -31,10 +31,10 @@ from trl.trainer.utils import RepeatSampler, shuffle_sequence_dict, split_tensor
 
 from trl_grpo_ext.data.curriculum import CurriculumSampler, curriculum_from_tasks, passed_values
 from trl_grpo_ext.dynamic_sampling import GroupFilter, GroupRef
+from trl_grpo_ext.runs import CURRICULUM_STATE_FILENAME, atomic_write_json, checkpoint_dir
 
 logger = logging.getLogger(__name__)
 
-CURRICULUM_STATE_FILENAME = "curriculum_state.json"  # in each checkpoint folder
 
 # Per-completion tensors of a TRL 1.16 generation batch and the value that pads them. Prompts are left-padded,
 # completions right-padded, as TRL builds them in `_generate_and_score_completions`.
@@ -233,11 +233,7 @@ class CurriculumMixin:
     def _save_checkpoint(self, model, trial):
         super()._save_checkpoint(model, trial)
         if self.curriculum is not None and self.args.should_save:
-            from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
-
-            from trl_grpo_ext.run_files import atomic_write_json
-
-            folder = Path(self._get_output_dir(trial=trial)) / f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
+            folder = checkpoint_dir(self._get_output_dir(trial=trial), self.state.global_step)
             atomic_write_json(folder / CURRICULUM_STATE_FILENAME, self.curriculum.state_dict())
 
     def _load_optimizer_and_scheduler(self, checkpoint):

@@ -13,7 +13,7 @@ import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from trl_grpo_ext.run_files import PYTRIO_STATE_FILENAME, atomic_write_json
+from trl_grpo_ext.runs import PYTRIO_STATE_FILENAME, atomic_write_json
 
 STATE_VERSION = 1
 # Settings that must not change across a resume: they define the model being trained and the data order.

@@ -38,9 +38,11 @@ from trl_grpo_ext.pytrio.checkpoint import (
 from trl_grpo_ext.pytrio.config import PyTrioGRPOConfig
 from trl_grpo_ext.pytrio.connection import install_log_redaction, redact
 from trl_grpo_ext.pytrio.datums import Rollout, build_datum, shifted_sequences, validate_rollout
-from trl_grpo_ext.pytrio.metrics import MetricsSink
 from trl_grpo_ext.rewards import get_reward_funcs
-from trl_grpo_ext.run_files import METRICS_FILENAME, maybe_kill, truncate_metrics, write_run_config
+from trl_grpo_ext.runs import PYTRIO_SERVER_DIRNAME, write_run_config
+from trl_grpo_ext.runs.metrics import RunLogger
+from trl_grpo_ext.runs.tracking import start_swanlab
+from trl_grpo_ext.test_hooks import maybe_kill
 
 logger = logging.getLogger(__name__)
 
@@ -733,8 +735,13 @@ class GRPOLoop:
         out.mkdir(parents=True, exist_ok=True)
         _write_config(c, out)
         # A resumed run drops the rows logged after its checkpoint (those steps run again); a fresh one starts empty.
-        truncate_metrics(out / METRICS_FILENAME, state.step)
-        sink = MetricsSink(out, c.report_to, c.to_dict(), c.run_name, c.swanlab_project, c.swanlab_mode, fresh=False)
+        swanlab = None
+        if c.report_to == "swanlab":
+            swanlab = start_swanlab(
+                out, c.swanlab_project, c.run_name, c.swanlab_mode, c.to_dict(), required=False, redact=redact
+            )
+        sink = RunLogger(out, swanlab, redact)
+        sink.start(state.step)
         try:
             done_here = 0
             for step in range(state.step, c.max_steps):
@@ -789,7 +796,9 @@ def run_from_config(config: PyTrioGRPOConfig, loop: GRPOLoop | None = None, **kw
     loop.check_inputs()
     if config.pytrio_base_url == LOCAL_SERVER_NAME:
         # Checkpoints live beside the run, so a resumed run's fresh server finds the earlier process's states.
-        with local_server(config.base_model, storage_dir=str(Path(config.output_dir) / "pytrio-server")) as server:
+        with local_server(
+            config.base_model, storage_dir=str(Path(config.output_dir) / PYTRIO_SERVER_DIRNAME)
+        ) as server:
             configure_client(base_url=server.base_url, api_key=server.api_key)
             return loop.run()
     if config.pytrio_base_url:

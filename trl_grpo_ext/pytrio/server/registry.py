@@ -19,7 +19,7 @@ from datetime import datetime, timedelta, timezone
 from pathlib import Path
 
 from trl_grpo_ext.pytrio.server.engine import LoraSettings
-from trl_grpo_ext.run_files import atomic_write_text
+from trl_grpo_ext.runs import atomic_write_text
 
 logger = logging.getLogger(__name__)
 

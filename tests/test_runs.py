@@ -1,25 +1,28 @@
-"""run_files: the reader, appends after a torn line, resume truncation, atomic replacement, complete checkpoints."""
+"""runs: the reader, appends after a torn line, resume truncation, atomic replacement, complete checkpoints."""
 
+import ast
 import json
 import os
+import re
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
-from trl_grpo_ext.run_files import (
+from trl_grpo_ext.runs import (
     METRICS_FILENAME,
-    TEST_KILL_ENV,
     append_jsonl_row,
     atomic_write_text,
     is_complete_checkpoint,
     latest_checkpoint,
-    maybe_kill,
+    names,
     read_metrics_file,
     resolve_resume_checkpoint,
     run_metrics,
     truncate_metrics,
 )
+from trl_grpo_ext.test_hooks import TEST_KILL_ENV, maybe_kill
 
 
 def test_reader_skips_torn_and_non_object_lines_and_counts_them(tmp_path):
@@ -137,7 +140,7 @@ def test_kill_points_are_inert_unless_requested(monkeypatch):
 def test_metrics_kill_point_leaves_a_torn_row_that_the_next_append_repairs(tmp_path):
     path = tmp_path / METRICS_FILENAME
     code = (
-        "import sys; from trl_grpo_ext.run_files import append_jsonl_row as a\n"
+        "import sys; from trl_grpo_ext.runs import append_jsonl_row as a\n"
         "for s in (1, 2, 3): a(sys.argv[1], {'step': s, 'reward': 0.25})\n"
     )
     env = {**os.environ, TEST_KILL_ENV: "metrics:2"}
@@ -146,3 +149,50 @@ def test_metrics_kill_point_leaves_a_torn_row_that_the_next_append_repairs(tmp_p
     assert not path.read_text().endswith("\n") and read_metrics_file(path) == ([{"step": 1, "reward": 0.25}], 1)
     append_jsonl_row(path, {"step": 2})
     assert [r["step"] for r in run_metrics(tmp_path)] == [1, 2] and read_metrics_file(path)[1] == 0
+
+
+# ------------------------------------------------------------------------------------------ one place for each name
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _string_literals(path: Path):
+    """(line, text) of every string constant of a Python file except prose: docstrings and other bare-string
+    statements, and help texts (`help=...` arguments, `{"help": ...}` field metadata)."""
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    prose = {id(node.value) for node in ast.walk(tree) if isinstance(node, ast.Expr)}
+    prose |= {id(node.value) for node in ast.walk(tree) if isinstance(node, ast.keyword) and node.arg == "help"}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Dict):
+            prose |= {
+                id(v)
+                for k, v in zip(node.keys, node.values, strict=True)
+                if isinstance(k, ast.Constant) and k.value == "help"
+            }
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in prose:
+            yield node.lineno, node.value
+
+
+def test_each_run_file_name_is_spelled_once_in_the_package():
+    """`runs.names` is the one place a run folder's, a sweep's or an eval's file names are written: no other string
+    literal of the package or the recipes holds one, help texts aside. Two names are shared with other folders:
+    config.json is every HF model folder's file (models.py spells it too) and the local PyTRIO server's default
+    storage under the cache has the run folder's server storage name (pytrio/server/config.py)."""
+    shared = {names.MODEL_CONFIG_FILENAME, names.PYTRIO_SERVER_DIRNAME}
+    values = [
+        value
+        for name, value in vars(names).items()
+        if name.endswith(("_FILENAME", "_DIRNAME")) and value not in shared
+    ]
+    values.append(f"{names.CHECKPOINT_PREFIX}-")
+    assert len(values) == len(set(values)) and "metrics.jsonl" in values and "sweep_done.json" in values
+    patterns = {value: re.compile(rf"(?<![\w.-]){re.escape(value)}(?![\w-])") for value in values}
+    files = sorted((ROOT / "trl_grpo_ext").rglob("*.py")) + sorted((ROOT / "recipes").rglob("*.py"))
+    found = []
+    for path in files:
+        if path == Path(names.__file__).resolve():
+            continue
+        for line, text in _string_literals(path):
+            found += [f"{path.relative_to(ROOT)}:{line}: {value}" for value, p in patterns.items() if p.search(text)]
+    assert found == []
