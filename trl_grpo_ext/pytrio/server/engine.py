@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from trl_grpo_ext.compat import cache_keyword, output_cache
+from trl_grpo_ext.compat import cache_keyword, output_cache, set_active_adapter
 from trl_grpo_ext.pytrio.server.losses import LossSpec, per_token_loss
 
 logger = logging.getLogger(__name__)
@@ -215,7 +215,7 @@ class ModelEngine:
         return sorted(params, key=lambda item: item[0])
 
     def _activate(self, name: str, trainable: bool) -> None:
-        self.peft.set_adapter(name, inference_mode=not trainable)
+        set_active_adapter(self.peft, name, trainable)
         if trainable:
             for _, p in self.runs_by_adapter(name).params:
                 p.requires_grad_(True)
@@ -588,7 +588,7 @@ class ModelEngine:
         if self._slot_content.get(slot) != snapshot.uid:
             self._import(slot, snapshot.weights)
             self._slot_content[slot] = snapshot.uid
-        self.peft.set_adapter(slot, inference_mode=True)
+        set_active_adapter(self.peft, slot, trainable=False)
         return self.peft, contextlib.nullcontext()
 
     @staticmethod
