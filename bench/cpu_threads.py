@@ -1,6 +1,6 @@
 """CPU thread settings, idle and beside a busy process, in one run: the default the recipes and CLIs apply
 (trl_grpo_ext/cpu_threads.py: OMP_WAIT_POLICY=PASSIVE, every core) against torch's own default (OpenMP threads
-spin while they wait) and one thread.
+spin while they wait), a short spin before sleeping (GOMP_SPINCOUNT, for comparison) and one thread.
 
 Each setting trains a randomly initialised model of SmolLM2-135M's width (the embedded default's shape, fewer layers)
 for a fixed number of forward/backward/AdamW steps in a fresh process (OpenMP reads its settings when torch
@@ -38,6 +38,8 @@ def settings(cores: int) -> dict[str, dict[str, str]]:
     return {
         "torch default (spin-wait)": {"OMP_NUM_THREADS": str(cores)},
         "default (this package)": {"OMP_NUM_THREADS": str(cores), **DEFAULTS},
+        # for comparison: GNU OpenMP (torch's) spins briefly, then sleeps (its default spins 300k iterations)
+        "short spin (GOMP_SPINCOUNT=10k)": {"OMP_NUM_THREADS": str(cores), "GOMP_SPINCOUNT": "10000"},
         "1 thread": {"OMP_NUM_THREADS": "1", **DEFAULTS},
     }
 
@@ -118,7 +120,7 @@ def main(argv=None) -> int:
                 median = statistics.median(out["step_s"])
                 results[(name, load)] = median
                 spread = f"{min(out['step_s']):.3f}-{max(out['step_s']):.3f}"
-                print(f"  {load:6s}  {name:27s} {out['threads']} threads  median {median:.3f} s/step  ({spread})")
+                print(f"  {load:6s}  {name:32s} {out['threads']} threads  median {median:.3f} s/step  ({spread})")
         finally:
             stop(busy)
     spin, ours, one = "torch default (spin-wait)", "default (this package)", "1 thread"

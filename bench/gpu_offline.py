@@ -253,6 +253,17 @@ def loss_and_grad(trainer, inputs, profile: bool = False):
     return loss.detach().float().item(), grad, kernels
 
 
+def release(args) -> None:
+    """Free the last trainer's model and optimizer before the next one loads (trainers hold reference cycles)."""
+    import gc
+
+    import torch
+
+    gc.collect()
+    if args.device == "cuda":
+        torch.cuda.empty_cache()
+
+
 def rel(a, b) -> float:
     return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
 
@@ -292,6 +303,7 @@ def agreement(model_path: Path, args, out: Path) -> list[dict]:
                "padding_column_loss_change": pad_loss, "padding_column_grad_change": pad_grad,
                "tolerance_loss": tol_loss, "tolerance_grad": tol_grad}  # fmt: skip
         del trl_trainer
+        release(args)
         ok = True
         for kind in ("ours_noshare", "ours"):
             trainer = make_trainer(
@@ -304,10 +316,10 @@ def agreement(model_path: Path, args, out: Path) -> list[dict]:
             if kernels is not None:
                 row["sdpa_kernels"] = {"trl": trl_kernels, "ours (sharing)": kernels}
             del trainer
+            release(args)
         row["ok"] = bool(ok)
         rows.append(row)
-        if args.device == "cuda":
-            torch.cuda.empty_cache()
+        release(args)
     return rows
 
 
@@ -357,6 +369,7 @@ def timing(model_path: Path, args, out: Path) -> list[dict]:
                     "peak_memory_gib": torch.cuda.max_memory_allocated() / 2**30 if args.device == "cuda" else None,
                 })  # fmt: skip
                 del trainer
+                release(args)
     return rows
 
 
