@@ -8,14 +8,14 @@ ARGS ?=
 # pyproject.toml accepts any torch >= 2.6 (a GPU user's own build stays); this machine's CPU build is pinned here.
 CONSTRAINTS ?= constraints/cpu.txt
 LINT_PATHS := trl_grpo_ext recipes tests bench .ci/vllm_extra.py
+CELLS := vllm floor
 
-.PHONY: install train test test-cells $(addprefix test-,$(CELLS)) check-vllm-extra check-stage-wheels lint bench
+.PHONY: install train test test-cells check-vllm-extra check-stage-wheels lint bench
 
 # Test cells (docs/gpu.md): the newest versions (.venv, `make test`) and, each in its own venv under the same CPU
 # torch, the versions `.[vllm]` resolves (constraints/vllm.txt) and the floors of pyproject's ranges
 # (constraints/floor.txt). The cells run the tests of version-sensitive code, chosen by file so a split file
 # (tests/test_prefix_*.py) stays in.
-CELLS := vllm floor
 CELL_TESTS = $(wildcard $(addprefix tests/,test_trainer*.py test_prefix*.py test_losses*.py test_dynamic_sampling*.py \
 	test_recipes*.py test_gpu_recipes*.py test_eval*.py test_multiprocess*.py test_models*.py \
 	test_pytrio_parity*.py test_pytrio_server_prefix*.py))
@@ -48,7 +48,8 @@ train: $(STAMP)
 test: $(STAMP)
 	$(BIN)/python -m pytest -q $(ARGS)
 
-# `make test-vllm`, `make test-floor`: one cell's venv and its tests; `make test-cells`: both.
+# `make test-vllm`, `make test-floor`: one cell's venv and its tests; `make test-cells`: both. (Not .PHONY: make
+# skips pattern rules for phony targets.)
 test-%: .venv-%/.installed
 	.venv-$*/bin/python -m pytest -q $(CELL_TESTS) $(ARGS)
 
