@@ -153,7 +153,8 @@ def prompts(args) -> list[str]:
 
 
 def token_reward(completion_ids, **kwargs):
-    """A reward that varies within a group (a random model's completions never stop early: length is flat)."""
+    """A reward that varies within a group (a random model's completions nearly all run to the limit: a length
+    reward would be flat)."""
     return [float(sum(ids) % 97) / 97.0 for ids in completion_ids]
 
 
