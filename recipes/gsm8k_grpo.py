@@ -16,8 +16,8 @@ apply_cpu_thread_defaults()  # before torch loads: OpenMP reads its settings the
 from trl import get_peft_config  # noqa: E402
 
 from trl_grpo_ext import callbacks as cbs  # noqa: E402
+from trl_grpo_ext.evaluation import recipe_eval_options  # noqa: E402
 from trl_grpo_ext.recipe import (  # noqa: E402
-    arm_test_kill_points,
     load_model,
     prepare_run,
     report_run,
@@ -53,8 +53,8 @@ def main(argv=None) -> int:
         )
     callbacks = [cbs.MetricsJsonlCallback()]
     if run.eval_problems:
-        eval_tokens = script_args.eval_max_new_tokens or training_args.max_completion_length
-        callbacks.append(cbs.BeforeAfterEvalCallback(run.eval_problems, eval_tokens))
+        eval_options = recipe_eval_options(script_args, training_args)
+        callbacks.append(cbs.BeforeAfterEvalCallback(run.eval_problems, eval_options))
     trainer = trl_grpo_ext.GRPOTrainer(
         model=model,
         reward_funcs=run.reward_funcs,
@@ -66,7 +66,6 @@ def main(argv=None) -> int:
     )
     if swanlab_on:
         trainer.add_callback(cbs.SwanLabCompletionsCallback(trainer))
-    arm_test_kill_points(trainer)
     save_run_config(trainer, script_args, training_args, model_args)
     if run.resume_from_checkpoint:
         print(f"resuming from {run.resume_from_checkpoint}", flush=True)

@@ -398,29 +398,25 @@ def test_extract_last_number(text, expected):
     assert extract_last_number(text) == expected
 
 
-# A stand-in for the math-verify worker: answers `pred == gold`, computes for 60 s on "slow", waits 2 s without
-# computing on "starved" (what a worker on a loaded machine sees: wall time passing, little CPU), exits on "die".
-STAND_IN = textwrap.dedent(
-    """
-    import json, sys, time
-    print("ready", flush=True)
-    for line in sys.stdin:
-        rid, pred, gold = json.loads(line)
-        if pred == "slow":
-            end = time.monotonic() + 60
-            while time.monotonic() < end:
-                pass
-        if pred == "starved":
-            time.sleep(2)
-        if pred == "die":
-            sys.exit(1)
-        print(json.dumps([rid, pred == gold]), flush=True)
-    """
-)
+def stand_in(pred, gold):
+    """A stand-in for math-verify in the worker: answers `pred == gold`, computes for 60 s on "slow", waits 2 s
+    without computing on "starved" (what a worker on a loaded machine sees: wall time passing, little CPU), dies on
+    "die" (as a worker killed from outside)."""
+    import os
+
+    if pred == "slow":
+        end = time.monotonic() + 60
+        while time.monotonic() < end:
+            pass
+    if pred == "starved":
+        time.sleep(2)
+    if pred == "die":
+        os._exit(1)
+    return pred == gold
 
 
-def test_verifier_timeout_kills_the_worker_so_no_late_answer_reaches_another_call():
-    worker = MathVerifyWorker(command=[sys.executable, "-c", STAND_IN])
+def test_verifier_timeout_ends_the_worker_so_no_late_answer_reaches_another_call():
+    worker = MathVerifyWorker(compare=stand_in, warm_up=())
     try:
         assert worker.check("a", "a", timeout=30) is True
         assert worker.check("slow", "slow", timeout=0.5) is None
@@ -438,7 +434,7 @@ def test_verifier_timeout_kills_the_worker_so_no_late_answer_reaches_another_cal
 
 def test_verifier_limit_is_the_workers_cpu_time_not_the_wall_clock():
     # 2 s of wall time with almost no CPU used is not over a 0.5 s limit: machine load can't change a score.
-    worker = MathVerifyWorker(command=[sys.executable, "-c", STAND_IN])
+    worker = MathVerifyWorker(compare=stand_in, warm_up=())
     try:
         assert worker.check("starved", "starved", timeout=0.5) is True
         assert worker.stats["timeouts"] == 0
@@ -447,6 +443,20 @@ def test_verifier_limit_is_the_workers_cpu_time_not_the_wall_clock():
         assert time.monotonic() - t0 < 30 and worker.stats["timeouts"] == 1
     finally:
         worker.close()
+
+
+def test_verifier_warm_up_runs_in_the_worker_and_a_failed_start_scores_none():
+    worker = MathVerifyWorker(compare=stand_in, warm_up=[("x", "x")])
+    try:
+        assert worker.warm_up() is True and worker.check("e", "e", timeout=30) is True
+    finally:
+        worker.close()
+    broken = MathVerifyWorker(compare=stand_in, warm_up=[("die", "die")], startup_timeout=120)
+    try:
+        assert broken.warm_up() is False  # the worker died while starting: no retry loop, symbolic answers score 0
+        assert broken.check("f", "f", timeout=30) is None
+    finally:
+        broken.close()
 
 
 def test_math_verify_fallback_works_off_the_main_thread():

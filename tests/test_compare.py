@@ -12,10 +12,9 @@ from trl_grpo_ext.compare import (
     load_run,
     load_runs,
     metrics_by_step,
-    normalized_auc,
-    smooth,
     summarize,
 )
+from trl_grpo_ext.report.curves import normalized_auc, smooth
 
 
 def write_run(root, name, rows, config=None, marker=None, raw_lines=()):

@@ -477,6 +477,8 @@ def test_pytrio_run_on_local_server_logs_both_options(tiny_model_path, tmp_path,
     """train_step end to end (local pytrio server, tiny model): dynamic sampling and the curriculum together."""
     import dataclasses
 
+    from stopping_loop import StoppingLoop
+
     from trl_grpo_ext.pytrio.checkpoint import load_loop_state
     from trl_grpo_ext.pytrio.config import PyTrioGRPOConfig
     from trl_grpo_ext.pytrio.loop import GRPOLoop
@@ -497,7 +499,7 @@ def test_pytrio_run_on_local_server_logs_both_options(tiny_model_path, tmp_path,
     home.mkdir()
     with running_server(tiny_model_path, api_key="trio-local-e2-test-key", ephemeral_storage=True) as server:
         server.configure_client(home=str(home))
-        GRPOLoop(config, rows=rows, stop_after=1).run()  # step 1, checkpoint, stop (as a kill would)
+        StoppingLoop(config, rows=rows, stop_after=1).run()  # step 1, checkpoint, stop (as a kill would)
         saved = load_loop_state(config.output_dir).curriculum
         resumed = GRPOLoop(dataclasses.replace(config, resume=True), rows=rows)
         resumed.run()

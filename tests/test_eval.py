@@ -14,8 +14,8 @@ from trl_grpo_ext.evaluation import (
     problems_from_rows,
     run_eval,
     summarize,
-    summary_path_for,
 )
+from trl_grpo_ext.runs import eval_summary_path as summary_path_for
 
 ROWS = [
     {"question": "What is 2 + 3?", "answer": "2 + 3 = 5\n#### 5"},
@@ -289,7 +289,8 @@ def test_paired_comparison_per_task_and_summary_line():
 
 
 def format_p_for(fixed, broken):
-    from trl_grpo_ext.stats import format_p, mcnemar_exact
+    from trl_grpo_ext.report.stats import mcnemar_exact
+    from trl_grpo_ext.report.text import format_p
 
     return format_p(mcnemar_exact(fixed, broken))
 
@@ -326,9 +327,9 @@ def test_before_eval_cache_reused_and_invalidated(tmp_path, monkeypatch):
     assert info["cached"] and len(built) == 1  # the generator was not even built
     assert [r.greedy_completion for r in again] == [r.greedy_completion for r in first]
     # verdicts are graded again from the cached completions: a change of the grading rules applies to them
-    import trl_grpo_ext.evaluation as evaluation
+    from trl_grpo_ext.evaluation import scoring
 
-    monkeypatch.setattr(evaluation, "is_correct", lambda pred, truth: False)
+    monkeypatch.setattr(scoring, "is_correct", lambda pred, truth: False)
     regraded, info = cached_greedy_eval(problems, make, model_identity(str(folder)), settings, 2, progress=False)
     assert info["cached"] and len(built) == 1 and [r.greedy_correct for r in regraded] == [False] * 4
     monkeypatch.undo()
@@ -448,3 +449,75 @@ def test_before_after_callback_cache_resume_and_paired_gain(tiny_model_path, tmp
     model.save_pretrained(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir)
     assert train(tmp_path / "run3", end=False)["before"]["source"] == "generated"
+
+
+# ------------------------------------------------------------------------------------------ the eval options
+
+
+def _eval_parser():
+    import argparse
+
+    from trl_grpo_ext.evaluation import add_eval_arguments
+
+    parser = argparse.ArgumentParser()
+    add_eval_arguments(parser)
+    return parser
+
+
+def test_eval_flags_come_from_the_options_dataclass():
+    import dataclasses
+
+    from trl_grpo_ext.evaluation import eval_run_from_args
+
+    parser = _eval_parser()
+    flags = {flag for action in parser._actions for flag in action.option_strings}
+    old = ("--model --adapter --data --tasks --limit --k --batch_size --batch-size --max_new_tokens --max-new-tokens "
+           "--temperature --top_p --top-p --seed --no_one_shot --no-one-shot --out --compare_model --compare-model "
+           "--no_cache --no-cache --no-progress --no_progress").split()  # fmt: skip
+    assert set(old) <= flags
+    assert {a.dest for a in parser._actions} - {"help"} == {f.name for f in dataclasses.fields(EvalRun)}
+    cfg = eval_run_from_args(parser.parse_args(["--model", "m", "--batch-size", "4", "--no-cache", "--limit", "3"]))
+    assert cfg == EvalRun(model="m", batch_size=4, cache=False, limit=3)
+    assert eval_run_from_args(parser.parse_args(["--model", "m"])) == EvalRun(model="m")
+    with pytest.raises(ValueError, match="--limit must be >= 1"):
+        eval_run_from_args(parser.parse_args(["--model", "m", "--limit", "0"]))
+
+
+def test_sweep_eval_options_are_checked_and_become_the_same_flags():
+    from trl_grpo_ext.evaluation import eval_cli_args, sweep_eval_options
+
+    options = sweep_eval_options({"data": "gsm8k-test", "limit": 500, "k": 4, "no_one_shot": True, "cache": False})
+    assert options == {"data": "gsm8k-test", "limit": 500, "k": 4, "one_shot": False, "cache": False}
+    args = eval_cli_args(options)
+    assert args == ["--data", "gsm8k-test", "--limit", "500", "--k", "4", "--no_one_shot", "--no_cache"]
+    parsed = _eval_parser().parse_args(["--model", "m", *args])
+    assert (parsed.limit, parsed.k, parsed.one_shot, parsed.cache) == (500, 4, False, False)
+    with pytest.raises(ValueError, match="unknown option 'limt' \\(did you mean 'limit'\\?\\)"):
+        sweep_eval_options({"limt": 5})
+    with pytest.raises(ValueError, match="'out' is set by the sweep"):
+        sweep_eval_options({"out": "x.jsonl"})
+    with pytest.raises(ValueError, match="--batch_size and --k must be >= 1"):
+        sweep_eval_options({"k": 0})
+
+
+def test_recipe_eval_options_follow_the_recipe_and_disable_tqdm():
+    from types import SimpleNamespace
+
+    from trl_grpo_ext.evaluation import RECIPE_EVAL_BATCH_SIZE, recipe_eval_options
+
+    script = SimpleNamespace(eval_max_new_tokens=None)
+    options = recipe_eval_options(script, SimpleNamespace(max_completion_length=96, disable_tqdm=False))
+    assert (options.max_new_tokens, options.batch_size, options.progress, options.cache) == (
+        96, RECIPE_EVAL_BATCH_SIZE, True, True
+    )  # fmt: skip
+    script.eval_max_new_tokens = 40
+    options = recipe_eval_options(script, SimpleNamespace(max_completion_length=96, disable_tqdm=True))
+    assert options.max_new_tokens == 40 and options.progress is False
+
+
+def test_a_sweep_with_a_bad_evaluate_option_is_refused_when_loaded():
+    from trl_grpo_ext.sweep import parse_sweep
+
+    with pytest.raises(ValueError, match="evaluate: unknown option 'kk'"):
+        parse_sweep({"name": "s", "evaluate": {"kk": 2}})
+    assert parse_sweep({"name": "s", "evaluate": {"no_cache": True, "k": 2}}).evaluate == {"cache": False, "k": 2}

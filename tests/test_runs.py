@@ -7,6 +7,7 @@ import re
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -22,7 +23,6 @@ from trl_grpo_ext.runs import (
     run_metrics,
     truncate_metrics,
 )
-from trl_grpo_ext.test_hooks import TEST_KILL_ENV, maybe_kill
 
 
 def test_reader_skips_torn_and_non_object_lines_and_counts_them(tmp_path):
@@ -128,23 +128,36 @@ def test_resolve_resume_checkpoint(tmp_path):
 
 
 def test_kill_points_are_inert_unless_requested(monkeypatch):
-    monkeypatch.delenv(TEST_KILL_ENV, raising=False)
-    maybe_kill("step", 3)
-    monkeypatch.setenv(TEST_KILL_ENV, "step:4")
-    maybe_kill("step", 3)
-    maybe_kill("save", 4)
+    import kill_points
+    from transformers.trainer_callback import CallbackHandler
+
+    from trl_grpo_ext.runs import metrics as metrics_file
+
+    original = metrics_file.append_jsonl_row
+    monkeypatch.delenv(kill_points.TEST_KILL_ENV, raising=False)
+    assert kill_points.install(patch=monkeypatch.setattr) is None and metrics_file.append_jsonl_row is original
+    assert kill_points.install("step:4", patch=monkeypatch.setattr) == ("step", 4)
+    state = SimpleNamespace(global_step=3)
+    handler = CallbackHandler([], None, None, None, None)
+    handler.on_step_end(None, state, SimpleNamespace())  # step 3: alive
     with pytest.raises(ValueError, match="unknown kill point"):
-        maybe_kill("nowhere", 1)
+        kill_points.install("nowhere:1", patch=monkeypatch.setattr)
+    with pytest.raises(ValueError, match="step number"):
+        kill_points.parse("save:x")
 
 
 def test_metrics_kill_point_leaves_a_torn_row_that_the_next_append_repairs(tmp_path):
-    path = tmp_path / METRICS_FILENAME
+    """The run logger (both paths' writer) killed halfway through step 2's row, then the next append repairs it."""
+    import kill_points
+
     code = (
-        "import sys; from trl_grpo_ext.runs import append_jsonl_row as a\n"
-        "for s in (1, 2, 3): a(sys.argv[1], {'step': s, 'reward': 0.25})\n"
+        f"import sys; sys.path.insert(0, {str(kill_points.SCRIPT.parent)!r}); import kill_points; kill_points.install()\n"
+        "from trl_grpo_ext.runs.metrics import RunLogger\n"
+        "for s in (1, 2, 3): RunLogger(sys.argv[1]).log(s, {'reward': 0.25})\n"
     )
-    env = {**os.environ, TEST_KILL_ENV: "metrics:2"}
-    proc = subprocess.run([sys.executable, "-c", code, str(path)], env=env, capture_output=True, timeout=60)
+    env = {**os.environ, kill_points.TEST_KILL_ENV: "metrics:2"}
+    proc = subprocess.run([sys.executable, "-c", code, str(tmp_path)], env=env, capture_output=True, timeout=60)
+    path = tmp_path / METRICS_FILENAME
     assert proc.returncode == -9, proc.stderr
     assert not path.read_text().endswith("\n") and read_metrics_file(path) == ([{"step": 1, "reward": 0.25}], 1)
     append_jsonl_row(path, {"step": 2})
@@ -196,3 +209,44 @@ def test_each_run_file_name_is_spelled_once_in_the_package():
         for line, text in _string_literals(path):
             found += [f"{path.relative_to(ROOT)}:{line}: {value}" for value, p in patterns.items() if p.search(text)]
     assert found == []
+
+
+# ------------------------------------------------------------------------------------------ the run logger
+
+
+def test_run_logger_rows_and_swanlab_mirror(tmp_path, caplog):
+    """The one writer of step metrics (TRL callback and PyTRIO loop): a row per step with NaN as null, the numeric
+    values mirrored to the SwanLab run, whose failures are warnings with the message redacted."""
+    import logging
+
+    import torch
+
+    from trl_grpo_ext.runs import EVAL_METRICS_FILENAME, RunLogger
+
+    class FakeRun:
+        def __init__(self):
+            self.logged, self.finished = [], 0
+
+        def log(self, data, step=None):
+            if step == 3:
+                raise RuntimeError("upload refused for key SECRET")
+            self.logged.append((step, data))
+
+        def finish(self):
+            self.finished += 1
+
+    (tmp_path / METRICS_FILENAME).write_text('{"step": 1}\n{"step": 2}\n')
+    run = FakeRun()
+    logger = RunLogger(tmp_path, run, redact=lambda error: str(error).replace("SECRET", "***"))
+    assert logger.start(1) == 1  # resumed after step 1: step 2 runs again
+    row = logger.log(2, {"reward": torch.tensor(0.5), "loss": float("nan"), "note": "x"})
+    assert row == {"step": 2, "reward": 0.5, "loss": None, "note": "x"}
+    logger.log(5, {"eval_reward": 0.1}, EVAL_METRICS_FILENAME)  # not a step's metrics: not mirrored
+    with caplog.at_level(logging.WARNING):
+        logger.log(3, {"reward": 1.0})
+    logger.close()
+    logger.close()
+    assert [r["step"] for r in run_metrics(tmp_path)] == [1, 2, 3]
+    assert read_metrics_file(tmp_path / EVAL_METRICS_FILENAME)[0] == [{"step": 5, "eval_reward": 0.1}]
+    assert run.logged == [(2, {"reward": 0.5})] and run.finished == 1
+    assert "upload refused for key ***" in caplog.text and "SECRET" not in caplog.text

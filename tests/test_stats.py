@@ -1,22 +1,21 @@
-"""Interval and test math of `trl_grpo_ext.stats` against known answers."""
+"""Interval and test math of `trl_grpo_ext.report.stats` against known answers."""
 
 import math
 import random
 
 import pytest
 
-from trl_grpo_ext.stats import (
+from trl_grpo_ext.report.stats import (
     Interval,
     bootstrap_ci,
-    format_p,
     hierarchical_diff_ci,
     mcnemar_exact,
     mean_ci,
     paired_bootstrap_ci,
     t_quantile,
-    verdict,
     welch_diff_ci,
 )
+from trl_grpo_ext.report.text import format_p, verdict
 
 
 @pytest.mark.parametrize("df, expected", [(1, 12.7062), (2, 4.3027), (4, 2.7764), (10, 2.2281), (30, 2.0423)])

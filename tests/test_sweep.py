@@ -5,11 +5,11 @@ import json
 import os
 import shutil
 import sys
-import textwrap
 from pathlib import Path
 
 import pytest
 import yaml
+from sweep_fakes import FAKE_RECIPE, TINY_RUN
 
 from trl_grpo_ext.runs import SWEEP_DONE_FILENAME as DONE_MARKER
 from trl_grpo_ext.runs import SWEEP_SUMMARY_FILENAME as SUMMARY_FILE
@@ -30,42 +30,6 @@ from trl_grpo_ext.sweep import (
 )
 
 REPO = Path(__file__).resolve().parents[1]
-
-# A stand-in recipe: reads --config like the real ones, writes metrics.jsonl and HF-style checkpoints,
-# resumes from --resume_from_checkpoint, and fails when its config asks it to.
-FAKE_RECIPE = textwrap.dedent(
-    r"""
-    import argparse, json, os, sys
-    from pathlib import Path
-    import yaml
-
-    p = argparse.ArgumentParser()
-    p.add_argument("--config", required=True)
-    p.add_argument("--resume_from_checkpoint", default=None)
-    args = p.parse_args()
-    cfg = yaml.safe_load(open(args.config))
-    out = Path(cfg["output_dir"])
-    out.mkdir(parents=True, exist_ok=True)
-    with open(out / "invocations.jsonl", "a") as f:
-        f.write(json.dumps({"resume": args.resume_from_checkpoint, "group": os.environ.get("SWANLAB_GROUP"),
-                            "exp": os.environ.get("SWANLAB_EXP_NAME"), "run_name": cfg.get("run_name")}) + "\n")
-    print("training", cfg.get("loss_type"), flush=True)
-    if cfg.get("fail_always"):
-        print("Traceback: boom, this run is broken", file=sys.stderr)
-        sys.exit(7)
-    start = int(args.resume_from_checkpoint.rsplit("-", 1)[1]) if args.resume_from_checkpoint else 0
-    for step in range(start + 1, cfg["max_steps"] + 1):
-        if step == cfg.get("crash_once_at") and not (out / "crashed").exists():
-            (out / "crashed").write_text("")
-            print("killed at step", step, flush=True)
-            sys.exit(9)
-        with open(out / "metrics.jsonl", "a") as f:
-            f.write(json.dumps({"step": step, "reward": step * cfg["learning_rate"]}) + "\n")
-        ckpt = out / f"checkpoint-{step}"
-        ckpt.mkdir(exist_ok=True)
-        (ckpt / "trainer_state.json").write_text("{}")
-    """
-)
 
 
 @pytest.fixture
@@ -390,13 +354,7 @@ def test_real_tiny_trl_run_resume_eval_and_compare(tiny_model_path, tmp_path):
         "grid": {"loss_type": ["cispo"]},
         "overrides": {
             "model_name_or_path": tiny_model_path,
-            "synthetic_tasks": "chain_sum_easy",
-            "num_train_samples": 8,
-            "eval_num_samples": 0,
-            "max_steps": 2,
-            "num_generations": 2,
-            "per_device_train_batch_size": 2,
-            "max_completion_length": 8,
+            **TINY_RUN,
             "save_strategy": "steps",
             "save_steps": 1,
         },

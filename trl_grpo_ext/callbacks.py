@@ -7,12 +7,33 @@ keys (`reward`, `rewards/<name>/mean`, `frac_reward_zero_std`, `entropy`, `step_
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import json
 import time
 from pathlib import Path
 
 from transformers import TrainerCallback
 
+from trl_grpo_ext.evaluation import (
+    RECIPE_EVAL_BATCH_SIZE,
+    EvalOptions,
+    HFGenerator,
+    as_problems,
+    cached_greedy_eval,
+    eval_cache_key,
+    eval_set_hash,
+    evaluate,
+    format_paired,
+    greedy_summary,
+    heldout_line,
+    live_model_identity,
+    live_model_settings,
+    load_cached_eval,
+    paired_comparison,
+    read_results,
+    write_results,
+)
 from trl_grpo_ext.runs import (
     EVAL_AFTER_PROBLEMS_FILENAME,
     EVAL_BEFORE_AFTER_FILENAME,
@@ -23,7 +44,6 @@ from trl_grpo_ext.runs import (
 )
 from trl_grpo_ext.runs.metrics import RunLogger
 from trl_grpo_ext.runs.tracking import jsonable
-from trl_grpo_ext.test_hooks import maybe_kill
 
 # Keys of the end-of-training summary log (not a step's metrics).
 _SUMMARY_KEYS = {"train_runtime", "train_samples_per_second", "train_steps_per_second", "total_flos", "train_loss"}
@@ -48,10 +68,6 @@ class MetricsJsonlCallback(TrainerCallback):
             return
         # A fresh run (global_step 0) starts a new file; a resumed one keeps rows up to its checkpoint.
         self._logger(args).start(state.global_step)
-
-    def on_step_end(self, args, state, control, **kwargs):
-        # Test-only kill point: the optimizer step is done but neither logged nor checkpointed.
-        maybe_kill("step", int(state.global_step))
 
     def on_log(self, args, state, control, logs=None, **kwargs):
         if not state.is_world_process_zero or not logs:
@@ -102,8 +118,6 @@ def greedy_accuracy(model, tokenizer, problems: list[dict], max_new_tokens: int,
     """Greedy held-out figures of `model` on problems {'prompt', 'answer' (GSM8K style), optional 'task'}:
     boxed accuracy, format-independent accuracy, boxed rate, mean completion length, per task. The same
     eval as `trl-grpo-ext eval` (`trl_grpo_ext.evaluation.evaluate`)."""
-    from trl_grpo_ext.evaluation import HFGenerator, as_problems, evaluate, greedy_summary
-
     with HFGenerator.borrowing(model, tokenizer, max_new_tokens) as gen:
         results, _ = evaluate(as_problems(problems), gen, 1, batch_size, progress=False)
     return greedy_summary(results)
@@ -119,30 +133,27 @@ class BeforeAfterEvalCallback(TrainerCallback):
     The "before" eval comes from the on-disk cache when this model was already evaluated on these problems
     with these settings (`evaluation.cached_greedy_eval`). A resumed run keeps its step-0 "before" eval from
     the run folder (else the cache); it never evaluates resumed weights as "before".
+
+    `options`: the eval's `EvalOptions` (the recipes': `evaluation.recipe_eval_options`); it uses the token limit,
+    batch size, cache and progress ones. Keyword `overrides` replace fields of it (`max_new_tokens=64`).
     """
 
-    def __init__(self, problems: list, max_new_tokens: int, batch_size: int = 32, use_cache: bool = True):
-        from trl_grpo_ext.evaluation import as_problems
-
+    def __init__(self, problems: list, options: EvalOptions | None = None, **overrides):
+        if options is not None and not isinstance(options, EvalOptions):
+            raise TypeError(f"BeforeAfterEvalCallback: options must be EvalOptions, got {type(options).__name__}")
         if not problems:
             raise ValueError("BeforeAfterEvalCallback needs at least one problem")
-        if max_new_tokens < 1 or batch_size < 1:
-            raise ValueError("BeforeAfterEvalCallback: max_new_tokens and batch_size must be >= 1")
         self.problems = as_problems(problems)
-        self.max_new_tokens = max_new_tokens
-        self.batch_size = batch_size
-        self.use_cache = use_cache
+        self.options = dataclasses.replace(options or EvalOptions(batch_size=RECIPE_EVAL_BATCH_SIZE), **overrides)
         self.results: dict = {}
         self.before = None  # per-problem results of the "before" eval
 
     def _eval_set(self) -> dict:
-        from trl_grpo_ext.evaluation import eval_set_hash
-
         return {
             "n": len(self.problems),
             "sha256": eval_set_hash(self.problems),
-            "max_new_tokens": self.max_new_tokens,
-            "batch_size": self.batch_size,
+            "max_new_tokens": self.options.max_new_tokens,
+            "batch_size": self.options.batch_size,
         }
 
     def _write(self, args) -> None:
@@ -150,8 +161,6 @@ class BeforeAfterEvalCallback(TrainerCallback):
 
     def _resumed_before(self, out: Path, eval_set: dict):
         """The step-0 results a previous attempt of this run wrote, if they are of this eval set."""
-        from trl_grpo_ext.evaluation import read_results
-
         try:
             saved = json.loads((out / EVAL_BEFORE_AFTER_FILENAME).read_text())
             if saved.get("eval_set", {}).get("sha256") != eval_set["sha256"] or "before" not in saved:
@@ -162,29 +171,17 @@ class BeforeAfterEvalCallback(TrainerCallback):
         return (results, saved["before"]) if len(results) == len(self.problems) else (None, None)
 
     def on_train_begin(self, args, state, control, model=None, processing_class=None, **kwargs):
-        import contextlib
-
-        from trl_grpo_ext.evaluation import (
-            HFGenerator,
-            cached_greedy_eval,
-            eval_cache_key,
-            greedy_summary,
-            live_model_identity,
-            live_model_settings,
-            load_cached_eval,
-            write_results,
-        )
-
+        o = self.options
         out, main = Path(args.output_dir), state.is_world_process_zero
         eval_set = self._eval_set()
-        identity = live_model_identity(model) if self.use_cache else None
-        settings = live_model_settings(model, self.max_new_tokens)
+        identity = live_model_identity(model) if o.cache else None
+        settings = live_model_settings(model, o.max_new_tokens)
         start = time.perf_counter()
         if state.global_step > 0:  # resumed: the weights are no longer the "before" model's
             results, entry = self._resumed_before(out, eval_set)
             source = "run folder"
             if results is None and identity is not None:
-                key, _ = eval_cache_key(identity, self.problems, {**settings, "batch_size": self.batch_size})
+                key, _ = eval_cache_key(identity, self.problems, {**settings, "batch_size": o.batch_size})
                 results, entry, source = load_cached_eval(key, len(self.problems)), None, "cache"
             if results is None:
                 if main:
@@ -199,15 +196,15 @@ class BeforeAfterEvalCallback(TrainerCallback):
             with contextlib.ExitStack() as stack:
 
                 def borrow():
-                    return stack.enter_context(HFGenerator.borrowing(model, processing_class, self.max_new_tokens))
+                    return stack.enter_context(HFGenerator.borrowing(model, processing_class, o.max_new_tokens))
 
                 results, info = cached_greedy_eval(
                     self.problems,
                     borrow,
                     identity,
                     settings,
-                    self.batch_size,
-                    progress=False,
+                    o.batch_size,
+                    progress=o.progress and main,
                     desc="eval before",
                     write=main,
                 )
@@ -220,21 +217,13 @@ class BeforeAfterEvalCallback(TrainerCallback):
         if main:
             write_results(out / EVAL_BEFORE_PROBLEMS_FILENAME, results)
             self._write(args)
-            print(f"[eval before] {_eval_line(entry)} ({source}, {entry.get('seconds')} s)", flush=True)
+            print(f"[eval before] {heldout_line(entry)} ({source}, {entry.get('seconds')} s)", flush=True)
 
     def on_train_end(self, args, state, control, model=None, processing_class=None, **kwargs):
-        from trl_grpo_ext.evaluation import (
-            HFGenerator,
-            evaluate,
-            format_paired,
-            greedy_summary,
-            paired_comparison,
-            write_results,
-        )
-
+        o, main = self.options, state.is_world_process_zero
         start = time.perf_counter()
-        with HFGenerator.borrowing(model, processing_class, self.max_new_tokens) as gen:
-            results, _ = evaluate(self.problems, gen, 1, self.batch_size, progress=False, desc="eval after")
+        with HFGenerator.borrowing(model, processing_class, o.max_new_tokens) as gen:
+            results, _ = evaluate(self.problems, gen, 1, o.batch_size, progress=o.progress and main, desc="eval after")
         entry = {
             **greedy_summary(results),
             "step": int(state.global_step),
@@ -243,16 +232,9 @@ class BeforeAfterEvalCallback(TrainerCallback):
         self.results["after"] = entry
         if self.before is not None:
             self.results["paired"] = paired_comparison(self.before, results)
-        if state.is_world_process_zero:
+        if main:
             write_results(Path(args.output_dir) / EVAL_AFTER_PROBLEMS_FILENAME, results)
             self._write(args)
-            print(f"[eval after] {_eval_line(entry)} ({entry['seconds']} s)", flush=True)
+            print(f"[eval after] {heldout_line(entry)} ({entry['seconds']} s)", flush=True)
             for line in format_paired(self.results["paired"]) if "paired" in self.results else []:
                 print(f"[eval paired] {line}", flush=True)
-
-
-def _eval_line(entry: dict) -> str:
-    return (
-        f"step {entry['step']}: format-independent accuracy {entry['accuracy_any_format']:.3f}, boxed accuracy "
-        f"{entry['accuracy']:.3f}, boxed rate {entry['boxed_rate']:.3f} on {entry['n']} held-out problems"
-    )

@@ -15,6 +15,9 @@ from pathlib import Path
 from typing import Any
 
 from trl_grpo_ext.evaluation import read_results
+from trl_grpo_ext.report.curves import normalized_auc, smooth
+from trl_grpo_ext.report.plots import Curve, plot_curves, plot_panels
+from trl_grpo_ext.report.tables import escape, markdown_table
 from trl_grpo_ext.runs import (
     EVAL_AFTER_PROBLEMS_FILENAME,
     EVAL_BEFORE_AFTER_FILENAME,
@@ -31,6 +34,7 @@ from trl_grpo_ext.runs.folders import (
     run_folders,
 )
 from trl_grpo_ext.runs.sweep_files import read_eval_summary
+from trl_grpo_ext.seed_comparison import group_by_seed, seed_section
 
 # Config keys that differ between any two runs by construction and say nothing about the variant.
 IGNORED_CONFIG_KEYS = {"output_dir", "run_name", "logging_dir", "resume_from_checkpoint", "hub_model_id"}
@@ -78,7 +82,7 @@ def metrics_by_step(path: Path) -> tuple[list[dict], list[str]]:
     rows, bad = read_metrics_file(path)
     no_step = 0
     for row in rows:
-        step = row.get("step", row.get("global_step"))
+        step = row.get("step")
         if not is_number(step):
             no_step += 1
             continue
@@ -154,29 +158,6 @@ def unique_labels(dirs: list[Path]) -> list[str]:
 
 
 # ------------------------------------------------------------------------------------------- numbers
-
-
-def smooth(values: list[float], window: int) -> list[float]:
-    """Trailing moving average; the first points average over what exists so far."""
-    if window <= 1 or not values:
-        return list(values)
-    out, total = [], 0.0
-    for i, v in enumerate(values):
-        total += v
-        if i >= window:
-            total -= values[i - window]
-        out.append(total / min(i + 1, window))
-    return out
-
-
-def normalized_auc(steps: list[float], values: list[float]) -> float | None:
-    """Trapezoid area under the curve divided by the step span: the run's average level over training."""
-    if not values:
-        return None
-    if len(values) == 1 or steps[-1] == steps[0]:
-        return values[-1]
-    area = sum((steps[i + 1] - steps[i]) * (values[i] + values[i + 1]) / 2 for i in range(len(values) - 1))
-    return area / (steps[-1] - steps[0])
 
 
 def _mean(values: list[float]) -> float | None:
@@ -306,17 +287,7 @@ def _fmt(key: str, value: Any) -> str:
         return f"{value:.1f}"
     if isinstance(value, float):
         return f"{value:.3f}"
-    return _escape(str(value))
-
-
-def _escape(text: str) -> str:
-    return text.replace("|", "\\|").replace("\n", " ")
-
-
-def markdown_table(header: list[str], rows: list[list[str]]) -> str:
-    lines = ["| " + " | ".join(header) + " |", "|" + "|".join(["---"] * len(header)) + "|"]
-    lines += ["| " + " | ".join(row) + " |" for row in rows]
-    return "\n".join(lines)
+    return escape(str(value))
 
 
 def results_table(runs: list[RunData], summaries: list[dict]) -> str:
@@ -326,96 +297,19 @@ def results_table(runs: list[RunData], summaries: list[dict]) -> str:
     rows = []
     for run, s in zip(runs, summaries, strict=False):
         values = {**s, "backend": run.backend}
-        rows.append([_escape(run.label)] + [_fmt(key, values.get(key)) for key, _ in cols])
+        rows.append([escape(run.label)] + [_fmt(key, values.get(key)) for key, _ in cols])
     return markdown_table(["run"] + [title for _, title in cols], rows)
 
 
 def diff_table(runs: list[RunData], keys: list[str]) -> str:
     rows = [
-        [_escape(r.label)] + [_escape(json.dumps(r.config[k]) if k in r.config else "–") for k in keys] for r in runs
+        [escape(r.label)] + [escape(json.dumps(r.config[k]) if k in r.config else "–") for k in keys] for r in runs
     ]
     return markdown_table(["run"] + keys, rows)
 
 
-# Runs whose curves coincide (same seed, a setting that did not change training) stay visible as
-# dashes or dots over the solid line.
-LINE_STYLES = ("-", "--", ":", "-.")
-
-
-def _line_style(index: int) -> tuple[str, str]:
-    return f"C{index % 10}", LINE_STYLES[index % len(LINE_STYLES)]
-
-
-def plot_metric(runs: list[RunData], metric: str, title: str, path: Path, smooth_window: int = 1) -> bool:
-    """One PNG with a line per run that logged `metric`; False (no file) when none did."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    # The run's position, not the plotted line's, picks its style: the same run looks alike in every plot.
-    series = [(i, run, *run.series(metric)) for i, run in enumerate(runs)]
-    series = [(i, run, s, v) for i, run, s, v in series if v]
-    if not series:
-        return False
-    fig, ax = plt.subplots(figsize=(7, 4.2), dpi=110)
-    for i, run, steps, values in series:
-        color, style = _line_style(i)
-        if smooth_window > 1:
-            ax.plot(steps, values, color=color, alpha=0.25, linewidth=1, linestyle=style)
-            ax.plot(steps, smooth(values, smooth_window), color=color, linewidth=2, linestyle=style, label=run.label)
-        else:
-            marker = "." if len(steps) < 40 else None
-            ax.plot(steps, values, color=color, linewidth=1.8, linestyle=style, label=run.label, marker=marker)
-    ax.set_xlabel("optimizer step")
-    ax.set_ylabel(metric)
-    suffix = f" (moving average over {smooth_window} steps)" if smooth_window > 1 else ""
-    ax.set_title(title + suffix, fontsize=10)
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=7, loc="best")
-    fig.tight_layout()
-    fig.savefig(path)
-    plt.close(fig)
-    return True
-
-
-def plot_overview(runs: list[RunData], metrics: list[str], path: Path, smooth_window: int = 1) -> bool:
-    """All plotted metrics in one figure (a grid of small panels, one legend), for a quick look."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    if not metrics:
-        return False
-    ncols = min(3, len(metrics))
-    nrows = math.ceil(len(metrics) / ncols)
-    fig, axes = plt.subplots(nrows, ncols, figsize=(4.2 * ncols, 3.0 * nrows + 0.6), dpi=100, squeeze=False)
-    for ax, metric in zip(axes.flat, metrics, strict=False):
-        for i, run in enumerate(runs):
-            steps, values = run.series(metric)
-            if values:
-                color, style = _line_style(i)
-                ax.plot(
-                    steps, smooth(values, smooth_window), color=color, linestyle=style, linewidth=1.6, label=run.label
-                )
-        ax.set_title(metric, fontsize=9)
-        ax.set_xlabel("step", fontsize=8)
-        ax.tick_params(labelsize=7)
-        ax.grid(alpha=0.3)
-    for ax in list(axes.flat)[len(metrics) :]:
-        ax.axis("off")
-    handles, labels = [], []
-    for ax in axes.flat:
-        for h, lab in zip(*ax.get_legend_handles_labels(), strict=False):
-            if lab not in labels:
-                handles.append(h)
-                labels.append(lab)
-    fig.legend(handles, labels, loc="lower center", ncol=min(3, len(labels)), fontsize=8, frameon=False)
-    fig.tight_layout(rect=(0, 0.06 + 0.03 * math.ceil(len(labels) / 3), 1, 1))
-    fig.savefig(path)
-    plt.close(fig)
-    return True
+def _curves(runs: list[RunData], metric: str) -> list[Curve]:
+    return [Curve(run.label, *run.series(metric), position=i) for i, run in enumerate(runs)]
 
 
 def plot_filename(metric: str) -> str:
@@ -448,12 +342,12 @@ def build_report(run_paths: list[str | os.PathLike], out_dir: str | os.PathLike,
     plots: dict[str, Path] = {}
     for metric, title in PLOTS:
         path = out / plot_filename(metric)
-        if plot_metric(runs, metric, title, path, smooth_window):
+        if plot_curves(_curves(runs, metric), metric, title, path, smooth_window):
             plots[metric] = path
         else:
             notes.append(f"no run logged '{metric}'; no plot")
 
-    if plot_overview(runs, list(plots), out / "overview.png", smooth_window):
+    if plot_panels({metric: _curves(runs, metric) for metric in plots}, out / "overview.png", smooth_window):
         plots["overview"] = out / "overview.png"
 
     md = ["# Run comparison", ""]
@@ -487,8 +381,6 @@ def build_report(run_paths: list[str | os.PathLike], out_dir: str | os.PathLike,
         md += ["A key that only some runs' configs hold is compared among those runs.", ""]
     verdicts: list[str] = []
     if len(runs) > 1:
-        from trl_grpo_ext.seed_comparison import group_by_seed, seed_section
-
         groups = group_by_seed(runs, summaries, IGNORED_CONFIG_KEYS)
         section, seed_plots, seed_payload = seed_section(groups, out, smooth_window)
         md += section

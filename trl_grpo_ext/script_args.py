@@ -16,8 +16,9 @@ from dataclasses import dataclass, field
 
 import yaml
 
+from trl_grpo_ext.grpo_spec import normalize_values, raise_problems, reward_funcs_list, swanlab_mode_problems
+
 PROMPT_FORMATS = ("auto", "chat", "text")
-SWANLAB_MODES = ("online", "offline", "local", "disabled")
 
 
 @dataclass
@@ -70,8 +71,9 @@ class ScriptArguments:
     swanlab_mode: str | None = field(
         default=None,
         metadata={
-            "help": "SwanLab mode: online, offline (logs under output_dir, no network), local or disabled. Default: "
-            "$SWANLAB_MODE, else online when an API key is configured, else offline."
+            "help": "SwanLab mode: online, offline (logs under output_dir, no network), local or disabled ('cloud': "
+            "deprecated name of online). Default: $SWANLAB_MODE, else online when an API key is configured, else "
+            "offline."
         },
     )
 
@@ -80,10 +82,9 @@ class ScriptArguments:
             raise ValueError(f"on_malformed must be 'error' or 'drop', got {self.on_malformed!r}")
         if self.prompt_format not in PROMPT_FORMATS:
             raise ValueError(f"prompt_format must be one of {PROMPT_FORMATS}, got {self.prompt_format!r}")
-        if self.swanlab_mode is not None and self.swanlab_mode not in SWANLAB_MODES:
-            raise ValueError(f"swanlab_mode must be one of {SWANLAB_MODES}, got {self.swanlab_mode!r}")
-        if isinstance(self.reward_funcs, str):
-            self.reward_funcs = [name.strip() for name in self.reward_funcs.split(",") if name.strip()]
+        normalize_values(self)  # swanlab_mode: cloud -> online, with a deprecation warning
+        raise_problems("script arguments", swanlab_mode_problems(self.swanlab_mode))
+        self.reward_funcs = reward_funcs_list(self.reward_funcs)
         if not self.reward_funcs:
             raise ValueError("reward_funcs is empty; name at least one reward (e.g. boxed)")
         if self.eval_num_samples < 0:

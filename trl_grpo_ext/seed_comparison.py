@@ -2,7 +2,7 @@
 mean curves with interval bands, and for each pair of configurations the difference with its interval and a
 plain verdict (`A − B = +0.06 [−0.02, +0.14]: not significant at 95%`).
 
-Used by `trl_grpo_ext.compare.build_report`. Intervals (see `trl_grpo_ext.stats`):
+Used by `trl_grpo_ext.compare.build_report`. Intervals (see `trl_grpo_ext.report.stats`):
 
 - final reward, reward AUC, held-out accuracy of a configuration: Student-t over its seeds;
 - difference of two configurations' final reward / reward AUC: Welch's t over their seeds;
@@ -22,7 +22,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from trl_grpo_ext.stats import CONFIDENCE, Interval, hierarchical_diff_ci, mean_ci, verdict, welch_diff_ci
+from trl_grpo_ext.report.curves import smooth
+from trl_grpo_ext.report.plots import Band, plot_bands
+from trl_grpo_ext.report.stats import CONFIDENCE, Interval, hierarchical_diff_ci, mean_ci, welch_diff_ci
+from trl_grpo_ext.report.tables import escape, markdown_table
+from trl_grpo_ext.report.text import interval_text, verdict
 
 # Config keys that pick the seed: runs differing only in these (and in output paths) are one configuration.
 SEED_KEYS = ("seed", "data_seed")
@@ -174,24 +178,18 @@ def pair_difference(a: ConfigGroup, b: ConfigGroup, key: str) -> tuple[Interval 
 
 
 def _cell(iv: Interval | None) -> str:
-    if iv is None:
-        return "–"
-    if not iv.has_interval:
-        return f"{iv.estimate:.3f} (1 seed)"
-    return f"{iv.estimate:.3f} [{iv.low:.3f}, {iv.high:.3f}]"
+    return "–" if iv is None else interval_text(iv.estimate, iv.low, iv.high, 3, sign=False, missing=" (1 seed)")
 
 
 def groups_table(groups: list[ConfigGroup]) -> tuple[str, list[str]]:
     """Markdown table of each configuration's mean and 95% interval per metric (rows in the runs' order)."""
     metrics = [(k, t) for k, t in SEED_METRICS if any(g.values(k) for g in groups)]
     header = ["configuration", "seeds"] + [f"{t} (mean [95% CI])" for _, t in metrics]
-    lines = ["| " + " | ".join(header) + " |", "|" + "|".join(["---"] * len(header)) + "|"]
+    rows = []
     for g in groups:
         seeds = ",".join(str(s) for s in g.seeds if s is not None) or "–"
-        cells = [g.label.replace("|", "\\|"), f"{len(g.runs)} ({seeds})"]
-        cells += [_cell(group_interval(g, k)) for k, _ in metrics]
-        lines.append("| " + " | ".join(cells) + " |")
-    return "\n".join(lines), [k for k, _ in metrics]
+        rows.append([escape(g.label), f"{len(g.runs)} ({seeds})"] + [_cell(group_interval(g, k)) for k, _ in metrics])
+    return markdown_table(header, rows), [k for k, _ in metrics]
 
 
 def pairwise_verdicts(groups: list[ConfigGroup], keys: list[str]) -> list[dict]:
@@ -210,8 +208,6 @@ def pairwise_verdicts(groups: list[ConfigGroup], keys: list[str]) -> list[dict]:
 
 def mean_curve(group: ConfigGroup, metric: str, smooth_window: int = 1):
     """(steps, mean, low, high) of a metric over the group's seeds, at the steps every seed logged."""
-    from trl_grpo_ext.compare import smooth
-
     curves = []
     for run in group.runs:
         steps, values = run.series(metric)
@@ -231,35 +227,10 @@ def mean_curve(group: ConfigGroup, metric: str, smooth_window: int = 1):
 
 def plot_mean_curves(groups: list[ConfigGroup], metric: str, path: Path, smooth_window: int = 1) -> bool:
     """One PNG: each configuration's mean curve over seeds with its 95% band; False when nothing was logged."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(7, 4.2), dpi=110)
-    drawn = False
-    for i, g in enumerate(groups):
-        steps, mean, low, high = mean_curve(g, metric, smooth_window)
-        if not steps:
-            continue
-        drawn = True
-        color = f"C{i % 10}"
-        ax.plot(steps, mean, color=color, linewidth=1.8, label=f"{g.label} (n={len(g.runs)})")
-        if len(g.runs) > 1:
-            ax.fill_between(steps, low, high, color=color, alpha=0.2, linewidth=0)
-    if not drawn:
-        plt.close(fig)
-        return False
-    ax.set_xlabel("optimizer step")
-    ax.set_ylabel(metric)
+    bands = [Band(g.label, *mean_curve(g, metric, smooth_window), len(g.runs), i) for i, g in enumerate(groups)]
     suffix = f", moving average over {smooth_window} steps" if smooth_window > 1 else ""
-    ax.set_title(f"{metric}: mean over seeds with {CONFIDENCE:.0%} t-interval band{suffix}", fontsize=9)
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=7, loc="best")
-    fig.tight_layout()
-    fig.savefig(path)
-    plt.close(fig)
-    return True
+    title = f"{metric}: mean over seeds with {CONFIDENCE:.0%} t-interval band{suffix}"
+    return plot_bands(bands, metric, title, path)
 
 
 def seed_section(groups: list[ConfigGroup], out: Path, smooth_window: int = 1) -> tuple[list[str], dict, dict]:

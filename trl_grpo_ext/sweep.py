@@ -15,9 +15,12 @@ A sweep file is YAML::
     backend_overrides: {pytrio: {...}} # fixed for every run of one backend
     seeds: [0, 1, 2]                   # optional: every configuration once per seed (`compare` groups them)
     evaluate: {data: embedded, limit: 32, k: 4}   # optional: `trl-grpo-ext eval` each finished run
+    launcher: slurm                    # optional: local (default) or slurm, with `slurm:` resources (docs/slurm.md)
 
 Each run gets `<output_root>/<name>/` holding `sweep_config.yaml` (the exact recipe config it was given),
-`train.log`, the recipe's own outputs (`metrics.jsonl`, checkpoints) and, on success, `sweep_done.json`.
+`sweep_job.json` (how to start it), `sweep_attempt.json` (what its last job did), `train.log`, the recipe's own
+outputs (`metrics.jsonl`, checkpoints) and, on success, `sweep_done.json`. How runs are started, tracked and
+resumed, here or through SLURM, is `trl_grpo_ext/launch/`.
 """
 
 from __future__ import annotations
@@ -29,26 +32,20 @@ import itertools
 import json
 import os
 import re
-import shutil
-import signal
-import subprocess
 import sys
-import threading
-import time
-from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, Mapping
 
 import yaml
 
+from trl_grpo_ext.evaluation import EMBEDDED_DATA, eval_cli_args, sweep_eval_options
+from trl_grpo_ext.launch.options import LAUNCHERS, LEGACY_LAUNCHERS, SlurmOptions
 from trl_grpo_ext.runs import (
     ADAPTER_CONFIG_FILENAME,
-    EVAL_LOG_FILENAME,
     EVAL_RESULTS_FILENAME,
     MODEL_CONFIG_FILENAME,
     SWEEP_CONFIG_FILENAME,
-    TRAIN_LOG_FILENAME,
     latest_checkpoint,
 )
 from trl_grpo_ext.runs.sweep_files import (
@@ -56,18 +53,18 @@ from trl_grpo_ext.runs.sweep_files import (
     has_previous_attempt,
     has_pytrio_state,
     is_done,
-    read_done_marker,
-    read_eval_summary,
     read_sweep_summary,
-    set_aside_metrics,
-    write_done_marker,
-    write_sweep_config,
+    summary_counts,
     write_sweep_summary,
 )
 from trl_grpo_ext.runs.sweep_files import now_iso as _now
 
+if TYPE_CHECKING:
+    from trl_grpo_ext.launch.records import RunResult
+
 LOG_TAIL_LINES = 40
 MAX_NAME_LEN = 150
+PACKAGE_ROOT = str(Path(__file__).resolve().parents[1])  # a job's PYTHONPATH: this copy, installed or not
 
 # Keys of the sweep file itself; anything else at top level is a typo worth reporting.
 SWEEP_KEYS = {
@@ -82,6 +79,7 @@ SWEEP_KEYS = {
     "evaluate",
     "parallel",
     "launcher",
+    "slurm",
     "accelerate_config",
     "num_processes",
     "scripts",
@@ -170,8 +168,10 @@ class SweepSpec:
     backend: str = "trl"
     seeds: list[int] = field(default_factory=list)  # empty: each run keeps its recipe's seed
     evaluate: dict | None = None
-    parallel: int = 1
-    launcher: str = "python"
+    parallel: int | None = None  # runs at once (local; SLURM: the array's %N throttle); None: 1 here, no cap there
+    launcher: str = "local"  # where runs execute: local | slurm
+    use_accelerate: bool = False  # start recipes with `accelerate launch` (also when a run gets >1 GPU)
+    slurm: SlurmOptions = field(default_factory=SlurmOptions)
     accelerate_config: str | None = None
     num_processes: int | None = None
     scripts: dict[str, str] = field(default_factory=dict)
@@ -247,14 +247,18 @@ def parse_sweep(data: dict, source: Path | None = None, output_root: str | None 
         if p is not None and not p.is_file():
             raise FileNotFoundError(f"{where}base recipe for backend '{b}' not found: {p}")
 
-    launcher = str(data.get("launcher", "python"))
-    if launcher not in ("python", "accelerate"):
-        raise ValueError(f"{where}'launcher' must be 'python' or 'accelerate', got '{launcher}'")
+    launcher = str(data.get("launcher", "local"))
+    if launcher not in LAUNCHERS and launcher not in LEGACY_LAUNCHERS:
+        raise ValueError(f"{where}'launcher' must be one of {list(LAUNCHERS)}, got '{launcher}'")
+    use_accelerate = bool(LEGACY_LAUNCHERS.get(launcher) or data.get("accelerate_config") or data.get("num_processes"))
+    slurm = SlurmOptions.from_mapping(data.get("slurm"), where)
     evaluate = data.get("evaluate")
     if evaluate is not None and not isinstance(evaluate, dict):
         raise ValueError(f"{where}'evaluate' must be a mapping of `trl-grpo-ext eval` options")
-    parallel = int(data.get("parallel", 1))
-    if parallel < 1:
+    if evaluate:
+        evaluate = sweep_eval_options(evaluate, where)
+    parallel = int(data["parallel"]) if data.get("parallel") is not None else None
+    if parallel is not None and parallel < 1:
         raise ValueError(f"{where}'parallel' must be >= 1")
     root = output_root or data.get("output_root") or str(Path("runs") / name)
     return SweepSpec(
@@ -269,7 +273,9 @@ def parse_sweep(data: dict, source: Path | None = None, output_root: str | None 
         seeds=seeds,
         evaluate=dict(evaluate) if evaluate else None,
         parallel=parallel,
-        launcher=launcher,
+        launcher="local" if launcher in LEGACY_LAUNCHERS else launcher,
+        use_accelerate=use_accelerate,
+        slurm=slurm,
         accelerate_config=(
             str(_resolve_rel(data["accelerate_config"], anchor)) if data.get("accelerate_config") else None
         ),
@@ -451,37 +457,49 @@ def resolve_script(script: str, source: Path | None) -> Path:
     raise FileNotFoundError(f"recipe script '{script}' not found (looked in {[str(c.parent) for c in candidates]})")
 
 
-def build_command(spec: SweepSpec, run: RunSpec) -> list[str]:
+def build_command(spec: SweepSpec, run: RunSpec, num_processes: int | None = None, resume: bool = True) -> list[str]:
+    """The command that trains `run`: its backend's recipe script on its sweep_config.yaml, through `accelerate
+    launch` when the sweep asks for it (`accelerate_config`) or runs more than one process (`num_processes`, or a
+    SLURM run's GPUs, which win), plus the flags that resume it from its folder's last complete checkpoint
+    (`resume`; a job adds them when it starts)."""
     backend = _backend(spec, run.backend)
     if not backend.script:
         raise ValueError(f"backend '{run.backend}' has no script; set 'scripts: {{{run.backend}: path}}'")
     script = str(resolve_script(backend.script, spec.source))
-    if spec.launcher == "accelerate":
+    processes = num_processes or spec.num_processes
+    if spec.use_accelerate or (processes or 1) > 1:
         cmd = [sys.executable, "-m", "accelerate.commands.launch"]
         if spec.accelerate_config:
             cmd += ["--config_file", spec.accelerate_config]
-        if spec.num_processes:
-            cmd += ["--num_processes", str(spec.num_processes)]
+        if processes:
+            cmd += ["--num_processes", str(processes)]
         cmd.append(script)
     else:
         cmd = [sys.executable, script]
     cmd += ["--config", str(run.run_dir / SWEEP_CONFIG_FILENAME)]
-    cmd += backend.resume_args(run.run_dir)
+    if resume:
+        cmd += resume_args(run.backend, run.run_dir)
     return cmd
 
 
-def run_env(spec: SweepSpec, run: RunSpec) -> dict[str, str]:
+def resume_args(backend: str, run_dir: Path) -> list[str]:
+    """The flags that resume a run of `backend` from what its folder holds now (none for a custom backend)."""
+    known = BACKENDS.get(backend)
+    return known.resume_args(run_dir) if known else []
+
+
+def run_env(extra: Mapping[str, str], sweep: str, run_name: str) -> dict:
+    """The environment of a run's processes: this process's, plus the sweep file's `env:` (`extra`) and names."""
     env = dict(os.environ)
-    env.update(spec.env)
+    env.update(extra)
     # SwanLab reads these when the recipe calls swanlab.init without naming them; a user's own values win.
-    env.setdefault("SWANLAB_GROUP", spec.name)
-    env["SWANLAB_EXP_NAME"] = run.name
-    env["TRL_GRPO_EXT_SWEEP"] = spec.name
-    env["TRL_GRPO_EXT_RUN_NAME"] = run.name
+    env.setdefault("SWANLAB_GROUP", sweep)
+    env["SWANLAB_EXP_NAME"] = run_name
+    env["TRL_GRPO_EXT_SWEEP"] = sweep
+    env["TRL_GRPO_EXT_RUN_NAME"] = run_name
     env.setdefault("PYTHONUNBUFFERED", "1")
     # Recipes and `eval` import trl_grpo_ext: make it the same copy as this one, installed or not.
-    package_root = str(Path(__file__).resolve().parents[1])
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (package_root, env.get("PYTHONPATH")) if p)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (PACKAGE_ROOT, env.get("PYTHONPATH")) if p)
     return env
 
 
@@ -494,58 +512,6 @@ def log_tail(path: Path, lines: int = LOG_TAIL_LINES) -> str:
         f.seek(max(0, size - 64_000))
         text = f.read().decode("utf-8", errors="replace")
     return "\n".join(text.splitlines()[-lines:])
-
-
-class _ProcessTable:
-    """Child processes still running, so Ctrl-C stops the whole sweep instead of orphaning trainers."""
-
-    def __init__(self):
-        self._lock = threading.Lock()
-        self._procs: set[subprocess.Popen] = set()
-        self.stopping = False
-
-    def add(self, proc):
-        with self._lock:
-            self._procs.add(proc)
-
-    def discard(self, proc):
-        with self._lock:
-            self._procs.discard(proc)
-
-    def terminate_all(self):
-        self.stopping = True
-        with self._lock:
-            procs = list(self._procs)
-        for p in procs:
-            if p.poll() is None:
-                p.terminate()
-        for p in procs:
-            _stop_process(p)
-
-
-def _stop_process(proc: subprocess.Popen, grace_s: float = 30.0) -> None:
-    if proc.poll() is None:
-        proc.terminate()
-    try:
-        proc.wait(timeout=grace_s)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
-
-
-def _run_logged(cmd: list[str], log_path: Path, env: dict, table: _ProcessTable, header: str) -> int:
-    with open(log_path, "a", buffering=1) as log:
-        log.write(f"\n===== {_now()} {header}\n$ {' '.join(cmd)}\n")
-        log.flush()
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, stdin=subprocess.DEVNULL)
-        table.add(proc)
-        try:
-            return proc.wait()
-        except BaseException:  # Ctrl-C / SIGTERM while waiting on it: the trainer goes too
-            _stop_process(proc)
-            raise
-        finally:
-            table.discard(proc)
 
 
 def eval_command(run: RunSpec, options: dict) -> list[str]:
@@ -564,113 +530,15 @@ def eval_command(run: RunSpec, options: dict) -> list[str]:
         raise FileNotFoundError(f"{run_dir} holds no saved model (no config.json, adapter or checkpoint)")
     cmd = [sys.executable, "-m", "trl_grpo_ext.cli", "eval"]
     cmd += model_args
-    for key, value in options.items():
-        if key in ("model", "adapter", "out"):
-            continue
-        if isinstance(value, bool):
-            if value:
-                cmd.append(f"--{key}")
-            continue
-        cmd += [f"--{key}", str(value)]
-    if options.get("data", "embedded") == "embedded" and "tasks" not in options and run.config.get("synthetic_tasks"):
+    cmd += eval_cli_args(options)
+    if (
+        options.get("data", EMBEDDED_DATA) == EMBEDDED_DATA
+        and "tasks" not in options
+        and run.config.get("synthetic_tasks")
+    ):
         cmd += ["--tasks", str(run.config["synthetic_tasks"])]  # evaluate on the task mix it trained on
     cmd += ["--out", str(run_dir / EVAL_RESULTS_FILENAME)]
     return cmd
-
-
-@dataclass
-class RunResult:
-    name: str
-    status: str  # finished | skipped | failed | interrupted | eval_failed
-    run_dir: str
-    returncode: int | None = None
-    wall_time: float | None = None
-    command: list[str] | None = None
-    resumed_from: str | None = None
-    log_tail: str | None = None
-    eval: dict | None = None
-    finished_at: str | None = None
-
-    @property
-    def ok(self) -> bool:
-        return self.status in ("finished", "skipped")
-
-
-def execute_run(spec: SweepSpec, run: RunSpec, table: _ProcessTable, force: bool = False) -> RunResult:
-    """Train one run (skipping or resuming as its folder says), then evaluate it if the sweep asks."""
-    run_dir = run.run_dir
-    if force and run_dir.exists():
-        shutil.rmtree(run_dir)
-    status = run_status(run)
-    result = RunResult(run.name, "skipped", str(run_dir))
-    if status == "done":
-        marker = read_done_marker(run_dir)
-        result.wall_time = marker.get("wall_time")
-        if marker.get("config") != run.config:
-            result.log_tail = "finished with a different config than the sweep now gives; pass --force to rerun"
-    else:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        write_sweep_config(run_dir, run.config)
-        resume = _backend(spec, run.backend).resume_args(run_dir)
-        if status == "resume" and not resume:
-            # A previous attempt died before its first checkpoint: the retry starts from step 0, so its old
-            # metrics would interleave with the new ones. Kept under another name rather than deleted.
-            set_aside_metrics(run_dir)
-        elif resume:
-            result.resumed_from = str(latest_checkpoint(run_dir) or run_dir)
-        cmd = build_command(spec, run)
-        result.command = cmd
-        start = time.monotonic()
-        rc = _run_logged(cmd, run_dir / TRAIN_LOG_FILENAME, run_env(spec, run), table, f"train {run.name}")
-        result.wall_time = round(time.monotonic() - start, 3)
-        result.returncode = rc
-        result.finished_at = _now()
-        if table.stopping:
-            result.status, result.log_tail = "interrupted", log_tail(run_dir / TRAIN_LOG_FILENAME)
-            return result
-        if rc != 0:
-            result.status, result.log_tail = "failed", log_tail(run_dir / TRAIN_LOG_FILENAME)
-            return result
-        marker = {
-            "name": run.name,
-            "sweep": spec.name,
-            "backend": run.backend,
-            "params": run.params,
-            "config": run.config,
-            "command": cmd,
-            "wall_time": result.wall_time,
-            "finished_at": result.finished_at,
-            "resumed_from": result.resumed_from,
-        }
-        write_done_marker(run_dir, marker)
-        result.status = "finished"
-
-    if spec.evaluate:
-        result.eval = _evaluate_run(spec, run, table)
-        if result.eval.get("status") == "failed" and not table.stopping:
-            result.status = "eval_failed"
-    return result
-
-
-def _evaluate_run(spec: SweepSpec, run: RunSpec, table: _ProcessTable) -> dict:
-    try:
-        summary = read_eval_summary(run.run_dir)
-    except ValueError:
-        summary = None
-    if summary is not None:
-        return {"status": "skipped", **summary}
-    try:
-        cmd = eval_command(run, spec.evaluate)
-    except (FileNotFoundError, ValueError) as e:
-        return {"status": "failed", "error": str(e)}
-    rc = _run_logged(cmd, run.run_dir / EVAL_LOG_FILENAME, run_env(spec, run), table, f"eval {run.name}")
-    try:
-        summary = read_eval_summary(run.run_dir) if rc == 0 else None
-    except ValueError:
-        summary = None
-    if summary is None:
-        return {"status": "failed", "returncode": rc, "log_tail": log_tail(run.run_dir / EVAL_LOG_FILENAME)}
-    return {"status": "finished", **summary}
 
 
 def _previous_summary(spec: SweepSpec) -> dict[str, dict]:
@@ -693,7 +561,7 @@ def _write_summary(
         "source": str(spec.source) if spec.source else None,
         "started_at": started,
         "updated_at": _now(),
-        "counts": {s: sum(1 for r in ordered if r["status"] == s) for s in sorted({r["status"] for r in ordered})},
+        "counts": summary_counts(ordered),
         "runs": ordered,
     }
     return write_sweep_summary(spec.output_root, payload)
@@ -703,95 +571,11 @@ def _append_sweep_log(spec: SweepSpec, line: str) -> None:
     append_sweep_log(spec.output_root, line)
 
 
-def _stop_on_sigterm():
-    """Treat SIGTERM (a scheduler's or `kill`'s stop) like Ctrl-C: stop the trainers, write the summary."""
-    if threading.current_thread() is not threading.main_thread():
-        return None
+def run_sweep(*args, **kwargs):
+    """Start every run of a sweep (skipping finished ones); see `trl_grpo_ext.launch.runner.run_sweep`."""
+    from trl_grpo_ext.launch.runner import run_sweep as _run_sweep  # launch/ builds on this module
 
-    def handler(signum, frame):
-        raise KeyboardInterrupt(f"signal {signum}")
-
-    return signal.signal(signal.SIGTERM, handler)
-
-
-def run_sweep(
-    spec: SweepSpec,
-    runs: list[RunSpec] | None = None,
-    parallel: int | None = None,
-    force: bool = False,
-    progress: bool = True,
-    echo: Callable[[str], None] | None = print,
-) -> tuple[list[RunResult], Path]:
-    """Run every run of `spec` (skipping finished ones); returns the results and the summary file's path."""
-    from tqdm.auto import tqdm
-
-    runs = expand(spec) if runs is None else runs
-    parallel = parallel or spec.parallel
-    if parallel > 1 and "OMP_NUM_THREADS" not in spec.env and "OMP_NUM_THREADS" not in os.environ:
-        # N trainers each grabbing every core would thrash; split the cores between them.
-        threads = max(1, (os.cpu_count() or 1) // parallel)
-        spec = dataclasses.replace(spec, env={**spec.env, "OMP_NUM_THREADS": str(threads)})
-    spec.output_root.mkdir(parents=True, exist_ok=True)
-    started = _now()
-    previous = _previous_summary(spec)
-    results: dict[str, RunResult] = {}
-    table = _ProcessTable()
-    lock = threading.Lock()
-    bar = tqdm(total=len(runs), desc=f"sweep {spec.name}", unit="run", disable=not progress, dynamic_ncols=True)
-
-    def record(result: RunResult):
-        with lock:
-            results[result.name] = result
-            _write_summary(spec, runs, results, started, previous)
-            line = f"{result.status:<12} {result.name}"
-            if result.returncode not in (None, 0):
-                line += f" (exit {result.returncode}, log: {Path(result.run_dir) / TRAIN_LOG_FILENAME})"
-            if result.wall_time is not None:
-                line += f" [{result.wall_time:.1f}s]"
-            _append_sweep_log(spec, line)
-            bar.update(1)
-            failed = sum(1 for r in results.values() if not r.ok)
-            bar.set_postfix(ok=len(results) - failed, failed=failed)
-            if echo:
-                bar.write(line) if progress else echo(line)
-
-    def one(run: RunSpec) -> RunResult:
-        if table.stopping:
-            return RunResult(run.name, "interrupted", str(run.run_dir))
-        try:
-            return execute_run(spec, run, table, force=force)
-        except Exception as e:  # a bad run (missing script, unwritable dir) must not stop the others
-            return RunResult(run.name, "failed", str(run.run_dir), log_tail=f"{type(e).__name__}: {e}")
-
-    _append_sweep_log(spec, f"start {len(runs)} runs, parallel={parallel}")
-    previous_term = _stop_on_sigterm()
-    pool = ThreadPoolExecutor(max_workers=parallel) if parallel > 1 else None
-    try:
-        if pool is None:
-            for run in runs:
-                record(one(run))
-        else:
-            futures = [pool.submit(one, run) for run in runs]
-            for fut in as_completed(futures):
-                record(fut.result())
-    except KeyboardInterrupt:
-        # Children first: the worker threads are blocked waiting on them.
-        table.terminate_all()
-        if pool is not None:
-            pool.shutdown(wait=True, cancel_futures=True)
-        for run in runs:
-            if run.name not in results:
-                results[run.name] = RunResult(run.name, "interrupted", str(run.run_dir))
-        _append_sweep_log(spec, "interrupted")
-        raise
-    finally:
-        if pool is not None:
-            pool.shutdown(wait=False)
-        if previous_term is not None:
-            signal.signal(signal.SIGTERM, previous_term)
-        bar.close()
-        path = _write_summary(spec, runs, results, started, previous)
-    return [results[r.name] for r in runs], path
+    return _run_sweep(*args, **kwargs)
 
 
 def describe_runs(spec: SweepSpec, runs: list[RunSpec]) -> str:

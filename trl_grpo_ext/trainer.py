@@ -24,9 +24,12 @@ import trl
 from trl.trainer.utils import get_config_model_id
 
 from trl_grpo_ext.config import EXTRA_LOSS_TYPES, GRPOConfig, trl_loss_type
+from trl_grpo_ext.grpo_spec import raise_problems, reward_index, reward_option_problems
+from trl_grpo_ext.loss_types import loss_type_of_trl_name, ratio_bounds
 from trl_grpo_ext.losses import degenerate_groups, policy_loss_from_log_ratio, ratio_metrics, token_level_mean
 from trl_grpo_ext.prefix import PrefixSharingMixin
 from trl_grpo_ext.reward_aggregation import weighted_rewards
+from trl_grpo_ext.rewards import reward_names
 from trl_grpo_ext.trl_sampling import CurriculumMixin, DynamicSamplingMixin
 
 # Inputs that `_get_per_token_logps_and_entropies` takes for multimodal models, forwarded as TRL does.
@@ -42,7 +45,6 @@ _MODEL_INPUT_KEYS = (
     "mm_token_type_ids",
     "image_position_ids",
 )
-_TRL_PPO_CLIPPED = ("grpo", "bnpo", "dr_grpo", "dapo", "luspo")
 
 
 @functools.cache
@@ -69,19 +71,19 @@ class GRPOTrainer(DynamicSamplingMixin, CurriculumMixin, PrefixSharingMixin, trl
         self.ext_loss_type = args.loss_type if extended and args.loss_type in EXTRA_LOSS_TYPES else None
         if extended and self.ext_loss_type is None:
             self.loss_type = trl_loss_type(args.loss_type)  # trl_cispo -> TRL's "cispo"
+        # Ratio bounds of the loss (its clipping, and the bounds of the clip metrics); TRL's names keep TRL's meaning.
+        self._ratio_bounds = ratio_bounds(args, args.loss_type if extended else loss_type_of_trl_name(args.loss_type))
         defaults = GRPOConfig.__dataclass_fields__
-        self.cispo_clip_low = getattr(args, "cispo_clip_low", defaults["cispo_clip_low"].default)
-        self.cispo_clip_high = getattr(args, "cispo_clip_high", defaults["cispo_clip_high"].default)
         self.degenerate_tol = getattr(args, "degenerate_tol", defaults["degenerate_tol"].default)
         self.zero_degenerate_advantages = getattr(
             args, "zero_degenerate_advantages", defaults["zero_degenerate_advantages"].default
         )
         self.degenerate_reward = getattr(args, "degenerate_reward", None)
-        if self.degenerate_reward is not None and self.degenerate_reward not in self.reward_func_names:
-            raise ValueError(
-                f"degenerate_reward={self.degenerate_reward!r} is not one of this trainer's reward functions: "
-                f"{self.reward_func_names}"
-            )
+        names = reward_names(func_names=self.reward_func_names)
+        raise_problems("GRPOTrainer", reward_option_problems(args, names))
+        self._degenerate_column = (
+            None if self.degenerate_reward is None else reward_index(self.degenerate_reward, names)
+        )
 
         self._capture_logps = False
         self._captured_logps = None
@@ -102,8 +104,8 @@ class GRPOTrainer(DynamicSamplingMixin, CurriculumMixin, PrefixSharingMixin, trl
         else:
             rewards = weighted_rewards(rewards_per_func, self.reward_weights)
             degenerate = degenerate_groups(rewards, num_generations, self.degenerate_tol)
-        if self.degenerate_reward is not None:
-            column = rewards_per_func[:, self.reward_func_names.index(self.degenerate_reward)]
+        if self._degenerate_column is not None:
+            column = rewards_per_func[:, self._degenerate_column]
             degenerate = degenerate | degenerate_groups(column, num_generations, self.degenerate_tol)
         return degenerate
 
@@ -206,12 +208,7 @@ class GRPOTrainer(DynamicSamplingMixin, CurriculumMixin, PrefixSharingMixin, trl
             if self.args.use_bias_correction_kl:
                 per_token_kl = per_token_kl * torch.exp(log_importance_weights)
 
-        if self.ext_loss_type == "cispo":
-            clip_low, clip_high = self.cispo_clip_low, self.cispo_clip_high
-        elif self.ext_loss_type == "ppo":
-            clip_low, clip_high = 1 - self.epsilon_low, 1 + self.epsilon_high
-        else:
-            clip_low, clip_high = None, None
+        clip_low, clip_high = self._ratio_bounds
         per_token_loss, ratio_stats = policy_loss_from_log_ratio(
             self.ext_loss_type, log_importance_weights, per_token_logps, advantages, mask, clip_low, clip_high
         )
@@ -322,12 +319,7 @@ class GRPOTrainer(DynamicSamplingMixin, CurriculumMixin, PrefixSharingMixin, trl
         logps, self._captured_logps = self._captured_logps, None
         if logps is None:
             return
-        if self.loss_type in _TRL_PPO_CLIPPED:
-            bounds = (1 - self.epsilon_low, 1 + self.epsilon_high)
-        elif self.loss_type == "cispo":
-            bounds = (None, self.epsilon_high)
-        else:  # sapo, vespo: soft weights, no clipping bounds
-            bounds = (None, None)
+        bounds = self._ratio_bounds  # sapo, vespo: soft weights, no clipping bounds
         mode = "train" if self.model.training else "eval"
         old = inputs.get("old_per_token_logps")
         if old is None:  # on-policy: TRL uses the detached log-probs, every ratio is exactly 1

@@ -31,6 +31,8 @@ from trl.trainer.utils import RepeatSampler, shuffle_sequence_dict, split_tensor
 
 from trl_grpo_ext.data.curriculum import CurriculumSampler, curriculum_from_tasks, passed_values
 from trl_grpo_ext.dynamic_sampling import GroupFilter, GroupRef
+from trl_grpo_ext.grpo_spec import raise_problems, reward_index, reward_option_problems
+from trl_grpo_ext.rewards import reward_names
 from trl_grpo_ext.runs import CURRICULUM_STATE_FILENAME, atomic_write_json, checkpoint_dir
 
 logger = logging.getLogger(__name__)
@@ -220,12 +222,10 @@ class CurriculumMixin:
         self.curriculum = curriculum_from_tasks(
             self._curriculum_tasks, ema=self.args.curriculum_ema, floor=self.args.curriculum_floor
         )
+        names = reward_names(func_names=self.reward_func_names)
+        raise_problems("GRPOTrainer", reward_option_problems(self.args, names))
         name = self.args.curriculum_reward or getattr(self.args, "degenerate_reward", None)
-        if name is not None and name not in self.reward_func_names:
-            raise ValueError(
-                f"curriculum_reward={name!r} is not one of the reward functions: {self.reward_func_names}"
-            )
-        self._curriculum_column = None if name is None else self.reward_func_names.index(name)
+        self._curriculum_column = None if name is None else reward_index(name, names)
 
     # Checkpoints carry the pass-rate estimates, as TRL 1.16 does its adaptive-entropy state (same two hooks), so a
     # resumed run keeps its adapted weights. The prompt order after a resume still differs from an uninterrupted

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import sys
 
+from trl_grpo_ext.compare import build_report
+
 
 def add_arguments(parser) -> None:
     parser.add_argument(
@@ -23,8 +25,6 @@ def add_arguments(parser) -> None:
 
 
 def run(args) -> int:
-    from trl_grpo_ext.compare import build_report
-
     try:
         report = build_report(args.run_dirs, args.out, smooth_window=args.smooth)
     except (FileNotFoundError, ValueError) as e:

@@ -96,14 +96,23 @@ class Curriculum:
         self.updates = int(state.get("updates", 0))
 
 
-def check_curriculum_settings(ema, floor, prior) -> None:
-    """One-line errors for the three numbers (config validation calls this before anything loads)."""
+def curriculum_settings_problems(ema, floor, prior) -> list[str]:
+    """One-line messages for each bad number of the three (config validation reports them with the others)."""
+    problems = []
     if not (isinstance(ema, (int, float)) and 0 < ema <= 1):
-        raise ValueError(f"curriculum_ema={ema!r} must be in (0, 1]")
+        problems.append(f"curriculum_ema={ema!r} must be in (0, 1]")
     if not (isinstance(floor, (int, float)) and math.isfinite(floor) and floor > 0):
-        raise ValueError(f"curriculum_floor={floor!r} must be a finite number > 0 (it keeps every task in the mix)")
+        problems.append(f"curriculum_floor={floor!r} must be a finite number > 0 (it keeps every task in the mix)")
     if not (isinstance(prior, (int, float)) and 0 <= prior <= 1):
-        raise ValueError(f"curriculum prior={prior!r} must be in [0, 1]")
+        problems.append(f"curriculum prior={prior!r} must be in [0, 1]")
+    return problems
+
+
+def check_curriculum_settings(ema, floor, prior) -> None:
+    """`curriculum_settings_problems` as one ValueError."""
+    problems = curriculum_settings_problems(ema, floor, prior)
+    if problems:
+        raise ValueError("; ".join(problems))
 
 
 def passed_values(rewards: Sequence[float], threshold: float) -> list[float]:

@@ -15,12 +15,26 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass, field
 
-# loss_type values the service computes itself (`forward_backward(datums, loss_type)`); the others run locally.
-SERVICE_BUILTIN_LOSS_TYPES = ("importance_sampling", "ppo")
+from trl_grpo_ext.grpo_spec import (
+    GRPOSpec,
+    normalize_values,
+    number_problem,
+    raise_problems,
+    reward_funcs_list,
+    reward_index,
+    reward_option_problems,
+    spec_problems,
+    swanlab_mode_problems,
+)
+from trl_grpo_ext.loss_types import LOSSES, PYTRIO, ratio_bounds
+from trl_grpo_ext.rewards import reward_names
 
 
 @dataclass
-class PyTrioGRPOConfig:
+class PyTrioGRPOConfig(GRPOSpec):
+    """The PyTRIO loop's options: the shared GRPO spec (`trl_grpo_ext.grpo_spec.GRPOSpec`, TRL's names) plus where
+    the model lives, the data, the optimizer and the run."""
+
     # --- where the model lives ---
     base_model: str = field(
         default="embedded",
@@ -78,14 +92,7 @@ class PyTrioGRPOConfig:
         default="error",
         metadata={"help": "GSM8K rows without a question or a parseable answer: 'error' (name the row) or 'drop'."},
     )
-    # --- GRPO (TRL spelling) ---
-    loss_type: str = field(
-        default="importance_sampling",
-        metadata={
-            "help": "'importance_sampling' and 'ppo' run as the service's built-in losses; 'cispo' and every other "
-            "loss of `trl_grpo_ext.losses.LOSS_FUNCTIONS` run through `forward_backward_custom`."
-        },
-    )
+    # --- GRPO: the shared fields are `GRPOSpec`'s; these are the PyTRIO path's own ---
     use_builtin_loss: bool = field(
         default=True,
         metadata={"help": "False: compute importance_sampling / ppo locally too (forward_backward_custom)."},
@@ -97,7 +104,6 @@ class PyTrioGRPOConfig:
             "the TRL path); 'sum': Tinker's plain sum over tokens."
         },
     )
-    num_generations: int = field(default=8, metadata={"help": "Completions per prompt (the GRPO group size)."})
     per_device_train_batch_size: int = field(
         default=16,
         metadata={
@@ -105,65 +111,9 @@ class PyTrioGRPOConfig:
             "x processes; the service splits large batches itself). Prompts per step = this / num_generations."
         },
     )
-    max_completion_length: int = field(default=256, metadata={"help": "Maximum generated tokens per completion."})
-    temperature: float = field(default=1.0, metadata={"help": "Sampling temperature."})
-    top_p: float = field(default=1.0, metadata={"help": "Nucleus sampling threshold."})
-    top_k: int = field(default=0, metadata={"help": "Top-k sampling; 0 disables it (TRL's convention)."})
-    beta: float = field(default=0.0, metadata={"help": "KL coefficient; only 0.0 is supported on this path."})
-    scale_rewards: str = field(
-        default="group",
-        metadata={"help": "'group' (std of the group, paper), 'batch' (std of the step) or 'none' (mean only)."},
-    )
     reward_funcs: list[str] = field(
         default_factory=lambda: ["boxed"],
         metadata={"help": "Reward function names from `trl_grpo_ext.rewards.REWARD_REGISTRY`."},
-    )
-    reward_weights: list[float] | None = field(
-        default=None, metadata={"help": "One weight per reward function; None weighs them all 1.0."}
-    )
-    degenerate_tol: float = field(
-        default=1e-6, metadata={"help": "A group whose rewards span <= this is degenerate (no learning signal)."}
-    )
-    zero_degenerate_advantages: bool = field(
-        default=True, metadata={"help": "Set the advantages of degenerate groups to exactly 0."}
-    )
-    degenerate_reward: str | None = field(
-        default=None,
-        metadata={"help": "Name of one reward function whose flatness within a group also marks it degenerate."},
-    )
-    # --- dynamic sampling and the curriculum (the TRL path's GRPOConfig fields; docs/recipes.md) ---
-    dynamic_sampling: bool = field(
-        default=False,
-        metadata={
-            "help": "DAPO's group filter: drop degenerate groups and sample more prompts until the step has "
-            "prompts_per_step informative groups, or max_generation_batches is reached (then train on those)."
-        },
-    )
-    max_generation_batches: int = field(
-        default=4, metadata={"help": "With dynamic_sampling: sampling rounds one step may use, the first included."}
-    )
-    curriculum: bool = field(
-        default=False,
-        metadata={"help": "Synthetic task weights follow each task's running pass rate: share * (p (1 - p) + floor)."},
-    )
-    curriculum_ema: float = field(default=0.3, metadata={"help": "Weight of the newest batch in the pass rates."})
-    curriculum_floor: float = field(default=0.05, metadata={"help": "Added to p (1 - p): no task's weight is 0."})
-    curriculum_reward: str | None = field(
-        default=None,
-        metadata={"help": "The reward_funcs entry that decides a pass; None: degenerate_reward, else the total."},
-    )
-    curriculum_pass_threshold: float = field(
-        default=1.0, metadata={"help": "A completion passes when that reward is >= this."}
-    )
-    epsilon: float = field(
-        default=0.2, metadata={"help": "ppo: the ratio is clipped to [1 - epsilon, 1 + epsilon_high]."}
-    )
-    epsilon_high: float | None = field(default=None, metadata={"help": "ppo: upper epsilon; None: `epsilon`."})
-    cispo_clip_low: float | None = field(
-        default=None, metadata={"help": "cispo: lower ratio bound; None: `trl_grpo_ext.losses.DEFAULT_CLIP`."}
-    )
-    cispo_clip_high: float | None = field(
-        default=None, metadata={"help": "cispo: upper ratio bound; None: `trl_grpo_ext.losses.DEFAULT_CLIP`."}
     )
     # --- optimizer (TRL spelling, sent as pytrio AdamParams) ---
     learning_rate: float = field(default=1e-5, metadata={"help": "Peak AdamW learning rate."})
@@ -191,7 +141,8 @@ class PyTrioGRPOConfig:
     swanlab_mode: str | None = field(
         default=None,
         metadata={
-            "help": "SwanLab mode: 'cloud', 'local', 'offline' or 'disabled'; None: $SWANLAB_MODE or 'offline'."
+            "help": "SwanLab mode: 'online', 'offline', 'local' or 'disabled' ('cloud': deprecated name of online); "
+            "None: $SWANLAB_MODE or 'offline'."
         },
     )
     request_timeout_s: float = field(
@@ -207,62 +158,54 @@ class PyTrioGRPOConfig:
 
     @property
     def clip_bounds(self) -> tuple[float | None, float | None]:
-        """Ratio bounds handed to `trl_grpo_ext.losses.policy_loss` (None: its defaults)."""
-        if self.loss_type == "ppo":
-            high = self.epsilon if self.epsilon_high is None else self.epsilon_high
-            return 1.0 - self.epsilon, 1.0 + high
-        if self.loss_type == "cispo":
-            return self.cispo_clip_low, self.cispo_clip_high
-        return None, None
+        """Ratio bounds handed to `trl_grpo_ext.losses.policy_loss` (`trl_grpo_ext.loss_types.ratio_bounds`)."""
+        return ratio_bounds(self)
 
     @property
     def uses_builtin_loss(self) -> bool:
-        return self.use_builtin_loss and self.loss_type in SERVICE_BUILTIN_LOSS_TYPES
+        return self.use_builtin_loss and LOSSES[self.loss_type].service_builtin
+
+    def reward_column(self, name: str) -> int:
+        """Position in ``reward_funcs`` of the reward `name` names (its entry or function name; validated)."""
+        return reward_index(name, reward_names(self.reward_funcs))
 
     def validate(self) -> None:
-        from trl_grpo_ext.losses import LOSS_FUNCTIONS
+        """Raise one ValueError listing every bad value (the shared GRPO spec's and this path's own)."""
+        normalize_values(self)
+        self.reward_funcs = reward_funcs_list(self.reward_funcs)
+        problems = spec_problems(self, PYTRIO)
+        if not self.reward_funcs:
+            problems.append("reward_funcs is empty; name at least one reward (e.g. boxed)")
+        problems += reward_option_problems(self, reward_names(self.reward_funcs))
+        problems += self._run_problems()
+        raise_problems("PyTRIO GRPO config", problems)
 
+    def _run_problems(self) -> list[str]:
+        """This path's own rules: the service, the batch, the optimizer, data and logging options."""
         problems = []
-        if self.loss_type not in LOSS_FUNCTIONS:
-            problems.append(f"loss_type {self.loss_type!r} is not one of {sorted(LOSS_FUNCTIONS)}")
+        if self.beta != 0.0:
+            problems.append(f"beta={self.beta!r}: a KL penalty is not supported on the PyTRIO path; set beta: 0.0")
         if self.loss_aggregation not in ("token_mean", "sum"):
             problems.append(f"loss_aggregation must be 'token_mean' or 'sum', got {self.loss_aggregation!r}")
         if self.mode not in ("sync", "async"):
             problems.append(f"mode must be 'sync' or 'async', got {self.mode!r}")
         if not 4 <= self.lora_rank <= 64:
             problems.append(f"lora_rank must be in [4, 64] (pytrio's range), got {self.lora_rank}")
-        if self.num_generations < 2:
-            problems.append(f"num_generations must be >= 2 for group advantages, got {self.num_generations}")
-        elif self.per_device_train_batch_size < self.num_generations or (
-            self.per_device_train_batch_size % self.num_generations
+        if (
+            isinstance(self.num_generations, int)
+            and self.num_generations >= 2
+            and (
+                self.per_device_train_batch_size < self.num_generations
+                or self.per_device_train_batch_size % self.num_generations
+            )
         ):
             problems.append(
                 f"per_device_train_batch_size ({self.per_device_train_batch_size}, completions per step) must be a "
                 f"positive multiple of num_generations ({self.num_generations})"
             )
-        if self.max_completion_length < 1:
-            problems.append("max_completion_length must be >= 1")
-        if self.temperature <= 0:
-            problems.append("temperature must be > 0")
-        if self.beta != 0.0:
-            problems.append("beta (KL penalty) is not supported on the PyTRIO path; set beta: 0.0")
-        if str(self.scale_rewards) not in ("group", "batch", "none"):
-            problems.append(f"scale_rewards must be 'group', 'batch' or 'none', got {self.scale_rewards!r}")
-        if isinstance(self.reward_funcs, str):
-            self.reward_funcs = [self.reward_funcs]
-        if not self.reward_funcs:
-            problems.append("reward_funcs is empty")
-        if self.reward_weights is not None and len(self.reward_weights) != len(self.reward_funcs):
-            problems.append(
-                f"reward_weights has {len(self.reward_weights)} entries for {len(self.reward_funcs)} reward_funcs"
-            )
-        if self.degenerate_reward is not None and self.degenerate_reward not in self.reward_funcs:
-            problems.append(f"degenerate_reward {self.degenerate_reward!r} is not in reward_funcs")
-        if self.degenerate_tol < 0:
-            problems.append("degenerate_tol must be >= 0")
-        problems += self._sampling_problems()
-        if self.learning_rate < 0:
-            problems.append("learning_rate must be >= 0")
+        if self.curriculum and self.dataset_name != "synthetic":
+            problems.append(f"curriculum needs rows with a task (dataset_name: synthetic), not {self.dataset_name!r}")
+        problems += number_problem("learning_rate", self.learning_rate, lambda v: v >= 0, "a finite number >= 0")
         if self.lr_scheduler_type not in ("constant", "linear"):
             problems.append(f"lr_scheduler_type must be 'constant' or 'linear', got {self.lr_scheduler_type!r}")
         if not 0.0 <= self.warmup_ratio < 1.0:
@@ -279,28 +222,9 @@ class PyTrioGRPOConfig:
             problems.append(f"on_malformed must be 'error' or 'drop', got {self.on_malformed!r}")
         if self.report_to not in ("none", "swanlab"):
             problems.append(f"report_to must be 'none' or 'swanlab', got {self.report_to!r}")
+        problems += swanlab_mode_problems(self.swanlab_mode)
         if self.request_timeout_s <= 0:
             problems.append("request_timeout_s must be > 0")
-        if problems:
-            raise ValueError("invalid PyTRIO GRPO config: " + "; ".join(problems))
-
-    def _sampling_problems(self) -> list[str]:
-        from trl_grpo_ext.data.curriculum import check_curriculum_settings
-
-        problems = []
-        batches = self.max_generation_batches
-        if isinstance(batches, bool) or not isinstance(batches, int) or batches < 1:
-            problems.append(f"max_generation_batches must be an integer >= 1, got {batches!r}")
-        try:
-            check_curriculum_settings(self.curriculum_ema, self.curriculum_floor, 0.5)
-        except ValueError as error:
-            problems.append(str(error))
-        if not math.isfinite(self.curriculum_pass_threshold):
-            problems.append("curriculum_pass_threshold must be finite")
-        if self.curriculum_reward is not None and self.curriculum_reward not in self.reward_funcs:
-            problems.append(f"curriculum_reward {self.curriculum_reward!r} is not in reward_funcs")
-        if self.curriculum and self.dataset_name != "synthetic":
-            problems.append(f"curriculum needs rows with a task (dataset_name: synthetic), not {self.dataset_name!r}")
         return problems
 
     def learning_rate_at(self, step: int) -> float:

@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from trl_grpo_ext.dynamic_sampling import GroupFilter, GroupRef
+from trl_grpo_ext.loss_types import wire_loss_config
 from trl_grpo_ext.pytrio.checkpoint import (
     LoopState,
     check_resumable,
@@ -42,7 +43,6 @@ from trl_grpo_ext.rewards import get_reward_funcs
 from trl_grpo_ext.runs import PYTRIO_SERVER_DIRNAME, write_run_config
 from trl_grpo_ext.runs.metrics import RunLogger
 from trl_grpo_ext.runs.tracking import start_swanlab
-from trl_grpo_ext.test_hooks import maybe_kill
 
 logger = logging.getLogger(__name__)
 
@@ -134,7 +134,7 @@ def advantages_for(config: PyTrioGRPOConfig, rewards, rewards_per_func) -> tuple
     rewards_per_func = torch.as_tensor(rewards_per_func, dtype=torch.float32)
     degenerate_rewards = None
     if config.degenerate_reward is not None:
-        degenerate_rewards = rewards_per_func[:, list(config.reward_funcs).index(config.degenerate_reward)]
+        degenerate_rewards = rewards_per_func[:, config.reward_column(config.degenerate_reward)]
     advantages, degenerate = group_advantages(
         torch.as_tensor(rewards, dtype=torch.float32),
         config.num_generations,
@@ -229,11 +229,8 @@ def make_custom_loss(config: PyTrioGRPOConfig, rows: TokenRows, record: dict):
 
 
 def builtin_loss_config(config: PyTrioGRPOConfig) -> dict | None:
-    """``loss_fn_config`` for the service's built-in losses (Tinker's key names for the ppo ratio bounds)."""
-    if config.loss_type == "ppo":
-        low, high = config.clip_bounds
-        return {"clip_low_threshold": low, "clip_high_threshold": high}
-    return None
+    """``loss_fn_config`` for the service's built-in losses (Tinker's key names for the ratio bounds)."""
+    return wire_loss_config(config.loss_type, *config.clip_bounds)
 
 
 def local_loss_metrics(config: PyTrioGRPOConfig, rows: TokenRows, new_logprobs) -> dict:
@@ -374,14 +371,11 @@ class GRPOLoop:
         service_client=None,
         rows: list[dict] | None = None,
         tokenizer=None,
-        stop_after: int | None = None,
     ):
         self.config = config
         self._service = service_client
         self._rows = rows
         self._tokenizer = tokenizer
-        # Tests stop a run early (as a kill would) after this many steps of this invocation.
-        self._stop_after = stop_after
         self._prompt_cache: dict[int, list[int]] = {}
         self.curriculum = None  # `trl_grpo_ext.data.curriculum.Curriculum` with ``curriculum: true`` (`prepare`)
         self._checked: tuple[LoopState | None] | None = None  # (resume state,) once `check_inputs` has passed
@@ -587,7 +581,7 @@ class GRPOLoop:
 
             c = self.config
             name = c.curriculum_reward or c.degenerate_reward
-            rewards = scored.rewards if name is None else scored.rewards_per_func[:, list(c.reward_funcs).index(name)]
+            rewards = scored.rewards if name is None else scored.rewards_per_func[:, c.reward_column(name)]
             tasks = [row.get("task") for row in scored.rows for _ in range(c.num_generations)]
             self.curriculum.update(tasks, passed_values(rewards.tolist(), c.curriculum_pass_threshold))
             metrics.update(self.curriculum.metrics())
@@ -671,7 +665,6 @@ class GRPOLoop:
         if not isinstance(path, str) or not path:
             raise PyTrioLoopError(f"save_state returned no checkpoint path ({result!r})")
         # Saved remotely, not yet recorded here: a kill now resumes from the previous recorded checkpoint.
-        maybe_kill("save", step_done)
         state.step = step_done
         state.data_position = stream.position
         state.curriculum = self.curriculum.state_dict() if self.curriculum is not None else None
@@ -743,7 +736,6 @@ class GRPOLoop:
         sink = RunLogger(out, swanlab, redact)
         sink.start(state.step)
         try:
-            done_here = 0
             for step in range(state.step, c.max_steps):
                 metrics = self.train_step(training_client, stream, step)
                 step_done = step + 1
@@ -759,9 +751,6 @@ class GRPOLoop:
                 )
                 if c.save_every and step_done % c.save_every == 0 and step_done < c.max_steps:
                     self._checkpoint(training_client, state, stream, step_done)
-                done_here += 1
-                if self._stop_after is not None and done_here >= self._stop_after:
-                    return {"stopped_at": step_done, "state_path": state.state_path}
 
             if state.step < c.max_steps:
                 self._checkpoint(training_client, state, stream, c.max_steps)

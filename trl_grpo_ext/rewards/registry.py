@@ -67,3 +67,27 @@ def get_reward_funcs(
     if not funcs:
         raise ValueError(f"no reward functions given; valid: {', '.join(sorted(REWARD_REGISTRY))}")
     return funcs
+
+
+def reward_names(entries: Iterable | None = None, func_names: Iterable[str] | None = None) -> list[tuple[str, ...]]:
+    """The names each reward function answers to in the options that name one (``degenerate_reward``,
+    ``curriculum_reward``; `trl_grpo_ext.grpo_spec.reward_option_problems`): its function name (TRL's
+    ``rewards/<name>/mean``), the registry names of that function and its ``reward_funcs`` entry, so both spellings
+    work on both paths ('boxed' and 'boxed_reward').
+
+    `entries`: the ``reward_funcs`` list (names or callables); `func_names`: the functions' names as TRL gives them
+    (`trl_grpo_ext.reward_aggregation.reward_func_name`); without them a registry entry's function name is used.
+    """
+    entries = list(entries) if entries is not None else None
+    if func_names is None:
+        func_names = [getattr(REWARD_REGISTRY.get(e, e) if isinstance(e, str) else e, "__name__", e) for e in entries]
+    registry_by_function: dict[str, list[str]] = {}
+    for key, func in REWARD_REGISTRY.items():
+        registry_by_function.setdefault(getattr(func, "__name__", key), []).append(key)
+    names = []
+    for index, func_name in enumerate(func_names):
+        own = [str(func_name), *registry_by_function.get(func_name, [])]
+        if entries is not None and isinstance(entries[index], str):
+            own.append(entries[index].strip())
+        names.append(tuple(dict.fromkeys(own)))
+    return names

@@ -5,7 +5,9 @@ not destroy.
 - `files`: whole-file writes (`atomic_write_text`, `atomic_write_json`, `write_run_config`, `write_jsonl`) replace
   the old file in one rename, so a kill leaves either the old or the new file, never half of one;
 - `metrics`: `metrics.jsonl` rows, appended after repairing a row a kill cut short, read skipping unreadable
-  lines, truncated to a resumed run's checkpoint;
+  lines, truncated to a resumed run's checkpoint; `RunLogger`, the one writer of step metrics both execution
+  paths call (rows, mirrored to SwanLab);
+- `tracking`: SwanLab's mode and start-up for both paths, and `jsonable` (a metric value as a row holds it);
 - `checkpoints`: the latest complete HF `checkpoint-N` (a save killed before its trainer_state.json is passed
   over) and the one `resume_from_checkpoint` names;
 - `sweep_files`: a sweep's markers, configs, logs and summary;
@@ -21,7 +23,7 @@ from trl_grpo_ext.runs.checkpoints import (
     resolve_resume_checkpoint,
 )
 from trl_grpo_ext.runs.files import atomic_write_json, atomic_write_text, read_jsonl, write_jsonl, write_run_config
-from trl_grpo_ext.runs.metrics import append_jsonl_row, read_metrics_file, run_metrics, truncate_metrics
+from trl_grpo_ext.runs.metrics import RunLogger, append_jsonl_row, read_metrics_file, run_metrics, truncate_metrics
 from trl_grpo_ext.runs.names import (
     ADAPTER_CONFIG_FILENAME,
     CHECKPOINT_PATTERN,
@@ -55,6 +57,7 @@ from trl_grpo_ext.runs.names import (
 )
 
 __all__ = [
+    "RunLogger",
     "ADAPTER_CONFIG_FILENAME",
     "CHECKPOINT_PATTERN",
     "CHECKPOINT_PREFIX",

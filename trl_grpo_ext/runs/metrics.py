@@ -16,7 +16,6 @@ from pathlib import Path
 from trl_grpo_ext.runs.files import atomic_write_text
 from trl_grpo_ext.runs.names import METRICS_FILENAME
 from trl_grpo_ext.runs.tracking import jsonable
-from trl_grpo_ext.test_hooks import maybe_tear_row
 
 logger = logging.getLogger(__name__)
 
@@ -66,7 +65,6 @@ def append_jsonl_row(path, row: dict) -> None:
     data = (json.dumps(row) + "\n").encode("utf-8")
     with open(path, "a+b") as handle:  # a+: created if missing, readable; every write lands at the end
         _repair_torn_tail(handle)
-        maybe_tear_row(handle, data, row)  # test-only
         handle.write(data)
         handle.flush()
 

@@ -50,6 +50,14 @@ SWEEP_DONE_FILENAME = "sweep_done.json"
 # In the sweep's output root: every run's status, and one line per finished run.
 SWEEP_SUMMARY_FILENAME = "sweep_summary.json"
 SWEEP_LOG_FILENAME = "sweep.log"
+# In each run folder: the job that trains it (written by the sweep's launcher) and what its last job did or is
+# doing: queued, running, finished, failed, interrupted (trl_grpo_ext/launch/).
+SWEEP_JOB_FILENAME = "sweep_job.json"
+SWEEP_ATTEMPT_FILENAME = "sweep_attempt.json"
+# In the sweep's output root: the lock a sweep command holds while it picks and starts runs, and the SLURM
+# launcher's folder (each submitted array's sbatch script and run list, each array task's own output).
+SWEEP_LOCK_FILENAME = ".sweep.lock"
+SLURM_JOBS_DIRNAME = "slurm_jobs"
 
 
 def checkpoint_dir(output_dir, step: int) -> Path:
@@ -61,6 +69,17 @@ def attempt_metrics_path(run_dir, attempt: int) -> Path:
     """`<run_dir>/metrics.attempt-<attempt>.jsonl`: an earlier attempt's metrics, set aside by a sweep retry."""
     metrics = Path(METRICS_FILENAME)
     return Path(run_dir) / f"{metrics.stem}.attempt-{attempt}{metrics.suffix}"
+
+
+def slurm_array_files(root, stem: str) -> tuple[Path, Path]:
+    """(sbatch script, run list) of one submitted job array: `<root>/slurm_jobs/<stem>.sbatch` and `<stem>.runs`."""
+    folder = Path(root) / SLURM_JOBS_DIRNAME
+    return folder / f"{stem}.sbatch", folder / f"{stem}.runs"
+
+
+def slurm_task_output(root, job_id: str) -> Path:
+    """An array task's own output, `<root>/slurm_jobs/<array job>_<task>.out` (job_id "%A_%a": sbatch's pattern)."""
+    return Path(root) / SLURM_JOBS_DIRNAME / f"{job_id}.out"
 
 
 # ------------------------------------------------------------------------------------------ eval outputs

@@ -3,7 +3,9 @@ in the output root the summary of every run and the sweep's log."""
 
 from __future__ import annotations
 
+import contextlib
 import datetime as _dt
+import fcntl
 import json
 from pathlib import Path
 
@@ -15,8 +17,11 @@ from trl_grpo_ext.runs.names import (
     EVAL_SUMMARY_FILENAME,
     METRICS_FILENAME,
     PYTRIO_STATE_FILENAME,
+    SWEEP_ATTEMPT_FILENAME,
     SWEEP_CONFIG_FILENAME,
     SWEEP_DONE_FILENAME,
+    SWEEP_JOB_FILENAME,
+    SWEEP_LOCK_FILENAME,
     SWEEP_LOG_FILENAME,
     SWEEP_SUMMARY_FILENAME,
     attempt_metrics_path,
@@ -90,7 +95,72 @@ def read_eval_summary(run_dir) -> dict | None:
     return summary if isinstance(summary, dict) else {}
 
 
+def write_job_description(run_dir, job: dict) -> None:
+    """`sweep_job.json`: what the run's job needs to train it (launch/job.py), written before it is started."""
+    atomic_write_text(Path(run_dir) / SWEEP_JOB_FILENAME, json.dumps(job, indent=2, default=str))
+
+
+def read_job_description(run_dir) -> dict:
+    return json.loads((Path(run_dir) / SWEEP_JOB_FILENAME).read_text())
+
+
+def write_attempt_record(run_dir, record: dict) -> None:
+    """`sweep_attempt.json`: what the run's last job did or is doing (launch/records.py), replaced whole."""
+    atomic_write_text(Path(run_dir) / SWEEP_ATTEMPT_FILENAME, json.dumps(record, indent=2, default=str))
+
+
+def read_attempt_record(run_dir) -> dict | None:
+    """The last attempt record, None when there is none or it is unreadable."""
+    try:
+        record = json.loads((Path(run_dir) / SWEEP_ATTEMPT_FILENAME).read_text())
+    except (OSError, ValueError):
+        return None
+    return record if isinstance(record, dict) else None
+
+
 # ------------------------------------------------------------------------------------------ the output root
+
+
+@contextlib.contextmanager
+def output_root_lock(root, on_wait: str | None = None):
+    """`<root>/.sweep.lock`, held while a sweep command picks and starts runs or the summary is rewritten, so two
+    commands (or a command and a job) never act on the same run at once. Prints `on_wait` if it must wait."""
+    Path(root).mkdir(parents=True, exist_ok=True)
+    with open(Path(root) / SWEEP_LOCK_FILENAME, "a") as handle:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            if on_wait:
+                print(on_wait, flush=True)
+            fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def summary_counts(entries: list[dict]) -> dict[str, int]:
+    """How many runs of a summary are in each status."""
+    return {s: sum(1 for r in entries if r["status"] == s) for s in sorted({r["status"] for r in entries})}
+
+
+def update_sweep_summary_entry(root, entry: dict) -> None:
+    """Put one run's entry (by name) into `<root>/sweep_summary.json`, under the root's lock; no summary, no
+    change (the sweep command writes one, with every record it finds, when it starts runs)."""
+    with output_root_lock(root):
+        path = Path(root) / SWEEP_SUMMARY_FILENAME
+        try:
+            payload = json.loads(path.read_text())
+            entries = payload["runs"]
+            names = [e.get("name") for e in entries]
+        except (OSError, ValueError, KeyError, TypeError, AttributeError):
+            return
+        if entry["name"] in names:
+            entries[names.index(entry["name"])] = entry
+        else:
+            entries.append(entry)
+        payload.update(updated_at=now_iso(), counts=summary_counts(entries), runs=entries)
+        write_sweep_summary(root, payload)
 
 
 def read_sweep_summary(root) -> list[dict]:

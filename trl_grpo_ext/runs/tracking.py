@@ -23,10 +23,10 @@ def jsonable(value):
 
 
 def swanlab_mode(requested: str | None = None) -> str:
-    """The SwanLab mode to use: `requested` ('cloud' is 'online'), else $SWANLAB_MODE, else online with an API key
-    (SWANLAB_API_KEY or one saved by `swanlab login`), else offline."""
+    """The SwanLab mode to use: `requested` (a config's `swanlab_mode`, checked by `grpo_spec`), else $SWANLAB_MODE,
+    else online with an API key (SWANLAB_API_KEY or one saved by `swanlab login`), else offline."""
     if requested:
-        return "online" if requested == "cloud" else requested
+        return requested
     if os.environ.get("SWANLAB_MODE"):
         return os.environ["SWANLAB_MODE"]
     if os.environ.get("SWANLAB_API_KEY"):

@@ -9,8 +9,9 @@ import logging
 import shutil
 from pathlib import Path
 
-from trl_grpo_ext.pytrio.server.engine import LoraSnapshot
-from trl_grpo_ext.pytrio.server.registry import ApiError, CheckpointRecord
+from trl_grpo_ext.pytrio.server.adapters import LoraSnapshot
+from trl_grpo_ext.pytrio.server.errors import ApiError
+from trl_grpo_ext.pytrio.server.registry import CheckpointRecord
 
 logger = logging.getLogger(__name__)
 

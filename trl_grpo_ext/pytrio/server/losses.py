@@ -12,14 +12,10 @@ from dataclasses import dataclass
 
 import torch
 
-# Tinker's names for the knobs; the losses module takes ratio bounds and a DRO beta.
-CONFIG_KEYS: dict[str, tuple[str, ...]] = {
-    "cross_entropy": (),
-    "importance_sampling": (),
-    "ppo": ("clip_low_threshold", "clip_high_threshold"),
-    "cispo": ("clip_low_threshold", "clip_high_threshold"),
-    "dro": ("beta",),
-}
+from trl_grpo_ext.loss_types import SERVER_LOSS_CONFIG_KEYS, WIRE_CLIP_HIGH, WIRE_CLIP_LOW
+
+# Tinker's names for the knobs, from the loss table; the losses module takes ratio bounds and a DRO beta.
+CONFIG_KEYS: dict[str, tuple[str, ...]] = SERVER_LOSS_CONFIG_KEYS
 BUILTIN_LOSSES = tuple(CONFIG_KEYS)
 
 
@@ -54,11 +50,11 @@ def parse_loss(name: str, config: dict | None) -> LossSpec:
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(float(value)):
             raise LossConfigError(f"loss_fn_config[{key!r}] must be a finite number, got {value!r}")
         values[key] = float(value)
-    low, high = values.get("clip_low_threshold"), values.get("clip_high_threshold")
+    low, high = values.get(WIRE_CLIP_LOW), values.get(WIRE_CLIP_HIGH)
     if low is not None and low < 0:
-        raise LossConfigError(f"clip_low_threshold must be >= 0, got {low}")
+        raise LossConfigError(f"{WIRE_CLIP_LOW} must be >= 0, got {low}")
     if low is not None and high is not None and low > high:
-        raise LossConfigError(f"clip_low_threshold {low} exceeds clip_high_threshold {high}")
+        raise LossConfigError(f"{WIRE_CLIP_LOW} {low} exceeds {WIRE_CLIP_HIGH} {high}")
     beta = values.get("beta")
     if beta is not None and beta < 0:
         raise LossConfigError(f"beta must be >= 0, got {beta}")
