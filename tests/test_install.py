@@ -161,12 +161,16 @@ def _pins(path):
 def test_the_floor_cell_pins_every_ranges_lower_bound():
     """Each range in pyproject is tested at its floor (constraints/floor.txt) and its top (the newest cell)."""
     floor = _pins(ROOT / "constraints" / "floor.txt")
-    for name, req in _requirements(PYPROJECT["project"]["dependencies"]).items():
-        if name == "torch":  # only the 2.13 CPU build lies on this machine's disk (docs/gpu.md)
+    extras = PYPROJECT["project"]["optional-dependencies"]
+    ranges = PYPROJECT["project"]["dependencies"] + extras["pytrio"] + extras["deepspeed"]  # what the cells install
+    for req in map(Requirement, ranges):
+        name = req.name
+        if name in ("torch", "trl-grpo-ext"):  # torch: only the 2.13 CPU build lies on this machine's disk
             continue
         lower = [s.version for s in req.specifier if s.operator == ">="]
         if not lower:
-            assert any(s.operator == "==" for s in req.specifier), f"{req}: no floor to test"
+            ops = {s.operator for s in req.specifier}
+            assert ops == {"=="} or ops <= {"!=", "<", "<="} and ops, f"{req}: no floor to test"
             continue
         assert name.lower() in floor, f"constraints/floor.txt does not pin {name} (pyproject: {req})"
         (pin,) = floor[name.lower()].specifier
