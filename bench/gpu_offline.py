@@ -443,9 +443,6 @@ def run(args) -> int:
     if args.device == "cuda" and not torch.cuda.is_available():
         print("gpu_offline: error: no CUDA GPU is visible to torch (--dry-run runs on CPU)", file=sys.stderr)
         return 2
-    from transformers.utils import logging as hf_logging
-
-    hf_logging.disable_progress_bar()  # "Loading weights" bars, once per trainer
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
@@ -476,6 +473,9 @@ def run(args) -> int:
 
 
 def main(argv=None) -> int:
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # "Loading weights" bars, once per trainer (the script's process only)
     return run(parse_args(argv))
 
 
