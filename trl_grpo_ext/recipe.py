@@ -1,4 +1,4 @@
-"""Building blocks of `recipes/gsm8k_grpo.py`: input checks, CPU threads, model, datasets, rewards, the run report.
+"""Building blocks of `recipes/gsm8k_grpo.py`: input checks, model, datasets, rewards, the run report.
 
 The recipe checks everything a user can get wrong (`prepare_run`: config, reward names, model path, resume
 checkpoint, tokenizer, data) before the model loads or any file of the run folder is written, so a failing rerun
@@ -8,7 +8,6 @@ leaves the previous run's files as they were.
 from __future__ import annotations
 
 import json
-import os
 import resource
 import sys
 import time
@@ -32,58 +31,6 @@ from trl_grpo_ext.runs import (
 from trl_grpo_ext.trl_sampling import prompt_pool_factor
 
 _START = time.time()
-
-
-# ------------------------------------------------------------------------------------------ CPU threads
-
-
-def _launcher_process() -> tuple[dict, list[str]] | None:
-    """(environment at exec, argv) of the parent process when it is `accelerate launch`, else None (Linux /proc)."""
-    try:
-        parent = Path(f"/proc/{os.getppid()}")
-        argv = [a.decode(errors="replace") for a in (parent / "cmdline").read_bytes().split(b"\0") if a]
-        raw = (parent / "environ").read_bytes().split(b"\0")
-    except OSError:
-        return None
-    if not any("accelerate" in part for part in argv[:3]):
-        return None
-    env = dict(item.decode(errors="replace").split("=", 1) for item in raw if b"=" in item)
-    return env, argv
-
-
-def cpu_threads_to_set(env, launcher, cpu_count: int, on_cpu: bool) -> int | None:
-    """Torch threads for a single-process CPU run that `accelerate launch` started with OMP_NUM_THREADS it chose
-    itself (1 unless `use_cpu` and several physical cores), or None to keep the current setting.
-
-    `accelerate launch` always exports OMP_NUM_THREADS to the script, so the script cannot tell a user's value
-    from accelerate's; the launcher's own environment and arguments (`launcher`: (env, argv)) can: accelerate
-    only picks the value when neither OMP_NUM_THREADS nor --num_cpu_threads_per_process was given to it.
-    """
-    if not on_cpu or "ACCELERATE_DYNAMO_BACKEND" not in env or launcher is None:
-        return None  # not started by accelerate's launcher (a plain `python` run keeps torch's default)
-    if int(env.get("WORLD_SIZE") or 1) > 1 or int(env.get("LOCAL_WORLD_SIZE") or 1) > 1:
-        return None  # several processes share the cores
-    launcher_env, launcher_argv = launcher
-    if "OMP_NUM_THREADS" in launcher_env:
-        return None
-    if any(
-        a == "--num_cpu_threads_per_process" or a.startswith("--num_cpu_threads_per_process=") for a in launcher_argv
-    ):
-        return None
-    return cpu_count
-
-
-def configure_cpu_threads(training_args) -> int:
-    """Give a single-process CPU run every core `accelerate launch` held back (see `cpu_threads_to_set`); returns
-    the torch thread count in effect."""
-    import torch
-
-    cpu_count = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    on_cpu = bool(getattr(training_args, "use_cpu", False)) or not torch.cuda.is_available()
-    threads = cpu_threads_to_set(os.environ, _launcher_process(), cpu_count, on_cpu)
-    if threads is not None and threads != torch.get_num_threads():
-        torch.set_num_threads(threads)
-    return torch.get_num_threads()
 
 
 # ------------------------------------------------------------------------------------------ checks before loading

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import torch
 
+from trl_grpo_ext.compat import set_active_adapter
 from trl_grpo_ext.pytrio.server.errors import EngineError
 
 ATTN_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj")
@@ -137,7 +138,7 @@ class LoraAdapters:
         return sorted(params, key=lambda item: item[0])
 
     def _activate(self, name: str, trainable: bool) -> None:
-        self.peft.set_adapter(name, inference_mode=not trainable)
+        set_active_adapter(self.peft, name, trainable)
         if trainable:
             for _, p in self.runs_by_adapter(name).params:
                 p.requires_grad_(True)
@@ -183,5 +184,5 @@ class LoraAdapters:
         if self._slot_content.get(slot) != snapshot.uid:
             self._import(slot, snapshot.weights)
             self._slot_content[slot] = snapshot.uid
-        self.peft.set_adapter(slot, inference_mode=True)
+        set_active_adapter(self.peft, slot, trainable=False)
         return self.peft, contextlib.nullcontext()
