@@ -5,10 +5,13 @@ OpenMP threads that finish their share of a parallel region spin, waiting for th
 ships spins ~300k iterations before sleeping). On an idle machine that saves a wake-up; beside another busy process
 the spinning threads take the cores the working thread needs, and a step slows several-fold (issue 19: `make
 train`'s 2-thread default ran 100 s a step beside one busy process, 18 s with one thread, ~12 s idle).
-``OMP_WAIT_POLICY=PASSIVE`` makes a waiting thread sleep at once: a loaded machine degrades to about the speed
-of the cores it has left, and an idle one pays a futex wake-up per parallel region. `bench/cpu_threads.py`
-measures both, side by side, in one run. The thread count is left as it is (torch's default, or every core for a
-single-process run, `configure_cpu_threads`): fewer threads would cost an idle machine far more than 5%.
+``GOMP_SPINCOUNT=10000`` keeps a short spin (tens of microseconds) and then sleeps: an idle machine keeps the
+spin's benefit between back-to-back regions, a loaded one degrades to about the speed of the cores it has left.
+Measured side by side in one run (`bench/cpu_threads.py`, docs/gpu.md#cpu-threads): ``OMP_WAIT_POLICY=PASSIVE``
+(sleep at once) degrades as well under load but cost 6-16% idle, over the 5% budget; the short spin cost nothing
+measurable idle. The thread count is left as it is (torch's default, or every core for a single-process run,
+`configure_cpu_threads`): fewer threads would cost an idle machine far more than 5%. Only GNU OpenMP (torch's Linux
+wheels) reads ``GOMP_SPINCOUNT``; builds on LLVM or Intel OpenMP (macOS) keep their own default.
 
 OpenMP reads its settings when torch's runtime loads (``import torch``), so `apply_cpu_thread_defaults` runs
 first thing in the recipes' scripts and the `trl-grpo-ext` console script; set in ``os.environ``, it also reaches
@@ -21,7 +24,7 @@ import os
 from pathlib import Path
 
 # Defaults applied when the user set none of `USER_SETTINGS`.
-DEFAULTS = {"OMP_WAIT_POLICY": "PASSIVE"}
+DEFAULTS = {"GOMP_SPINCOUNT": "10000"}
 # Any of these means the user chose how OpenMP threads wait (GNU's spin count, Intel's block time): left alone.
 USER_SETTINGS = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "KMP_BLOCKTIME")
 
