@@ -134,9 +134,17 @@ def test_constraints_pin_the_installed_cpu_torch():
     assert _requirements(PYPROJECT["project"]["dependencies"])["torch"].specifier.contains(spec.version)
 
 
+def _make_dry_run(*targets):
+    """`make -n` output as a top-level make prints it: under `make test` the test runs inside a make, whose
+    MAKELEVEL/MAKEFLAGS would add "Entering/Leaving directory" lines (the CI failure of 2026-12-02)."""
+    env = {k: v for k, v in os.environ.items() if k not in ("MAKELEVEL", "MAKEFLAGS", "MFLAGS")}
+    cmd = ["make", "--no-print-directory", "-n", *targets]
+    return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, check=True, env=env).stdout
+
+
 def test_every_resolving_pip_install_in_the_makefile_uses_the_constraints():
     """`make -n -B install` lists the install recipe; each pip install that resolves dependencies pins torch."""
-    out = subprocess.run(["make", "-n", "-B", "install"], cwd=ROOT, capture_output=True, text=True, check=True).stdout
+    out = _make_dry_run("-B", "install")
     installs = [
         line for line in out.splitlines() if re.search(r"\bpip install\b", line) and not line.lstrip().startswith("#")
     ]
@@ -192,13 +200,10 @@ def test_the_vllm_cell_is_what_the_extra_allows():
 
 def test_make_builds_each_cell_with_its_constraints():
     for cell in ("vllm", "floor"):
-        out = subprocess.run(
-            ["make", "-n", "-B", f".venv-{cell}/.installed"], cwd=ROOT, capture_output=True, text=True, check=True
-        ).stdout
+        out = _make_dry_run("-B", f".venv-{cell}/.installed")
         install = next(line for line in out.splitlines() if "-e '.[dev,deepspeed]'" in line)
         assert "-c constraints/cpu.txt" in install and f"-c constraints/{cell}.txt" in install, install
-        tests = subprocess.run(["make", "-n", f"test-{cell}"], cwd=ROOT, capture_output=True, text=True, check=True)
-        run = tests.stdout.strip().splitlines()[-1]
+        run = _make_dry_run(f"test-{cell}").strip().splitlines()[-1]
         assert run.startswith(f".venv-{cell}/bin/python -m pytest") and "tests/test_prefix.py" in run, run
 
 
