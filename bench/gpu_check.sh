@@ -8,8 +8,16 @@
 #   bash bench/gpu_check.sh --model /models/Qwen2.5-0.5B-Instruct --wheels /wheels   # no hub, no package index
 #   PYTHON=.venv/bin/python bash bench/gpu_check.sh --dry-run   # on CPU: validate, print the commands
 #
+# Offline (a box with torch/transformers/accelerate/peft and no network; bench/gpu_offline.py, docs/gpu.md):
+#   bash bench/stage_wheels.sh --out wheels       # beforehand, where the package index is reachable (<= 60 MiB)
+#   bash bench/gpu_check.sh --offline --wheels wheels   # on the box: installs them, then the offline check
+#   bash bench/gpu_check.sh --offline --dry-run   # on CPU: the same check at a tiny shape (CI runs this)
+#
 # Its own options (everything else goes to bench/gpu_check.py: --model --data --steps --eval-limit --out ...):
-#   --dry-run      check the recipe, data, model argument and commands; install and run nothing (no GPU needed)
+#   --offline      the offline check (bench/gpu_offline.py): the installed torch/transformers, a random model of
+#                  Qwen2.5-0.5B-Instruct's shape; installs only --wheels DIR (bench/stage_wheels.sh), never torch
+#   --dry-run      check the recipe, data, model argument and commands; install and run nothing (no GPU needed);
+#                  with --offline: install nothing, run the offline check on CPU at a tiny shape
 #   --no-install   use the environment as it is (vLLM already installed)
 #   --wheels DIR   install offline: pip --no-index --find-links DIR
 #   --any-torch    let pip pick the newest vLLM of the extra's range even if it replaces the installed torch
@@ -19,9 +27,10 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
 
-dry_run=0 install=1 wheels="" keep_torch=1 pass=()
+dry_run=0 install=1 wheels="" keep_torch=1 offline=0 pass=()
 while [ $# -gt 0 ]; do
   case "$1" in
+    --offline) offline=1 ;;
     --dry-run) dry_run=1; pass+=("$1") ;;
     --no-install) install=0 ;;
     --wheels) wheels=${2:?"--wheels needs a folder"}; shift ;;
@@ -34,6 +43,57 @@ done
 if [ -n "$wheels" ] && [ ! -d "$wheels" ]; then
   echo "gpu_check: error: --wheels $wheels is not a folder" >&2
   exit 2
+fi
+
+run() {  # run NAME CMD...: print it; under --dry-run only print; stop with its exit status if it fails
+  local name=$1; shift
+  if [ "$dry_run" = 1 ]; then
+    echo "gpu_check: would run ($name):$(printf ' %q' "$@")"
+    return 0
+  fi
+  echo "gpu_check: running ($name):$(printf ' %q' "$@")"
+  local start=$SECONDS status=0
+  "$@" || status=$?
+  if [ "$status" != 0 ]; then
+    echo "gpu_check: error: $name failed (exit status $status)" >&2
+    exit "$status"
+  fi
+  echo "gpu_check: $name took $((SECONDS - start)) s"
+}
+
+if [ "$offline" = 1 ]; then
+  # The box's own torch, transformers, accelerate and peft are kept: pip may install the staged wheels only.
+  if [ "$install" = 1 ] && [ "$dry_run" = 0 ] && [ -z "$wheels" ]; then
+    echo "gpu_check: error: --offline installs from --wheels DIR (bench/stage_wheels.sh), or give --no-install" >&2
+    exit 2
+  fi
+  if [ -n "$wheels" ]; then
+    if [ ! -f "$wheels/requirements.txt" ] || ! ls "$wheels"/trl_grpo_ext-*.whl >/dev/null 2>&1; then
+      echo "gpu_check: error: --wheels $wheels has no requirements.txt or trl_grpo_ext wheel: make it with bench/stage_wheels.sh" >&2
+      exit 2
+    fi
+    keep=$(mktemp)
+    trap 'rm -f "$keep"' EXIT
+    "$PYTHON" - "$keep" <<'PY'
+import sys
+from importlib import metadata
+with open(sys.argv[1], "w") as out:
+    for name in ("torch", "transformers", "accelerate", "peft"):
+        try:
+            out.write(f"{name}=={metadata.version(name)}\n")
+        except metadata.PackageNotFoundError:
+            pass
+PY
+    echo "gpu_check: keeping the installed $(tr '\n' ' ' <"$keep")"
+    if [ "$install" = 1 ]; then
+      run "install wheels" "$PYTHON" -m pip install --no-index --find-links "$wheels" -r "$wheels/requirements.txt" -c "$keep"
+      run "install project" "$PYTHON" -m pip install --no-index --no-deps --force-reinstall "$wheels"/trl_grpo_ext-*.whl
+    fi
+  fi
+  status=0
+  "$PYTHON" bench/gpu_offline.py ${pass[@]+"${pass[@]}"} || status=$?
+  [ "$status" = 0 ] || echo "gpu_check: error: the offline check failed (exit status $status)" >&2
+  exit "$status"
 fi
 
 install_cmd=("$PYTHON" -m pip install -e '.[vllm]')
@@ -50,14 +110,7 @@ if [ "$keep_torch" = 1 ] && torch_version=$("$PYTHON" -c 'import torch; print(to
 fi
 
 if [ "$install" = 1 ]; then
-  if [ "$dry_run" = 1 ]; then
-    echo "gpu_check: would run (install):$(printf ' %q' "${install_cmd[@]}")"
-  else
-    echo "gpu_check: running (install):$(printf ' %q' "${install_cmd[@]}")"
-    start=$SECONDS
-    "${install_cmd[@]}"
-    echo "gpu_check: install took $((SECONDS - start)) s"
-  fi
+  run install "${install_cmd[@]}"
 fi
 
 exec "$PYTHON" bench/gpu_check.py ${pass[@]+"${pass[@]}"}

@@ -1,5 +1,6 @@
-"""Local PyTRIO server: concurrent sampling (async loop) vs one request at a time (sync loop), and forward/backward
-with and without prompt-prefix sharing. Same model, same requests, alternated; a benchmark, not a test.
+"""Local PyTRIO server: concurrent sampling (async loop) vs one request at a time (sync loop), forward/backward
+with and without prompt-prefix sharing, and the cost of one request. Same model, same requests, alternated; a
+benchmark, not a test.
 
 1. Sampling through the real ``pytrio`` client: ``--prompts`` requests of ``--group`` samples x ``--completion-tokens``
    tokens, sent one after another (what ``mode: sync`` does) or all at once (``mode: async``; the server batches
@@ -7,6 +8,10 @@ with and without prompt-prefix sharing. Same model, same requests, alternated; a
 2. ``forward_backward`` (importance_sampling) of the GRPO-shaped batch (each prompt's ``--group`` completions share
    its ``--prompt-tokens``) with ``share_prefix`` on and off on the engine: seconds, ratio, and the largest
    log-prob difference between the two.
+3. Requests whose model work is small (``--model tiny``): milliseconds per call, median of ``--requests``, for a
+   Control read (``get_session``), a one-token ``sample`` and a ``forward`` event (submit + long poll) through the
+   real client: the HTTP layer's cost per request. It needs nothing but `running_server`, so the same file run with
+   another checkout first on ``sys.path`` (copy it into that checkout's bench/) measures that checkout's server.
 
 Run on a quiet machine: ``OMP_NUM_THREADS=2 python bench/pytrio_server.py [--model embedded|tiny|PATH --repeats 3]``.
 Its last line: ``async/sync sampling: <x>; shared/plain forward_backward: <y>``.
@@ -60,10 +65,37 @@ def bench_sampling(server, trio, prompts, args) -> tuple[float, float]:
     return statistics.median(sync_times), statistics.median(async_times)
 
 
+def bench_requests(server, trio, args) -> dict[str, float]:
+    service = trio.ServiceClient()
+    rest = service.create_rest_client()
+    sampler = service.create_sampling_client(base_model=server.model_alias)
+    trainer = service.create_lora_training_client(base_model=server.model_alias, rank=4, seed=0)
+    tokens = [1, 5, 9, 14, 3, 7]
+    datum = trio.Datum(model_input=trio.ModelInput.from_ints(tokens[:-1]),
+                       loss_fn_inputs={"target_tokens": tokens[1:]})  # fmt: skip
+    prompt, one_token = trio.ModelInput.from_ints(tokens), trio.SamplingParams(max_tokens=1, seed=0)
+    calls = {
+        "control read": lambda: rest.get_session(service.service_session_cuid).result(),
+        "sample 1 token": lambda: sampler.sample(prompt, sampling_params=one_token).result(),
+        "forward event": lambda: trainer.forward([datum], "cross_entropy").result(),
+    }
+    times: dict[str, list[float]] = {name: [] for name in calls}
+    for call in calls.values():  # warm-up: sessions, adapters, first connections
+        call()
+    for _ in range(args.requests):  # alternated, so load changes hit every kind alike
+        for name, call in calls.items():
+            t0 = time.perf_counter()
+            call()
+            times[name].append(time.perf_counter() - t0)
+    service._runtime.shutdown()
+    return {name: 1000 * statistics.median(t) for name, t in times.items()}
+
+
 def bench_forward_backward(engine, prompts, args) -> tuple[float, float, float]:
     import torch
 
-    from trl_grpo_ext.pytrio.server.engine import ForwardDatum, LoraSettings
+    from trl_grpo_ext.pytrio.server.adapters import LoraSettings
+    from trl_grpo_ext.pytrio.server.forward import ForwardDatum
     from trl_grpo_ext.pytrio.server.losses import parse_loss
 
     g = torch.Generator().manual_seed(0)
@@ -107,7 +139,9 @@ def main() -> int:
     parser.add_argument("--prompt-tokens", type=int, default=117)
     parser.add_argument("--completion-tokens", type=int, default=48)
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--only", choices=["sampling", "forward_backward"], default=None, help="run one part")
+    parser.add_argument("--requests", type=int, default=50, help="calls of each kind in the requests part")
+    parser.add_argument("--only", choices=["sampling", "forward_backward", "requests"], default=None,
+                        help="run one part")  # fmt: skip
     args = parser.parse_args()
 
     import pytrio as trio
@@ -130,6 +164,11 @@ def main() -> int:
                       f"sync {sync_s:.2f} s, async {async_s:.2f} s (batched: up to "
                       f"{server.sampler.max_requests_in_batch} requests per batch)", flush=True)  # fmt: skip
                 parts.append(f"async/sync sampling: {async_s / sync_s:.2f}")
+            if args.only in (None, "requests"):
+                per_call = bench_requests(server, trio, args)
+                print(f"requests (median of {args.requests}, ms): "
+                      + ", ".join(f"{name} {ms:.1f}" for name, ms in per_call.items()), flush=True)  # fmt: skip
+                parts.append("ms per request: " + " / ".join(f"{ms:.1f}" for ms in per_call.values()))
             if args.only in (None, "forward_backward"):
                 plain_s, shared_s, diff = bench_forward_backward(server.engine, prompts, args)
                 print(f"forward_backward {args.prompts * args.group} rows x {args.prompt_tokens}+"

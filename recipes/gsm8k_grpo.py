@@ -9,12 +9,15 @@ from pathlib import Path
 
 sys.path[:0] = [str(Path(__file__).resolve().parents[1]), str(Path(__file__).resolve().parent)]  # no install needed
 
+from trl_grpo_ext.cpu_threads import apply_cpu_thread_defaults, configure_cpu_threads  # noqa: E402
+
+apply_cpu_thread_defaults()  # before torch loads: OpenMP reads its settings then
+
 from trl import get_peft_config  # noqa: E402
 
 from trl_grpo_ext import callbacks as cbs  # noqa: E402
 from trl_grpo_ext.evaluation import recipe_eval_options  # noqa: E402
 from trl_grpo_ext.recipe import (  # noqa: E402
-    configure_cpu_threads,
     load_model,
     prepare_run,
     report_run,

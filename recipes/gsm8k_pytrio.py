@@ -21,6 +21,10 @@ from pathlib import Path
 # Runnable from a checkout without `pip install -e .` too.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from trl_grpo_ext.cpu_threads import apply_cpu_thread_defaults  # noqa: E402
+
+apply_cpu_thread_defaults()  # before torch loads (here or in the local server): OpenMP reads its settings then
+
 from trl_grpo_ext.pytrio.config import PyTrioGRPOConfig  # noqa: E402
 from trl_grpo_ext.pytrio.connection import install_log_redaction, redact  # noqa: E402
 from trl_grpo_ext.pytrio.loop import GRPOLoop, PyTrioLoopError, run_from_config  # noqa: E402

@@ -11,10 +11,10 @@ from trl_grpo_ext.config import GRPOConfig
 from trl_grpo_ext.data.curriculum import (
     Curriculum,
     CurriculumPromptStream,
-    CurriculumSampler,
     curriculum_from_tasks,
     passed_values,
 )
+from trl_grpo_ext.trl_sampling import CurriculumSampler
 
 
 def batch(rates: dict[str, float], n: int = 20):

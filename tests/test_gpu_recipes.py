@@ -208,3 +208,128 @@ def test_gpu_check_times_the_call_trl_makes():
     assert callable(VLLMGeneration.generate)
     source = inspect.getsource(trl.GRPOTrainer._generate_single_turn)
     assert "_, completion_ids, logprobs, _ = self.vllm_generation.generate(" in source
+
+
+def test_gpu_check_train_step_returns_the_recipes_exit_status(tmp_path, capsys):
+    """A config error in the training process is its exit status (it was 0, and the eval ran anyway)."""
+    gpu_check = _gpu_check()
+    code = gpu_check.main(["_train", "--out", str(tmp_path), "--", "--config", str(tmp_path / "missing.yaml")])
+    assert code == 2
+    assert "error:" in capsys.readouterr().err
+    assert not (tmp_path / gpu_check.TRAIN_STATS).exists()
+
+
+# ------------------------------------------------------------------------ bench/gpu_check.sh --offline
+
+
+def _gpu_offline():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("gpu_offline", ROOT / "bench" / "gpu_offline.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_gpu_check_offline_dry_run_runs_the_check_on_cpu(tmp_path):
+    """What CI runs: the offline check's own code (agreement per loss type with the padding-column tolerance
+    measured in the run, the timing table, the JSON) on CPU at a tiny shape, through gpu_check.sh."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from trl_grpo_ext.config import EXTRA_LOSS_TYPES, TRL_LOSS_TYPES
+
+    env = {**os.environ, "PYTHON": sys.executable}
+    out = tmp_path / "out"
+    cmd = ["bash", str(ROOT / "bench" / "gpu_check.sh"), "--offline", "--dry-run", "--out", str(out)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=900)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    assert "gpu_offline: all checks passed" in proc.stdout
+    report = json.loads((out / "gpu_offline.json").read_text())
+    assert report["failures"] == [] and report["environment"]["device"] == "cpu"
+    rows = report["agreement"]
+    assert sorted((r["loss_type"], r["family"]) for r in rows) == sorted(
+        [(t, "trl") for t in TRL_LOSS_TYPES] + [(t, "ours") for t in EXTRA_LOSS_TYPES]
+    )
+    for r in rows:
+        assert r["ok"] and r["ours_loss_diff"] <= r["tolerance_loss"] and r["ours_grad_diff"] <= r["tolerance_grad"]
+        assert r["padding_column_loss_change"] >= 0 and r["tolerance_grad"] > 0
+    assert any(r.get("sdpa_kernels") for r in rows)  # which SDPA kernel ran
+    timing = report["timing"]
+    assert {(r["completion_tokens"], r["trainer"]) for r in timing} == {
+        (length, kind) for length in (16, 32) for kind in ("trl", "ours", "ours_noshare")
+    }
+    assert all(r["step_s"] > 0 and r["tokens_per_s"] > 0 and r["steps"] == 2 for r in timing)
+    assert "tokens/s" in proc.stdout and "tolerance" in proc.stdout
+
+
+def test_gpu_offline_exits_nonzero_on_a_failed_check(tmp_path, monkeypatch, capsys):
+    """A row outside its tolerance, or a phase that crashes, is a failed check: exit status 1, the JSON says which."""
+    import json
+
+    gpu_offline = _gpu_offline()
+    args = gpu_offline.parse_args(["--dry-run", "--out", str(tmp_path)])
+    monkeypatch.setattr(gpu_offline, "write_model", lambda folder, *a: folder)
+    row = {"loss_type": "grpo", "family": "trl", "loss_trl": 0.5, "tolerance_loss": 1e-7, "tolerance_grad": 1e-6,
+           "ours_noshare_loss_diff": 0.0, "ours_loss_diff": 1e-3, "ours_noshare_grad_diff": 0.0,
+           "ours_grad_diff": 1e-2, "ok": False}  # fmt: skip
+    monkeypatch.setattr(gpu_offline, "agreement", lambda *a: [row])
+
+    def crash(*a):
+        raise RuntimeError("CUDA out of memory")
+
+    monkeypatch.setattr(gpu_offline, "timing", crash)
+    assert gpu_offline.run(args) == 1
+    report = json.loads((tmp_path / "gpu_offline.json").read_text())
+    assert report["failures"] == [
+        "timing: RuntimeError: CUDA out of memory",
+        "agreement: grpo (trl) outside tolerance",
+    ]
+    out = capsys.readouterr().out
+    assert "FAILED" in out and "CHECKS FAILED" in out
+
+
+def test_gpu_check_offline_stops_when_an_install_step_fails(tmp_path):
+    """Every step's exit status is checked: a wheel the folder lacks stops the script before the check runs."""
+    import os
+    import subprocess
+    import sys
+
+    wheels = tmp_path / "wheels"
+    wheels.mkdir()
+    (wheels / "requirements.txt").write_text("no-such-package-trl-grpo-ext==1.0\n")
+    (wheels / "trl_grpo_ext-0.1.0-py3-none-any.whl").write_bytes(b"")
+    env = {**os.environ, "PYTHON": sys.executable}
+    cmd = ["bash", str(ROOT / "bench" / "gpu_check.sh"), "--offline", "--wheels", str(wheels), "--out", str(tmp_path)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
+    assert proc.returncode != 0
+    assert "gpu_check: error: install wheels failed" in proc.stderr
+    assert "gpu_offline" not in proc.stdout  # the check did not run
+    assert "keeping the installed torch==" in proc.stdout  # the box's torch is a constraint of the install
+
+
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        ([], "installs from --wheels DIR"),
+        (["--wheels", "{tmp}"], "has no requirements.txt or trl_grpo_ext wheel"),
+    ],
+)
+def test_gpu_check_offline_refuses_a_missing_wheel_folder(tmp_path, extra, message):
+    import os
+    import subprocess
+    import sys
+
+    cmd = ["bash", str(ROOT / "bench" / "gpu_check.sh"), "--offline", *[e.format(tmp=tmp_path) for e in extra]]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "PYTHON": sys.executable})
+    assert proc.returncode == 2 and message in proc.stderr
+
+
+def test_offline_model_is_qwen25_05b_shaped():
+    """The offline check's model: Qwen2.5-0.5B-Instruct's published config (written by hand, no download)."""
+    shape = _gpu_offline().QWEN25_05B
+    assert (shape["hidden_size"], shape["num_hidden_layers"], shape["num_attention_heads"]) == (896, 24, 14)
+    assert (shape["num_key_value_heads"], shape["intermediate_size"], shape["vocab_size"]) == (2, 4864, 151936)
+    assert shape["tie_word_embeddings"] is True and shape["rope_theta"] == 1e6 and shape["model_type"] == "qwen2"

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 from packaging.requirements import Requirement
+from packaging.version import Version
 
 try:
     import tomllib
@@ -133,9 +134,17 @@ def test_constraints_pin_the_installed_cpu_torch():
     assert _requirements(PYPROJECT["project"]["dependencies"])["torch"].specifier.contains(spec.version)
 
 
+def _make_dry_run(*targets):
+    """`make -n` output as a top-level make prints it: under `make test` the test runs inside a make, whose
+    MAKELEVEL/MAKEFLAGS would add "Entering/Leaving directory" lines (the CI failure of 2026-12-02)."""
+    env = {k: v for k, v in os.environ.items() if k not in ("MAKELEVEL", "MAKEFLAGS", "MFLAGS")}
+    cmd = ["make", "--no-print-directory", "-n", *targets]
+    return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, check=True, env=env).stdout
+
+
 def test_every_resolving_pip_install_in_the_makefile_uses_the_constraints():
     """`make -n -B install` lists the install recipe; each pip install that resolves dependencies pins torch."""
-    out = subprocess.run(["make", "-n", "-B", "install"], cwd=ROOT, capture_output=True, text=True, check=True).stdout
+    out = _make_dry_run("-B", "install")
     installs = [
         line for line in out.splitlines() if re.search(r"\bpip install\b", line) and not line.lstrip().startswith("#")
     ]
@@ -144,3 +153,80 @@ def test_every_resolving_pip_install_in_the_makefile_uses_the_constraints():
         if "--no-deps" in line or "--upgrade pip" in line:
             continue
         assert "-c constraints/cpu.txt" in line, line
+
+
+# ------------------------------------------------------------------------------------------ test cells
+
+
+def _pins(path):
+    return {
+        Requirement(line).name.lower(): Requirement(line)
+        for line in path.read_text().splitlines()
+        if line.strip() and not line.startswith("#")
+    }
+
+
+def test_the_floor_cell_pins_every_ranges_lower_bound():
+    """Each range in pyproject is tested at its floor (constraints/floor.txt) and its top (the newest cell)."""
+    floor = _pins(ROOT / "constraints" / "floor.txt")
+    extras = PYPROJECT["project"]["optional-dependencies"]
+    ranges = PYPROJECT["project"]["dependencies"] + extras["pytrio"] + extras["deepspeed"]  # what the cells install
+    for req in map(Requirement, ranges):
+        name = req.name
+        if name in ("torch", "trl-grpo-ext"):  # torch: only the 2.13 CPU build lies on this machine's disk
+            continue
+        lower = [s.version for s in req.specifier if s.operator == ">="]
+        if not lower:
+            ops = {s.operator for s in req.specifier}
+            assert ops == {"=="} or ops <= {"!=", "<", "<="} and ops, f"{req}: no floor to test"
+            continue
+        assert name.lower() in floor, f"constraints/floor.txt does not pin {name} (pyproject: {req})"
+        (pin,) = floor[name.lower()].specifier
+        assert pin.operator == "==" and Version(pin.version) == Version(lower[0]), (
+            f"{name}: floor {pin}, pyproject {req}"
+        )
+
+
+def test_the_vllm_cell_is_what_the_extra_allows():
+    vllm_cell = _pins(ROOT / "constraints" / "vllm.txt")
+    extra = _requirements(PYPROJECT["project"]["optional-dependencies"]["vllm"])
+    base = _requirements(PYPROJECT["project"]["dependencies"])
+    (pin,) = vllm_cell["transformers"].specifier
+    assert extra["transformers"].specifier.contains(pin.version) and base["transformers"].specifier.contains(
+        pin.version
+    )
+    assert "vllm" not in vllm_cell and "torch" not in vllm_cell  # minus vLLM; torch is constraints/cpu.txt's
+
+
+def test_make_builds_each_cell_with_its_constraints():
+    for cell in ("vllm", "floor"):
+        out = _make_dry_run("-B", f".venv-{cell}/.installed")
+        install = next(line for line in out.splitlines() if "-e '.[dev,deepspeed]'" in line)
+        assert "-c constraints/cpu.txt" in install and f"-c constraints/{cell}.txt" in install, install
+        run = _make_dry_run(f"test-{cell}").strip().splitlines()[-1]
+        assert run.startswith(f".venv-{cell}/bin/python -m pytest") and "tests/test_prefix.py" in run, run
+
+
+def _vllm_extra():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("vllm_extra", ROOT / ".ci" / "vllm_extra.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_vllm_extra_check_reads_the_readme_torches():
+    torches = _vllm_extra().readme_torches(ROOT / "README.md")
+    assert "2.13.0" in torches and "2.11.0+cu130" in torches, torches
+
+
+def test_vllm_extra_check_flags_a_version_outside_the_cells():
+    check = _vllm_extra().check
+    cells = {"newest": {"transformers": "5.24.0", "numpy": "2.4.6"}, "vllm": {"transformers": "5.17.0"},
+             "floor": {"transformers": "5.0.0", "numpy": "2.3.5"}}  # fmt: skip
+    rows = check({"transformers": "5.10.4", "numpy": "2.3.5", "vllm": "0.31.0"}, cells, ["transformers", "numpy"])
+    assert [r[2].split()[0] for r in rows] == ["ok", "ok"]
+    assert rows[1][2] == "ok (= floor)"
+    rows = check({"transformers": "5.25.0", "pyarrow": "9.0"}, cells, ["transformers", "pyarrow"])
+    assert rows[0][2].startswith("OUTSIDE the tested") and rows[1][2] == "OUTSIDE: no cell installs it"

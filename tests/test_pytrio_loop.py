@@ -360,13 +360,17 @@ def _digits_reward(completions, **kwargs):
 
 @pytest.fixture(scope="module")
 def local_pytrio(tiny_model_path, tmp_path_factory):
-    from trl_grpo_ext.pytrio.server import running_server
+    from pytrio_faults import FaultInjector
+
+    from trl_grpo_ext.pytrio.server import LocalPyTrioServer, ServerConfig
     from trl_grpo_ext.rewards import REWARD_REGISTRY, register_reward
 
     if TEST_REWARD not in REWARD_REGISTRY:
         register_reward(TEST_REWARD)(_digits_reward)
     home = tmp_path_factory.mktemp("pytrio-home")
-    with running_server(tiny_model_path, api_key=SECRET_KEY, ephemeral_storage=True) as server:
+    server = LocalPyTrioServer(ServerConfig(model=tiny_model_path, api_key=SECRET_KEY, ephemeral_storage=True))
+    server.faults = FaultInjector().install(server)  # test hook: error answers on demand (tests/pytrio_faults.py)
+    with server:
         server.home = str(home)
         yield server
     REWARD_REGISTRY.pop(TEST_REWARD, None)  # other modules iterate over the registry
@@ -545,7 +549,7 @@ def test_service_failure_is_a_clear_error_and_keeps_the_checkpoint(pytrio_client
     c = loop_config(tmp_path, base_model=tiny_model_path, max_steps=3, save_every=1, request_timeout_s=60)
     run_loop(c, stop_after=1)
     trio.configure(retry_max_attempts=1, sampling_retry_timeout_seconds=0.5, retry_initial_delay_seconds=0.0)
-    pytrio_client.faults.add("/sample", status=500, times=50)
+    pytrio_client.faults.add("/sample", status=500, times=10**6)  # every retry fails (cleared below)
     try:
         with pytest.raises(PyTrioLoopError, match="sample"):
             run_loop(

@@ -22,19 +22,35 @@ from pytrio.protocol.actor.events.event import (  # noqa: E402
     EventType,
     generate_event_id,
 )
+from pytrio_faults import FaultInjector  # noqa: E402
 
 from trl_grpo_ext import losses  # noqa: E402
-from trl_grpo_ext.pytrio.server import LocalPyTrioServer, ServerConfig, running_server  # noqa: E402
+from trl_grpo_ext.pytrio.server import LocalPyTrioServer, ServerConfig  # noqa: E402
 from trl_grpo_ext.pytrio.server.registry import safe_name  # noqa: E402
 
 TEXT = "What is 3 + 4? The answer is \\boxed{7}. Solve the problem step by step."
 
 
 @pytest.fixture(scope="module")
-def server(tiny_model_path, tmp_path_factory):
-    with running_server(tiny_model_path, storage_dir=str(tmp_path_factory.mktemp("ckpt"))) as srv:
+def served(tiny_model_path, tmp_path_factory):
+    """The module's server and its fault injector (installed before the first request: Starlette builds its
+    middleware stack then)."""
+    srv = LocalPyTrioServer(ServerConfig(model=tiny_model_path, storage_dir=str(tmp_path_factory.mktemp("ckpt"))))
+    faults = FaultInjector().install(srv)
+    with srv:
         srv.configure_client(home=str(tmp_path_factory.mktemp("trio-home")), retry_initial_delay_seconds=0.05)
-        yield srv
+        yield srv, faults
+
+
+@pytest.fixture(scope="module")
+def server(served):
+    return served[0]
+
+
+@pytest.fixture
+def faults(served):
+    yield served[1]
+    served[1].clear()
 
 
 @pytest.fixture
@@ -219,13 +235,13 @@ def test_auto_shift_drops_the_first_label(server, service):
     np.testing.assert_allclose(values[1:], shifted, atol=1e-5)
 
 
-def test_transient_500_is_retried(server, service):
+def test_transient_500_is_retried(server, service, faults):
     tc = service.create_lora_training_client(base_model=server.model_alias, rank=8, seed=4)
     datum = _datum(_tokens(tc))
     tc.forward([datum], "cross_entropy").result()  # initialise first, so the fault hits a training event
-    submit_fault = server.faults.add("/actor/v1/events", status=500, times=1, method="POST")
-    poll_fault = server.faults.add("/actor/v1/events/", status=503, times=1, method="GET")
-    control_fault = server.faults.add("/sampling-runs", status=502, times=1, method="POST")
+    submit_fault = faults.add("/actor/v1/events", status=500, times=1, method="POST")
+    poll_fault = faults.add("/actor/v1/events/", status=503, times=1, method="GET")
+    control_fault = faults.add("/sampling-runs", status=502, times=1, method="POST")
     out = tc.forward_backward([datum], "cross_entropy").result()
     assert out.metrics["token_count"] > 0
     sampler = tc.save_weights_and_get_sampling_client()
@@ -252,7 +268,7 @@ def test_actor_token_renewed_after_401(server, service):
     datum = _datum(_tokens(tc))
     tc.forward([datum], "cross_entropy").result()
     before, rejected = set(server.registry.tokens), server.registry.rejected_tokens
-    assert server.revoke_actor_tokens() == len(before) >= 1
+    assert server.registry.revoke_tokens() == len(before) >= 1
     assert tc.forward_backward([datum], "cross_entropy").result().metrics["token_count"] > 0
     # the old token got a 401, the client renewed it through Control and retried with the new one
     assert server.registry.rejected_tokens > rejected

@@ -9,7 +9,9 @@ from __future__ import annotations
 import argparse
 import json
 import socket
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
@@ -88,11 +90,47 @@ def test_body_size_is_capped_with_a_clear_413(make_server):
     )
     ok, _, _ = _raw(server, f"GET {VERIFY} HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer k")
     assert ok == 200
-    chunked, answer, _ = _raw(
-        server,
-        "POST /api/telemetry/event HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer k\r\nTransfer-Encoding: chunked",
-    )
-    assert chunked == 411 and answer["code"] == "length_required"
+
+
+def _chunked(body: bytes, size: int = 1000) -> bytes:
+    parts = [body[i : i + size] for i in range(0, len(body), size)]
+    return b"".join(b"%x\r\n%s\r\n" % (len(p), p) for p in parts) + b"0\r\n\r\n"
+
+
+def test_a_body_without_length_is_read_up_to_the_cap(make_server):
+    """Chunked bodies are decoded by uvicorn; Starlette's body limit stops one at the cap, before it is all read."""
+    server = make_server(api_key="k", max_request_bytes=2048)
+    head = "POST /api/telemetry/event HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer k\r\nTransfer-Encoding: chunked"
+    status, answer, _ = _raw(server, head, _chunked(b"{}" * 500))
+    assert status == 200 and answer == {"accepted": True}
+    status, answer, header = _raw(server, head, _chunked(b"x" * 4000))
+    assert status == 413 and answer["code"] == "request_too_large"
+    assert "more than 2048 bytes" in answer["message"] and "max_request_bytes" in answer["message"]
+    assert b"connection: close" in header.lower()  # the rest of the body is never read
+
+
+def test_key_is_checked_before_the_declared_size(make_server):
+    """Above the cap too, a wrong key is a 401 (nothing says how large a body this server takes); the right key
+    gets the 413 from the Content-Length alone: neither answer waits for the announced body, never sent."""
+    server = make_server(api_key="k", max_request_bytes=1024)
+    head = f"POST /api/openapi/v1/service-sessions HTTP/1.1\r\nHost: x\r\nContent-Length: {10**12}\r\n"
+    status, answer, header = _raw(server, head + "Authorization: Bearer wrong")
+    assert status == 401 and answer["code"] == "unauthorized" and b"connection: close" in header.lower()
+    status, answer, header = _raw(server, head + "Authorization: Bearer k")
+    assert status == 413 and answer["code"] == "request_too_large" and f"{10**12} bytes" in answer["message"]
+    assert b"connection: close" in header.lower()
+    # a small unread body is dropped by the server instead: the connection stays usable
+    with socket.create_connection(("127.0.0.1", server.port), timeout=10) as sock:
+        body = b'{"sdk_version": "x"}'
+        request = f"POST /api/openapi/v1/service-sessions HTTP/1.1\r\nHost: x\r\nContent-Length: {len(body)}\r\n"
+        sock.sendall(request.encode() + b"Authorization: Bearer wrong\r\n\r\n" + body)
+        sock.sendall(f"GET {VERIFY} HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer k\r\n\r\n".encode())
+        data = b""
+        while data.count(b"HTTP/1.1 ") < 2 or not data.endswith(b"}"):
+            chunk = sock.recv(65536)
+            assert chunk, data
+            data += chunk
+    assert data.startswith(b"HTTP/1.1 401") and b"\r\nHTTP/1.1 200" in data.replace(b"}HTTP", b"}\r\nHTTP")
 
 
 def test_idle_and_half_sent_connections_are_closed(make_server):
@@ -105,6 +143,40 @@ def test_idle_and_half_sent_connections_are_closed(make_server):
             assert time.monotonic() - start < 20
     # a client that keeps talking is unaffected
     assert _raw(server, f"GET {VERIFY} HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer k")[0] == 200
+
+
+def test_idle_timeout_covers_half_sent_bodies_and_idle_keep_alive_not_slow_answers(make_server, engine):
+    import httpx
+
+    server = make_server(api_key="k", idle_timeout_seconds=0.5)
+    head = "POST /api/openapi/v1/service-sessions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer k\r\nContent-Length: 50"
+    with socket.create_connection(("127.0.0.1", server.port), timeout=30) as sock:
+        sock.sendall(head.encode() + b"\r\n\r\n" + b'{"sdk_versi')  # the body stops halfway
+        start = time.monotonic()
+        assert sock.recv(1024) == b"" and time.monotonic() - start < 20
+    with socket.create_connection(("127.0.0.1", server.port), timeout=30) as sock:  # keep-alive, then silence
+        sock.sendall(f"GET {VERIFY} HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer k\r\n\r\n".encode())
+        data = b""
+        while not data.endswith(b"}"):
+            data += sock.recv(65536)
+        assert data.startswith(b"HTTP/1.1 200")
+        start = time.monotonic()
+        assert sock.recv(1024) == b"" and time.monotonic() - start < 20
+    # a request the server takes longer than the idle timeout to answer is answered, not cut
+    auth = {"Authorization": "Bearer k"}
+    with httpx.Client(base_url=server.base_url, timeout=60) as client, ThreadPoolExecutor(1) as pool:
+        sid = client.post("/api/openapi/v1/service-sessions", json={"sdk_version": "x"}, headers=auth).json()
+        run = client.post(f"/api/openapi/v1/service-sessions/{sid['service_session_cuid']}/sampling-runs",
+                          json={"base_model": server.model_alias}, headers=auth).json()  # fmt: skip
+        token = {"Authorization": f"Bearer {run['actor_jwt']['token']}"}
+        request = {"request_id": "r1", "prompt": {"chunks": [{"type": "encoded_text", "tokens": [1, 2, 3]}]},
+                   "sampling_params": {"max_tokens": 2, "seed": 0}}  # fmt: skip
+        url = f"/actor/v1/sampling-runs/{run['sampling_run_cuid']}/sample"
+        with engine.lock:  # the model stays busy for three idle timeouts while the request waits for it
+            pending = pool.submit(client.post, url, json=request, headers=token)
+            time.sleep(1.5)
+        answer = pending.result(timeout=60)
+    assert answer.status_code == 200 and 1 <= len(answer.json()["sequences"][0]["tokens"]) <= 2
 
 
 def test_num_samples_is_capped(make_server):
@@ -230,3 +302,98 @@ def test_cli_key_from_file_or_environment_and_bad_options_fail_before_loading(tm
     assert module.run(args) == 2 and "keep_checkpoints" in capsys.readouterr().err
     with pytest.raises(SystemExit):  # one key source at a time
         _cli_args("--api-key", "a", "--api-key-file", str(key_file))
+
+
+SERVER_THREADS = ("pytrio-local-server", "pytrio-request", "pytrio-sampling", "pytrio-events-")
+
+
+def test_stop_leaves_no_thread_behind(engine, tiny_model_path, tmp_path):
+    """A training event, a sample and a long poll served, then `stop`: every thread the server started has ended."""
+    server = LocalPyTrioServer(ServerConfig(model=tiny_model_path, ephemeral_storage=True), engine=engine).start()
+    server.configure_client(home=str(tmp_path / "trio-home"), retry_initial_delay_seconds=0.05)
+    service = trio.ServiceClient()
+    tc = service.create_lora_training_client(base_model=server.model_alias, rank=4, seed=0)
+    tokens = [1, 5, 9, 14, 3, 7]
+    datum = trio.Datum(model_input=trio.ModelInput.from_ints(tokens[:-1]),
+                       loss_fn_inputs={"target_tokens": tokens[1:]})  # fmt: skip
+    assert tc.forward_backward([datum], "cross_entropy").result().metrics["token_count"] == 5
+    sampler = service.create_sampling_client(base_model=server.model_alias)
+    params = trio.SamplingParams(max_tokens=3, seed=1)
+    assert sampler.sample(trio.ModelInput.from_ints(tokens), sampling_params=params).result().sequences
+    started = [t for t in threading.enumerate() if t.name.startswith(SERVER_THREADS)]
+    assert {t.name.split("_")[0] for t in started} >= {"pytrio-local-server", "pytrio-request", "pytrio-sampling"}
+    server.stop()  # closes this process's client first, as the recipe's `pytrio_base_url: local` does
+    deadline = time.monotonic() + 30
+    while any(t.is_alive() for t in started) and time.monotonic() < deadline:  # a run's worker ends after its event
+        time.sleep(0.05)
+    assert not [t.name for t in started if t.is_alive()]
+
+
+def test_every_control_route_passes_the_path_parameters_its_handler_takes():
+    import inspect
+    import re
+
+    from trl_grpo_ext.pytrio.server.routes import CONTROL_ROUTES
+
+    assert len({(r.method, r.path) for r in CONTROL_ROUTES}) == len(CONTROL_ROUTES)
+    for route in CONTROL_ROUTES:
+        taken = list(inspect.signature(route.handler).parameters)[3:]  # after self, query, body
+        assert taken == re.findall(r"{(\w+)}", route.path), route.path
+
+
+def test_an_answer_the_client_could_not_parse_is_a_clear_server_error(make_server):
+    import httpx
+
+    server = make_server(api_key="k")
+    server.model_alias = None  # a bug: the model list would go out without an alias
+    answer = httpx.get(f"{server.base_url}/api/models", headers={"Authorization": "Bearer k"})
+    assert answer.status_code == 422 and answer.json()["code"] == "internal_error"
+    assert "ModelListResponse" in answer.json()["message"] and "alias" in answer.json()["message"]
+
+
+def test_stop_answers_a_waiting_long_poll(make_server, engine, monkeypatch):
+    """A status read waiting for an event that cannot run (the model is busy) is answered when the server stops,
+    not cut off when uvicorn gives up on it."""
+    import httpx
+    import msgpack
+    from pytrio.protocol.actor.events.event import (
+        EventEnvelope,
+        EventMetadata,
+        EventType,
+        generate_event_id,
+        pack_event_envelope,
+    )
+
+    from trl_grpo_ext.pytrio.server.events import EventRecord
+
+    waiting = threading.Event()
+    wait = EventRecord.wait
+
+    async def wait_and_tell(self, *args):
+        waiting.set()
+        await wait(self, *args)
+
+    monkeypatch.setattr(EventRecord, "wait", wait_and_tell)
+    server = make_server(api_key="k")
+    auth = {"Authorization": "Bearer k"}
+    lora = {"train_mlp": True, "train_attn": True, "train_unembed": True}
+    with httpx.Client(base_url=server.base_url, timeout=60) as client, ThreadPoolExecutor(1) as pool:
+        sid = client.post("/api/openapi/v1/service-sessions", json={"sdk_version": "x"}, headers=auth).json()
+        run = client.post(f"/api/openapi/v1/service-sessions/{sid['service_session_cuid']}/training-runs",
+                          json={"base_model": server.model_alias, "lora_rank": 4, **lora}, headers=auth).json()  # fmt: skip
+        token = {"Authorization": f"Bearer {run['actor_jwt']['token']}", "Accept": "application/msgpack"}
+        metadata = EventMetadata(index=1, step=0, timestamp=0, sdk="pytrio", sdk_version="0.2.9",
+                                 run_id=run["training_run_cuid"])  # fmt: skip
+        envelope = EventEnvelope(event_id=generate_event_id(), type=EventType.TRAINER_INIT_RUN, metadata=metadata,
+                                 payload={"base_model": server.model_alias, "lora_config": {"rank": 4, **lora}})  # fmt: skip
+        with engine.lock:  # the event waits for the model
+            submitted = client.post("/actor/v1/events", content=pack_event_envelope(envelope),
+                                    headers={**token, "Content-Type": "application/msgpack"})  # fmt: skip
+            assert submitted.status_code == 202
+            poll = pool.submit(
+                client.get, f"/actor/v1/events/{envelope.event_id}", headers={**token, "Prefer": "wait=60"}
+            )
+            assert waiting.wait(60)
+            server.stop()
+        answer = poll.result(timeout=60)
+    assert answer.status_code == 200 and msgpack.unpackb(answer.content)["status"] in ("accepted", "running")

@@ -14,7 +14,9 @@ import contextlib
 import pytest
 import torch
 
-from trl_grpo_ext.pytrio.server.engine import ForwardDatum, LoraSettings, ModelEngine
+from trl_grpo_ext.pytrio.server.adapters import LoraSettings
+from trl_grpo_ext.pytrio.server.engine import ModelEngine
+from trl_grpo_ext.pytrio.server.forward import ForwardDatum
 from trl_grpo_ext.pytrio.server.losses import parse_loss
 
 LOSSES = ["cross_entropy", "importance_sampling", "ppo", "cispo", "dro"]
@@ -131,9 +133,9 @@ def test_greedy_samples_equal_model_generate(engine):
     with torch.no_grad(), adapters_off:
         out = engine.base.generate(
             torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long), max_new_tokens=10,
-            do_sample=False, eos_token_id=sorted(engine._stop_ids) or None, pad_token_id=0,
+            do_sample=False, eos_token_id=sorted(engine.stop_ids) or None, pad_token_id=0,
         )  # fmt: skip
     expected = out[0, len(prompt) :].tolist()
-    stop = next((i for i, t in enumerate(expected) if t in engine._stop_ids), None)
+    stop = next((i for i, t in enumerate(expected) if t in engine.stop_ids), None)
     expected = expected[: stop + 1] if stop is not None else expected
     assert [r.tokens for r in results] == [expected] * 3

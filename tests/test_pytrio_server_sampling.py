@@ -6,7 +6,8 @@ import time
 
 import pytest
 
-from trl_grpo_ext.pytrio.server.engine import DecodeBatch, ModelEngine, SampleSpec
+from trl_grpo_ext.pytrio.server.decoding import DecodeBatch, SampleSpec
+from trl_grpo_ext.pytrio.server.engine import ModelEngine
 
 SPECS = [
     SampleSpec([1, 5, 9, 14, 3, 7, 8], 4, 12, seed=3),

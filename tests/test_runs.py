@@ -189,15 +189,9 @@ def _string_literals(path: Path):
 
 def test_each_run_file_name_is_spelled_once_in_the_package():
     """`runs.names` is the one place a run folder's, a sweep's or an eval's file names are written: no other string
-    literal of the package or the recipes holds one, help texts aside. Two names are shared with other folders:
-    config.json is every HF model folder's file (models.py spells it too) and the local PyTRIO server's default
-    storage under the cache has the run folder's server storage name (pytrio/server/config.py)."""
-    shared = {names.MODEL_CONFIG_FILENAME, names.PYTRIO_SERVER_DIRNAME}
-    values = [
-        value
-        for name, value in vars(names).items()
-        if name.endswith(("_FILENAME", "_DIRNAME")) and value not in shared
-    ]
+    literal of the package or the recipes holds one, help texts aside (config.json, every HF model folder's file,
+    and the server storage's name, which the local PyTRIO server's default storage in the cache shares, included)."""
+    values = [value for name, value in vars(names).items() if name.endswith(("_FILENAME", "_DIRNAME"))]
     values.append(f"{names.CHECKPOINT_PREFIX}-")
     assert len(values) == len(set(values)) and "metrics.jsonl" in values and "sweep_done.json" in values
     patterns = {value: re.compile(rf"(?<![\w.-]){re.escape(value)}(?![\w-])") for value in values}

@@ -11,6 +11,7 @@ import pytest
 import yaml
 from sweep_fakes import FAKE_RECIPE, TINY_RUN
 
+from trl_grpo_ext.launch.runner import run_sweep
 from trl_grpo_ext.runs import SWEEP_DONE_FILENAME as DONE_MARKER
 from trl_grpo_ext.runs import SWEEP_SUMMARY_FILENAME as SUMMARY_FILE
 from trl_grpo_ext.runs import TRAIN_LOG_FILENAME as TRAIN_LOG
@@ -24,7 +25,6 @@ from trl_grpo_ext.sweep import (
     load_sweep,
     parse_sweep,
     run_status,
-    run_sweep,
     sanitize_name,
     validate_runs,
 )

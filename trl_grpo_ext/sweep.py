@@ -1,4 +1,4 @@
-"""Grid sweeps over a base recipe: expand, name, run one after another (or N at once), skip, resume.
+"""Grid sweeps over a base recipe: the sweep file, its runs (expanded, named, skipped when done) and their commands.
 
 A sweep file is YAML::
 
@@ -33,14 +33,14 @@ import json
 import os
 import re
 import sys
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Mapping
+from typing import Any, Callable, Mapping
 
 import yaml
 
 from trl_grpo_ext.evaluation import EMBEDDED_DATA, eval_cli_args, sweep_eval_options
-from trl_grpo_ext.launch.options import LAUNCHERS, LEGACY_LAUNCHERS, SlurmOptions
+from trl_grpo_ext.pytrio.config import PyTrioGRPOConfig
 from trl_grpo_ext.runs import (
     ADAPTER_CONFIG_FILENAME,
     EVAL_RESULTS_FILENAME,
@@ -48,19 +48,9 @@ from trl_grpo_ext.runs import (
     SWEEP_CONFIG_FILENAME,
     latest_checkpoint,
 )
-from trl_grpo_ext.runs.sweep_files import (
-    append_sweep_log,
-    has_previous_attempt,
-    has_pytrio_state,
-    is_done,
-    read_sweep_summary,
-    summary_counts,
-    write_sweep_summary,
-)
-from trl_grpo_ext.runs.sweep_files import now_iso as _now
-
-if TYPE_CHECKING:
-    from trl_grpo_ext.launch.records import RunResult
+from trl_grpo_ext.runs.sweep_files import has_previous_attempt, has_pytrio_state, is_done
+from trl_grpo_ext.script_args import ScriptArguments
+from trl_grpo_ext.sweep_options import LAUNCHERS, LEGACY_LAUNCHERS, SlurmOptions
 
 LOG_TAIL_LINES = 40
 MAX_NAME_LEN = 150
@@ -393,16 +383,14 @@ def recipe_keys(backend: str) -> set[str] | None:
     """Config keys the shipped recipe of `backend` accepts, or None when they cannot be known here."""
     try:
         if backend == "trl":
+            # trl loads in seconds: only when a sweep is validated, never for --status or --cancel
             from trl import ModelConfig, TrlParser
 
             from trl_grpo_ext.config import GRPOConfig
-            from trl_grpo_ext.script_args import ScriptArguments
 
             parser = TrlParser((ScriptArguments, GRPOConfig, ModelConfig))
             return {action.dest for action in parser._actions} | {"env"}
         if backend == "pytrio":
-            from trl_grpo_ext.pytrio.config import PyTrioGRPOConfig
-
             return {f.name for f in dataclasses.fields(PyTrioGRPOConfig)} | {"env"}
     except ImportError:
         return None
@@ -527,7 +515,7 @@ def eval_command(run: RunSpec, options: dict) -> list[str]:
     elif (ckpt := latest_checkpoint(run_dir)) is not None:
         model_args = ["--model", str(ckpt)]
     else:
-        raise FileNotFoundError(f"{run_dir} holds no saved model (no config.json, adapter or checkpoint)")
+        raise FileNotFoundError(f"{run_dir} holds no saved model (no {MODEL_CONFIG_FILENAME}, adapter or checkpoint)")
     cmd = [sys.executable, "-m", "trl_grpo_ext.cli", "eval"]
     cmd += model_args
     cmd += eval_cli_args(options)
@@ -539,43 +527,6 @@ def eval_command(run: RunSpec, options: dict) -> list[str]:
         cmd += ["--tasks", str(run.config["synthetic_tasks"])]  # evaluate on the task mix it trained on
     cmd += ["--out", str(run_dir / EVAL_RESULTS_FILENAME)]
     return cmd
-
-
-def _previous_summary(spec: SweepSpec) -> dict[str, dict]:
-    return {r["name"]: r for r in read_sweep_summary(spec.output_root)}
-
-
-def _write_summary(
-    spec: SweepSpec, runs: list[RunSpec], results: dict[str, RunResult], started: str, previous: dict[str, dict]
-) -> Path:
-    # Runs left out of this invocation (--only) keep what an earlier one recorded, in the sweep's order.
-    try:
-        order = [r.name for r in expand(spec)]
-    except (ValueError, FileNotFoundError):
-        order = [r.name for r in runs]
-    current = {name: asdict(res) for name, res in results.items()}
-    merged = {**previous, **current}
-    ordered = [merged[n] for n in order if n in merged] + [v for n, v in merged.items() if n not in order]
-    payload = {
-        "sweep": spec.name,
-        "source": str(spec.source) if spec.source else None,
-        "started_at": started,
-        "updated_at": _now(),
-        "counts": summary_counts(ordered),
-        "runs": ordered,
-    }
-    return write_sweep_summary(spec.output_root, payload)
-
-
-def _append_sweep_log(spec: SweepSpec, line: str) -> None:
-    append_sweep_log(spec.output_root, line)
-
-
-def run_sweep(*args, **kwargs):
-    """Start every run of a sweep (skipping finished ones); see `trl_grpo_ext.launch.runner.run_sweep`."""
-    from trl_grpo_ext.launch.runner import run_sweep as _run_sweep  # launch/ builds on this module
-
-    return _run_sweep(*args, **kwargs)
 
 
 def describe_runs(spec: SweepSpec, runs: list[RunSpec]) -> str:

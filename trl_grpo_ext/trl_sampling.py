@@ -24,14 +24,18 @@ from __future__ import annotations
 import json
 import logging
 import math
+import random
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import torch
 from trl.trainer.utils import RepeatSampler, shuffle_sequence_dict, split_tensor_dict
 
-from trl_grpo_ext.data.curriculum import CurriculumSampler, curriculum_from_tasks, passed_values
+from trl_grpo_ext.data.curriculum import Curriculum, TaskPools, curriculum_from_tasks, draw_tasks, passed_values
+from trl_grpo_ext.data.synthetic import parse_task_mix
 from trl_grpo_ext.dynamic_sampling import GroupFilter, GroupRef
-from trl_grpo_ext.grpo_spec import raise_problems, reward_index, reward_option_problems
+from trl_grpo_ext.grpo_spec import curriculum_pass_reward, raise_problems, reward_index, reward_option_problems
+from trl_grpo_ext.reward_aggregation import weighted_rewards
 from trl_grpo_ext.rewards import reward_names
 from trl_grpo_ext.runs import CURRICULUM_STATE_FILENAME, atomic_write_json, checkpoint_dir
 
@@ -107,10 +111,54 @@ def prompt_pool_factor(training_args, task_mix=None) -> int:
     if getattr(training_args, "dynamic_sampling", False):
         factor *= training_args.max_generation_batches
     if getattr(training_args, "curriculum", False) and task_mix:
-        from trl_grpo_ext.data.synthetic import parse_task_mix
-
         factor *= math.ceil(1.0 / min(parse_task_mix(task_mix).values()) - 1e-9)
     return factor
+
+
+class CurriculumSampler(torch.utils.data.Sampler):
+    """TRL's `RepeatSampler` layout (``batch_size`` distinct rows, each ``mini_repeat_count`` times, the chunk
+    ``repeat_count`` times) with each row's task drawn from the curriculum's current weights.
+
+    The weights are read when a chunk is drawn, so a chunk follows the pass rates observed up to then (the data
+    loader draws about one generation batch ahead: the weights lag one batch, deterministically). ``tasks`` is the
+    dataset's task column. One iteration yields as many chunks as `RepeatSampler` would (``len(tasks) //
+    batch_size``); the random stream continues across iterations (epochs)."""
+
+    def __init__(
+        self,
+        tasks: Sequence[str],
+        curriculum: Curriculum,
+        mini_repeat_count: int,
+        batch_size: int = 1,
+        repeat_count: int = 1,
+        seed: int = 0,
+    ):
+        unknown = sorted(set(tasks) - set(curriculum.tasks))
+        if unknown:
+            raise ValueError(f"dataset tasks {unknown} are not in the curriculum ({', '.join(curriculum.tasks)})")
+        if len(tasks) < batch_size:
+            raise ValueError(f"{len(tasks)} training rows cannot fill a batch of {batch_size} prompts")
+        self.curriculum = curriculum
+        self.mini_repeat_count = mini_repeat_count
+        self.batch_size = batch_size
+        self.repeat_count = repeat_count
+        self.num_chunks = len(tasks) // batch_size
+        self._rng = random.Random(f"curriculum-sampler-{seed}")
+        self._pools = TaskPools(tasks, random.Random(f"curriculum-rows-{seed}"))
+
+    def __iter__(self) -> Iterator[int]:
+        for _ in range(self.num_chunks):
+            chunk = [
+                self._pools.next(task)
+                for task in draw_tasks(self.curriculum, self._pools.available(), self.batch_size, self._rng)
+            ]
+            for _ in range(self.repeat_count):
+                for index in chunk:
+                    for _ in range(self.mini_repeat_count):
+                        yield index
+
+    def __len__(self) -> int:
+        return self.num_chunks * self.batch_size * self.mini_repeat_count * self.repeat_count
 
 
 class DynamicSamplingMixin:
@@ -224,7 +272,7 @@ class CurriculumMixin:
         )
         names = reward_names(func_names=self.reward_func_names)
         raise_problems("GRPOTrainer", reward_option_problems(self.args, names))
-        name = self.args.curriculum_reward or getattr(self.args, "degenerate_reward", None)
+        name = curriculum_pass_reward(self.args)
         self._curriculum_column = None if name is None else reward_index(name, names)
 
     # Checkpoints carry the pass-rate estimates, as TRL 1.16 does its adaptive-entropy state (same two hooks), so a
@@ -262,8 +310,6 @@ class CurriculumMixin:
         if self.curriculum is None or not self.model.training:
             return rewards_per_func
         from accelerate.utils import gather_object
-
-        from trl_grpo_ext.reward_aggregation import weighted_rewards
 
         if self._curriculum_column is None:
             rewards = weighted_rewards(rewards_per_func, self.reward_weights)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import sys
 
+from . import equality, ground_truth, normalise, values
 from .boxes import (
     MAX_BOX_CHARS,
     MAX_SCAN_CHARS,
@@ -61,8 +62,6 @@ __all__ = [
 
 def clear_caches() -> None:
     """Forget memoised results (for benchmarks that time cold scoring). Results never depend on them."""
-    from . import equality, ground_truth, normalise, values
-
     for cached in (equality.decide, normalise._normalize_cached, ground_truth._parse_ground_truth_text):
         cached.cache_clear()
     values._exact_value_cached.cache_clear()

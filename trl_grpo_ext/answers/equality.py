@@ -136,7 +136,7 @@ def answers_match(pred, truth, timeout: float | None = None) -> bool:
         verdict = decide(np_, nt)
         if verdict is not None:
             return verdict
-        from .verifier import VERIFIER  # imported on first use: most scoring never needs it
+        from .verifier import VERIFIER  # on first use: most scoring never needs its process pool
 
         return VERIFIER.check(np_, nt, FALLBACK_TIMEOUT_S if timeout is None else timeout) is True
     except Exception:
@@ -147,6 +147,6 @@ def answers_match(pred, truth, timeout: float | None = None) -> bool:
 def warm_up_verifier() -> bool:
     """Start the math-verify worker now (a few seconds), so the first symbolic comparison inside a
     training step does not pay for it. Optional: the first comparison that needs it starts it anyway."""
-    from .verifier import VERIFIER
+    from .verifier import VERIFIER  # on first use, as in `answers_match`
 
     return VERIFIER.warm_up()

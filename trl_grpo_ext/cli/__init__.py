@@ -8,6 +8,8 @@ import argparse
 import sys
 from importlib import import_module
 
+from trl_grpo_ext.cpu_threads import apply_cpu_thread_defaults
+
 SUBCOMMANDS = {
     "pytrio-serve": ("trl_grpo_ext.cli.pytrio_serve", "serve the PyTRIO protocol locally on a transformers model"),
     "sweep": ("trl_grpo_ext.cli.sweep", "expand a grid over a base recipe and run every variant"),
@@ -17,6 +19,7 @@ SUBCOMMANDS = {
 
 
 def main(argv=None) -> int:
+    apply_cpu_thread_defaults()  # before a subcommand imports torch: OpenMP reads its settings then
     argv = sys.argv[1:] if argv is None else argv
     parser = argparse.ArgumentParser(prog="trl-grpo-ext", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")

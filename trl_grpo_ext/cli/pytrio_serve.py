@@ -9,11 +9,12 @@ import signal
 import sys
 import threading
 
+from trl_grpo_ext.models import EMBEDDED_NAME
 from trl_grpo_ext.pytrio.server.config import API_KEY_ENV, MIB, ServerConfig, read_api_key_file
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    defaults = ServerConfig(model="embedded")
+    defaults = ServerConfig(model=EMBEDDED_NAME)
     parser.add_argument("--model", required=True, help="model folder, hub id, or 'embedded' (SmolLM2-135M-Instruct)")
     parser.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1: this machine only)")
     parser.add_argument("--port", type=int, default=8710, help="port (0 picks a free one)")
@@ -105,7 +106,7 @@ def run(args: argparse.Namespace) -> int:
     if args.host not in ("127.0.0.1", "localhost", "::1"):
         logging.warning("binding %s exposes the server beyond this machine; anyone with the key can train", args.host)
 
-    from trl_grpo_ext.pytrio.server import LocalPyTrioServer
+    from trl_grpo_ext.pytrio.server import LocalPyTrioServer  # torch, starlette: after the arguments are checked
 
     stop = threading.Event()
     # installed before the address is printed: a supervisor may send SIGTERM as soon as it reads it

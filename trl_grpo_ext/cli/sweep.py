@@ -9,14 +9,21 @@ from __future__ import annotations
 
 import sys
 
+import yaml
+
+from trl_grpo_ext.launch import LauncherError
+from trl_grpo_ext.launch.runner import cancel_sweep, format_status, run_sweep, sweep_status
+from trl_grpo_ext.launch.slurm import describe as describe_slurm
+from trl_grpo_ext.launch.slurm import preflight, require_slurm
+from trl_grpo_ext.sweep import RESERVED_KEYS, coerce_scalar, describe_runs, expand, load_sweep, validate_runs
+from trl_grpo_ext.sweep_options import LAUNCHERS
+
 
 def add_arguments(parser) -> None:
     parser.add_argument("sweep_file", help="sweep YAML (base recipe + grid + overrides); see docs/comparison.md")
     parser.add_argument(
         "--dry-run", "--dry_run", dest="dry_run", action="store_true", help="list the runs, run nothing"
     )
-    from trl_grpo_ext.launch.options import LAUNCHERS
-
     parser.add_argument(
         "--launcher",
         choices=list(LAUNCHERS),
@@ -74,10 +81,6 @@ def add_arguments(parser) -> None:
 
 
 def parse_set_values(items: list[str]) -> dict:
-    import yaml
-
-    from trl_grpo_ext.sweep import RESERVED_KEYS, coerce_scalar
-
     out = {}
     for item in items:
         key, sep, value = item.partition("=")
@@ -90,12 +93,6 @@ def parse_set_values(items: list[str]) -> dict:
 
 
 def run(args) -> int:
-    from trl_grpo_ext.launch.options import LauncherError
-    from trl_grpo_ext.launch.runner import cancel_sweep, format_status, run_sweep, sweep_status
-    from trl_grpo_ext.launch.slurm import describe as describe_slurm
-    from trl_grpo_ext.launch.slurm import preflight, require_slurm
-    from trl_grpo_ext.sweep import describe_runs, expand, load_sweep, validate_runs
-
     try:
         spec = load_sweep(args.sweep_file, output_root=args.output_root)
         if args.set_values:

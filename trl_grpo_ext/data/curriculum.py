@@ -12,17 +12,16 @@ with ``p_t <- (1 - ema) * p_t + ema * batch_pass_rate_t`` for the tasks that bat
 Deterministic: the weights are a function of the observed (task, passed) pairs in order; the samplers draw from
 seeded `random.Random` streams, never from the clock or thread timing.
 
-Used by the TRL trainer (`trl_grpo_ext.trl_sampling.CurriculumMixin` with `CurriculumSampler`) and the PyTRIO
-loop (`CurriculumPromptStream`).
+Used by the TRL trainer (`trl_grpo_ext.trl_sampling`: `CurriculumMixin` with `CurriculumSampler`, a torch
+sampler) and the PyTRIO loop (`CurriculumPromptStream`). No torch here: configs and the PyTRIO loop import this
+module without loading it.
 """
 
 from __future__ import annotations
 
 import math
 import random
-from collections.abc import Iterator, Sequence
-
-import torch.utils.data
+from collections.abc import Sequence
 
 DEFAULT_EMA = 0.3
 DEFAULT_FLOOR = 0.05
@@ -131,7 +130,7 @@ def curriculum_from_tasks(tasks: Sequence[str], **settings) -> Curriculum:
     return Curriculum(counts, **settings)
 
 
-class _TaskPools:
+class TaskPools:
     """Per task, the row indices in a seeded order, reshuffled each time a task's rows are used up."""
 
     def __init__(self, tasks: Sequence[str], rng: random.Random):
@@ -155,56 +154,10 @@ class _TaskPools:
         return order[cursor]
 
 
-def _draw_tasks(curriculum: Curriculum, available: set[str], n: int, rng: random.Random) -> list[str]:
+def draw_tasks(curriculum: Curriculum, available: set[str], n: int, rng: random.Random) -> list[str]:
     weights = curriculum.weights()
     names = [t for t in curriculum.tasks if t in available]
     return rng.choices(names, [weights[t] for t in names], k=n)
-
-
-class CurriculumSampler(torch.utils.data.Sampler):
-    """TRL's `RepeatSampler` layout (``batch_size`` distinct rows, each ``mini_repeat_count`` times, the chunk
-    ``repeat_count`` times) with each row's task drawn from the curriculum's current weights.
-
-    The weights are read when a chunk is drawn, so a chunk follows the pass rates observed up to then (the data
-    loader draws about one generation batch ahead: the weights lag one batch, deterministically). ``tasks`` is the
-    dataset's task column. One iteration yields as many chunks as `RepeatSampler` would (``len(tasks) //
-    batch_size``); the random stream continues across iterations (epochs)."""
-
-    def __init__(
-        self,
-        tasks: Sequence[str],
-        curriculum: Curriculum,
-        mini_repeat_count: int,
-        batch_size: int = 1,
-        repeat_count: int = 1,
-        seed: int = 0,
-    ):
-        unknown = sorted(set(tasks) - set(curriculum.tasks))
-        if unknown:
-            raise ValueError(f"dataset tasks {unknown} are not in the curriculum ({', '.join(curriculum.tasks)})")
-        if len(tasks) < batch_size:
-            raise ValueError(f"{len(tasks)} training rows cannot fill a batch of {batch_size} prompts")
-        self.curriculum = curriculum
-        self.mini_repeat_count = mini_repeat_count
-        self.batch_size = batch_size
-        self.repeat_count = repeat_count
-        self.num_chunks = len(tasks) // batch_size
-        self._rng = random.Random(f"curriculum-sampler-{seed}")
-        self._pools = _TaskPools(tasks, random.Random(f"curriculum-rows-{seed}"))
-
-    def __iter__(self) -> Iterator[int]:
-        for _ in range(self.num_chunks):
-            chunk = [
-                self._pools.next(task)
-                for task in _draw_tasks(self.curriculum, self._pools.available(), self.batch_size, self._rng)
-            ]
-            for _ in range(self.repeat_count):
-                for index in chunk:
-                    for _ in range(self.mini_repeat_count):
-                        yield index
-
-    def __len__(self) -> int:
-        return self.num_chunks * self.batch_size * self.mini_repeat_count * self.repeat_count
 
 
 class CurriculumPromptStream:
@@ -226,11 +179,11 @@ class CurriculumPromptStream:
         if unknown:
             raise ValueError(f"training rows with tasks {unknown} are not in the curriculum")
         self._rng = random.Random(f"curriculum-stream-{seed}")
-        self._pools = _TaskPools(tasks, random.Random(f"curriculum-rows-{seed}"))
+        self._pools = TaskPools(tasks, random.Random(f"curriculum-rows-{seed}"))
         if position:
             self.take(position)
 
     def take(self, n: int) -> list[dict]:
-        tasks = _draw_tasks(self.curriculum, self._pools.available(), n, self._rng)
+        tasks = draw_tasks(self.curriculum, self._pools.available(), n, self._rng)
         self.position += n
         return [self.rows[self._pools.next(task)] for task in tasks]

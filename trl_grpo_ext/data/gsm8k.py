@@ -6,9 +6,12 @@ import json
 import logging
 from pathlib import Path
 
+from trl_grpo_ext.answers import parse_ground_truth
+
 logger = logging.getLogger(__name__)
 
 HUB_ID, HUB_CONFIG = "openai/gsm8k", "main"
+HUB_NAMES = ("gsm8k", HUB_ID)  # the sources that mean GSM8K from the hub
 ON_MALFORMED = ("error", "drop")
 
 
@@ -53,7 +56,7 @@ def load_gsm8k_rows(source: str, split: str = "train") -> list[dict]:
         return read_jsonl(path)
     from datasets import load_dataset
 
-    hub_id = HUB_ID if source in ("gsm8k", HUB_ID) else source
+    hub_id = HUB_ID if source in HUB_NAMES else source
     config = HUB_CONFIG if hub_id == HUB_ID else None
     try:
         return [dict(row) for row in load_dataset(hub_id, config, split=split)]
@@ -69,8 +72,6 @@ def validate_rows(rows: list[dict], on_malformed: str = "error", source: str = "
 
     on_malformed='error' raises naming the first bad row; 'drop' skips bad rows and logs how many.
     """
-    from trl_grpo_ext.answers import parse_ground_truth
-
     if on_malformed not in ON_MALFORMED:
         raise ValueError(f"on_malformed must be one of {ON_MALFORMED}, got {on_malformed!r}")
     kept, dropped = [], []

@@ -38,7 +38,9 @@ class HFGenerator:
         if adapter:
             from peft import PeftModel
 
-            self.model = PeftModel.from_pretrained(self.model, adapter).merge_and_unload()
+            from trl_grpo_ext.compat import merge_and_unload
+
+            self.model = merge_and_unload(PeftModel.from_pretrained(self.model, adapter))
         self.model.to(self.device).eval()
         self._settings(max_new_tokens, temperature, top_p, seed)
 

@@ -11,6 +11,7 @@ from typing import Any, Sequence
 
 from trl_grpo_ext.answers import parse_ground_truth
 from trl_grpo_ext.data import SYNTHETIC_SOURCE, load_problems
+from trl_grpo_ext.data.gsm8k import HUB_ID, HUB_NAMES
 from trl_grpo_ext.data.loading import DEFAULT_TASKS
 from trl_grpo_ext.data.prompts import build_prompt
 
@@ -93,8 +94,8 @@ def load_rows(data: str, limit: int | None = None, seed: int = HELDOUT_SEED, tas
         raise ValueError("--limit must be >= 1")
     if data in (EMBEDDED_DATA, SYNTHETIC_SOURCE):
         return load_problems(SYNTHETIC_SOURCE, "test", limit or 320, tasks=tasks or DEFAULT_TASKS, seed=seed)
-    if data in (GSM8K_TEST, "gsm8k", "openai/gsm8k"):
-        return load_problems("openai/gsm8k", "test", limit)
+    if data == GSM8K_TEST or data in HUB_NAMES:
+        return load_problems(HUB_ID, "test", limit)
     if not Path(data).exists():
         raise FileNotFoundError(
             f"eval data '{data}' is neither '{EMBEDDED_DATA}', '{GSM8K_TEST}' nor a JSONL file/folder"

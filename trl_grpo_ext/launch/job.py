@@ -33,6 +33,7 @@ from trl_grpo_ext.runs import EVAL_LOG_FILENAME, TRAIN_LOG_FILENAME, latest_chec
 from trl_grpo_ext.runs.names import slurm_task_output
 from trl_grpo_ext.runs.sweep_files import (
     is_done,
+    now_iso,
     read_done_marker,
     read_eval_summary,
     read_job_description,
@@ -44,7 +45,6 @@ from trl_grpo_ext.runs.sweep_files import (
 from trl_grpo_ext.sweep import (
     RunSpec,
     SweepSpec,
-    _now,
     build_command,
     eval_command,
     log_tail,
@@ -127,7 +127,7 @@ def _stop_process(proc: subprocess.Popen, grace_s: float = STOP_GRACE_S) -> None
 
 def _run_logged(cmd: list[str], log_path: Path, env: dict, header: str) -> int:
     with open(log_path, "a", buffering=1) as log:
-        log.write(f"\n===== {_now()} {header}\n$ {' '.join(cmd)}\n")
+        log.write(f"\n===== {now_iso()} {header}\n$ {' '.join(cmd)}\n")
         log.flush()
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, stdin=subprocess.DEVNULL)
         try:
@@ -151,7 +151,7 @@ def _train(job: Job, record: RunResult, env: dict) -> None:
     print(f"run {job.name}: training" + (f", resuming from {record.resumed_from}" if resume else ""), flush=True)
     start = time.monotonic()
     rc = _run_logged(record.command, run_dir / TRAIN_LOG_FILENAME, env, f"train {job.name}")
-    record.wall_time, record.returncode, record.finished_at = round(time.monotonic() - start, 3), rc, _now()
+    record.wall_time, record.returncode, record.finished_at = round(time.monotonic() - start, 3), rc, now_iso()
     if rc != 0:
         record.status, record.log_tail = "failed", log_tail(run_dir / TRAIN_LOG_FILENAME)
         record.reason = failure_reason(record.log_tail, rc)
@@ -205,7 +205,9 @@ def run_job(run_dir: str | os.PathLike) -> int:
     """Train (or resume) and evaluate the run in `run_dir`; 0 when it finished, else 1 (128 + N if signal N)."""
     job = read_job(run_dir)
     run_dir = Path(job.run_dir)
-    record = RunResult(job.name, "running", str(run_dir), started_at=_now(), **_scheduler_identity(), **this_process())
+    record = RunResult(
+        job.name, "running", str(run_dir), started_at=now_iso(), **_scheduler_identity(), **this_process()
+    )
     if record.launcher == "slurm":  # the array task's own output, where sbatch's --output puts it
         record.job_log = str(slurm_task_output(run_dir.parent, record.job_id))
     write_attempt(record)
@@ -214,7 +216,7 @@ def run_job(run_dir: str | os.PathLike) -> int:
         # Recorded before the trainer is stopped: under SLURM, everything is SIGKILLed a few seconds after SIGTERM.
         by = "SLURM (scancel, time limit or preemption)" if record.launcher == "slurm" else "the sweep or a user"
         record.status, record.reason = "interrupted", f"stopped by {signal.Signals(signum).name} from {by}"
-        record.finished_at = _now()
+        record.finished_at = now_iso()
         write_attempt(record)
         raise _Stopped(signum)
 
@@ -240,7 +242,7 @@ def run_job(run_dir: str | os.PathLike) -> int:
         print(f"run {job.name}: {record.reason}", flush=True)
         return 128 + stopped.signum
     except Exception as e:  # the job's own failure (unwritable folder, missing script): recorded, not lost
-        record.status, record.reason, record.finished_at = "failed", f"{type(e).__name__}: {e}", _now()
+        record.status, record.reason, record.finished_at = "failed", f"{type(e).__name__}: {e}", now_iso()
         record.log_tail = record.reason
         write_attempt(record)
         update_summary_entry(record)
@@ -248,7 +250,7 @@ def run_job(run_dir: str | os.PathLike) -> int:
     finally:
         for s, handler in previous.items():
             signal.signal(s, handler)
-    record.finished_at = record.finished_at or _now()
+    record.finished_at = record.finished_at or now_iso()
     write_attempt(record)
     update_summary_entry(record)
     print(f"run {job.name}: {record.status}" + (f" ({record.reason})" if record.reason else ""), flush=True)

@@ -17,7 +17,8 @@ from typing import Callable
 from trl_grpo_ext.launch.job import STOP_GRACE_S, Job
 from trl_grpo_ext.launch.records import IN_FLIGHT, RunResult, failure_reason, read_attempt, write_attempt
 from trl_grpo_ext.runs import TRAIN_LOG_FILENAME
-from trl_grpo_ext.sweep import _now, log_tail, run_env
+from trl_grpo_ext.runs.sweep_files import now_iso
+from trl_grpo_ext.sweep import log_tail, run_env
 
 POLL_S = 0.2
 
@@ -39,13 +40,13 @@ def _ended(job: Job, returncode: int) -> RunResult:
     if record is None or record.status in IN_FLIGHT:
         tail = log_tail(Path(job.run_dir) / TRAIN_LOG_FILENAME)
         record = RunResult(job.name, "failed", job.run_dir, returncode=returncode, log_tail=tail, launcher="local")
-        record.reason, record.finished_at = f"the job exited ({failure_reason(tail, returncode)})", _now()
+        record.reason, record.finished_at = f"the job exited ({failure_reason(tail, returncode)})", now_iso()
         write_attempt(record)
     return record
 
 
 def never_started(job: Job) -> RunResult:
-    record = RunResult(job.name, "interrupted", job.run_dir, launcher="local", finished_at=_now())
+    record = RunResult(job.name, "interrupted", job.run_dir, launcher="local", finished_at=now_iso())
     record.reason = "the sweep stopped before it started"
     write_attempt(record)
     return record

@@ -16,9 +16,8 @@ import time
 from pathlib import Path
 from typing import Callable
 
-from trl_grpo_ext.launch import local, slurm
+from trl_grpo_ext.launch import LauncherError, local, slurm
 from trl_grpo_ext.launch.job import prepare_job
-from trl_grpo_ext.launch.options import LAUNCHERS, LauncherError
 from trl_grpo_ext.launch.records import (
     IN_FLIGHT,
     RunResult,
@@ -31,16 +30,19 @@ from trl_grpo_ext.launch.records import (
 )
 from trl_grpo_ext.progress import progress_bar
 from trl_grpo_ext.runs import TRAIN_LOG_FILENAME
-from trl_grpo_ext.runs.sweep_files import is_done, output_root_lock, read_done_marker, read_eval_summary
-from trl_grpo_ext.sweep import (
-    RunSpec,
-    SweepSpec,
-    _append_sweep_log,
-    _now,
-    _previous_summary,
-    _write_summary,
-    expand,
+from trl_grpo_ext.runs.sweep_files import (
+    append_sweep_log,
+    is_done,
+    now_iso,
+    output_root_lock,
+    read_done_marker,
+    read_eval_summary,
+    read_sweep_summary,
+    summary_counts,
+    write_sweep_summary,
 )
+from trl_grpo_ext.sweep import RunSpec, SweepSpec, expand
+from trl_grpo_ext.sweep_options import LAUNCHERS
 
 WAIT_POLL_S = 2.0  # how often `--wait` reads the run folders and squeue
 
@@ -123,7 +125,7 @@ def _prepare(spec: SweepSpec, runs: list[RunSpec], launcher: str):
             jobs.append((run, prepare_job(spec, run, processes)))
         except (OSError, ValueError) as e:
             record = RunResult(
-                run.name, "failed", str(run.run_dir), reason=f"{type(e).__name__}: {e}", finished_at=_now()
+                run.name, "failed", str(run.run_dir), reason=f"{type(e).__name__}: {e}", finished_at=now_iso()
             )
             record.log_tail = record.reason
             failed.append(record)
@@ -157,7 +159,7 @@ def run_sweep(
             # N trainers each grabbing every core would thrash; split the cores between them.
             threads = max(1, (os.cpu_count() or 1) // parallel)
             spec = dataclasses.replace(spec, env={**spec.env, "OMP_NUM_THREADS": str(threads)})
-    started = _now()
+    started = now_iso()
     previous = _previous_summary(spec)
     results: dict[str, RunResult] = {}
     lock = threading.Lock()
@@ -184,7 +186,7 @@ def run_sweep(
                     line += f" (log: {Path(result.run_dir) / TRAIN_LOG_FILENAME})"
             if result.wall_time is not None:
                 line += f" [{result.wall_time:.1f}s]"
-            _append_sweep_log(spec, line)
+            append_sweep_log(spec.output_root, line)
             if result.status not in IN_FLIGHT:
                 bar.update(1)
             failed = sum(1 for r in results.values() if not r.ok)
@@ -200,8 +202,8 @@ def run_sweep(
             spec.output_root, on_wait=f"waiting for another sweep command in {spec.output_root} ..."
         ):
             start, left = _pick(spec, runs, force, Scheduler())
-            _append_sweep_log(
-                spec, f"start {len(start)} of {len(runs)} runs, launcher={launcher}, parallel={parallel}"
+            append_sweep_log(
+                spec.output_root, f"start {len(start)} of {len(runs)} runs, launcher={launcher}, parallel={parallel}"
             )
             jobs, failed = _prepare(spec, start, launcher)
             for result in failed:
@@ -225,7 +227,7 @@ def run_sweep(
                 last = read_attempt(run.run_dir) if launcher == "slurm" else None
                 in_flight = last is not None and last.status in IN_FLIGHT
                 results[run.name] = last if in_flight else RunResult(run.name, "interrupted", str(run.run_dir))
-        _append_sweep_log(spec, "interrupted")
+        append_sweep_log(spec.output_root, "interrupted")
         raise
     finally:
         if previous_term is not None:
@@ -233,6 +235,32 @@ def run_sweep(
         bar.close()
         path = write_summary(refresh=True)
     return [results[r.name] for r in runs], path
+
+
+def _previous_summary(spec: SweepSpec) -> dict[str, dict]:
+    return {r["name"]: r for r in read_sweep_summary(spec.output_root)}
+
+
+def _write_summary(
+    spec: SweepSpec, runs: list[RunSpec], results: dict[str, RunResult], started: str, previous: dict[str, dict]
+) -> Path:
+    # Runs left out of this invocation (--only) keep what an earlier one recorded, in the sweep's order.
+    try:
+        order = [r.name for r in expand(spec)]
+    except (ValueError, FileNotFoundError):
+        order = [r.name for r in runs]
+    current = {name: dataclasses.asdict(res) for name, res in results.items()}
+    merged = {**previous, **current}
+    ordered = [merged[n] for n in order if n in merged] + [v for n, v in merged.items() if n not in order]
+    payload = {
+        "sweep": spec.name,
+        "source": str(spec.source) if spec.source else None,
+        "started_at": started,
+        "updated_at": now_iso(),
+        "counts": summary_counts(ordered),
+        "runs": ordered,
+    }
+    return write_sweep_summary(spec.output_root, payload)
 
 
 def _follow(pending: list[RunResult], on_done: Callable[[RunResult], None]) -> None:
@@ -289,7 +317,11 @@ def cancel_sweep(spec: SweepSpec, runs: list[RunSpec] | None = None) -> list[str
             slurm_ids.append(str(record.job_id))
             stopped.append(f"{run.name} (job {record.job_id})")
             if record.status == "queued":  # a job cancelled before it starts records nothing itself
-                record.status, record.reason, record.finished_at = "interrupted", "cancelled before it started", _now()
+                record.status, record.reason, record.finished_at = (
+                    "interrupted",
+                    "cancelled before it started",
+                    now_iso(),
+                )
                 write_attempt(record)
         elif local_process_alive(record):
             os.kill(record.pid, signal.SIGTERM)

@@ -18,8 +18,8 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from trl_grpo_ext.launch import LauncherError
 from trl_grpo_ext.launch.job import Job
-from trl_grpo_ext.launch.options import LauncherError
 from trl_grpo_ext.launch.records import RunResult, RunState, write_attempt
 from trl_grpo_ext.runs.names import slurm_array_files, slurm_task_output
 from trl_grpo_ext.sweep import PACKAGE_ROOT, RunSpec, SweepSpec, build_command

@@ -27,7 +27,9 @@ from trl_grpo_ext.grpo_spec import (
     swanlab_mode_problems,
 )
 from trl_grpo_ext.loss_types import LOSSES, PYTRIO, ratio_bounds
+from trl_grpo_ext.models import EMBEDDED_NAME
 from trl_grpo_ext.rewards import reward_names
+from trl_grpo_ext.runs.tracking import swanlab_mode_field, swanlab_project_field
 
 
 @dataclass
@@ -37,7 +39,7 @@ class PyTrioGRPOConfig(GRPOSpec):
 
     # --- where the model lives ---
     base_model: str = field(
-        default="embedded",
+        default=EMBEDDED_NAME,
         metadata={
             "help": "Base model id as the service knows it (e.g. a model from `ServiceClient().get_supported_models()`). "
             "With the local server: 'embedded' (offline SmolLM2-135M-Instruct), a hub id or a local path."
@@ -137,14 +139,8 @@ class PyTrioGRPOConfig(GRPOSpec):
     )
     report_to: str = field(default="none", metadata={"help": "'none' or 'swanlab'."})
     run_name: str | None = field(default=None, metadata={"help": "Run name for SwanLab."})
-    swanlab_project: str = field(default="trl-grpo-ext", metadata={"help": "SwanLab project."})
-    swanlab_mode: str | None = field(
-        default=None,
-        metadata={
-            "help": "SwanLab mode: 'online', 'offline', 'local' or 'disabled' ('cloud': deprecated name of online); "
-            "None: $SWANLAB_MODE or 'offline'."
-        },
-    )
+    swanlab_project: str = swanlab_project_field()
+    swanlab_mode: str | None = swanlab_mode_field()
     request_timeout_s: float = field(
         default=1800.0, metadata={"help": "Longest wait for any one service call before the run stops with an error."}
     )

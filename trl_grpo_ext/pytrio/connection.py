@@ -64,7 +64,7 @@ def local_server(base_model: str, **options):
     """Run the local pytrio server (`trl_grpo_ext.pytrio.server`) for ``base_model`` on 127.0.0.1 in this process;
     yields the server (``.base_url``, ``.api_key``, a fresh random key)."""
     try:
-        from trl_grpo_ext.pytrio.server import running_server
+        from trl_grpo_ext.pytrio.server import running_server  # torch and the [pytrio] extra: local server only
     except ImportError as error:
         raise RuntimeError(
             f"pytrio_base_url: local needs the local server, which cannot be imported: {error}"

@@ -27,8 +27,12 @@ from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from trl_grpo_ext.data.curriculum import CurriculumPromptStream, curriculum_from_tasks, passed_values
 from trl_grpo_ext.dynamic_sampling import GroupFilter, GroupRef
+from trl_grpo_ext.grpo_spec import curriculum_pass_reward
 from trl_grpo_ext.loss_types import wire_loss_config
+from trl_grpo_ext.models import check_local_model, is_embedded, resolve_model
+from trl_grpo_ext.pytrio import connection
 from trl_grpo_ext.pytrio.checkpoint import (
     LoopState,
     check_resumable,
@@ -37,9 +41,10 @@ from trl_grpo_ext.pytrio.checkpoint import (
     save_loop_state,
 )
 from trl_grpo_ext.pytrio.config import PyTrioGRPOConfig
-from trl_grpo_ext.pytrio.connection import install_log_redaction, redact
+from trl_grpo_ext.pytrio.connection import LOCAL_SERVER_NAME, install_log_redaction, redact
 from trl_grpo_ext.pytrio.datums import Rollout, build_datum, shifted_sequences, validate_rollout
-from trl_grpo_ext.rewards import get_reward_funcs
+from trl_grpo_ext.pytrio.rows import load_train_rows
+from trl_grpo_ext.rewards import get_reward_funcs, reward_functions
 from trl_grpo_ext.runs import PYTRIO_SERVER_DIRNAME, write_run_config
 from trl_grpo_ext.runs.metrics import RunLogger
 from trl_grpo_ext.runs.tracking import start_swanlab
@@ -129,7 +134,7 @@ def advantages_for(config: PyTrioGRPOConfig, rewards, rewards_per_func) -> tuple
     ``degenerate_reward``'s column of ``rewards_per_func`` (N, K)); returns (advantages, degenerate per group)."""
     import torch
 
-    from trl_grpo_ext.losses import group_advantages
+    from trl_grpo_ext.losses import group_advantages  # torch: loaded by the first step, not by importing the loop
 
     rewards_per_func = torch.as_tensor(rewards_per_func, dtype=torch.float32)
     degenerate_rewards = None
@@ -161,7 +166,7 @@ class ScoredBatch:
 
 def reward_step_metrics(config: PyTrioGRPOConfig, scored: ScoredBatch, reward_names) -> dict:
     """The TRL path's reward metrics of a step (`trl_grpo_ext.reward_aggregation`), plus ``frac_degenerate``."""
-    from trl_grpo_ext.reward_aggregation import frac_reward_zero_std, reward_metrics
+    from trl_grpo_ext.reward_aggregation import frac_reward_zero_std, reward_metrics  # trl: seconds, first step
 
     metrics = reward_metrics(scored.rewards_per_func, scored.rewards, reward_names)
     metrics["frac_reward_zero_std"] = frac_reward_zero_std(
@@ -195,7 +200,7 @@ def make_custom_loss(config: PyTrioGRPOConfig, rows: TokenRows, record: dict):
     completion tokens of the whole batch as ``loss_aggregation`` says. Metrics also land in ``record``."""
     import torch
 
-    from trl_grpo_ext.losses import policy_loss, token_level_mean
+    from trl_grpo_ext.losses import policy_loss, token_level_mean  # torch: first step
 
     clip_low, clip_high = config.clip_bounds
 
@@ -384,16 +389,12 @@ class GRPOLoop:
 
     def _service_client(self):
         if self._service is None:
-            from trl_grpo_ext.pytrio.connection import create_service_client
-
-            self._service = create_service_client()
+            self._service = connection.create_service_client()
         return self._service
 
     def _load_rows(self) -> list[dict]:
         if self._rows is not None:
             return self._rows
-        from trl_grpo_ext.pytrio.rows import load_train_rows
-
         return load_train_rows(self.config)
 
     def _load_tokenizer(self, training_client):
@@ -409,9 +410,7 @@ class GRPOLoop:
             return training_client.get_tokenizer()
         except Exception as error:  # noqa: BLE001 - fall back to a local copy of the model
             base = self.config.base_model
-            if base.strip().lower() == "embedded" or Path(base).is_dir():
-                from trl_grpo_ext.models import resolve_model
-
+            if is_embedded(base) or Path(base).is_dir():
                 return AutoTokenizer.from_pretrained(resolve_model(base))
             raise PyTrioLoopError(
                 f"no tokenizer for {base!r} ({type(error).__name__}: {redact(error)}); set tokenizer_name_or_path"
@@ -424,8 +423,6 @@ class GRPOLoop:
         self.reward_funcs, self.reward_names, self.reward_weights = self._reward_setup()
         rows = self._load_rows()
         if self.config.curriculum:
-            from trl_grpo_ext.data.curriculum import CurriculumPromptStream, curriculum_from_tasks
-
             c = self.config
             self.curriculum = curriculum_from_tasks(
                 [row.get("task") for row in rows], ema=c.curriculum_ema, floor=c.curriculum_floor
@@ -436,10 +433,9 @@ class GRPOLoop:
         return PromptStream(rows, self.config.seed, data_position)
 
     def _reward_setup(self):
-        """Reward functions with the TRL recipe's context (`trl_grpo_ext.recipe.reward_functions`: the length limit
+        """Reward functions with the TRL recipe's context (`trl_grpo_ext.rewards.reward_functions`: the length limit
         and EOS let rewards that veto truncated completions recognise them), TRL's names and weights."""
-        from trl_grpo_ext.recipe import reward_functions
-        from trl_grpo_ext.reward_aggregation import reward_func_name, reward_weight_tensor
+        from trl_grpo_ext.reward_aggregation import reward_func_name, reward_weight_tensor  # trl: seconds
 
         funcs = reward_functions(self.config.reward_funcs, self.config, self.tokenizer)
         return (
@@ -521,7 +517,7 @@ class GRPOLoop:
 
     def _score(self, rows: list[dict], rollouts: list[Rollout], times: StepTimes) -> ScoredBatch:
         """Rewards as TRL computes them (`trl_grpo_ext.reward_aggregation`), then group advantages."""
-        from trl_grpo_ext.reward_aggregation import (
+        from trl_grpo_ext.reward_aggregation import (  # trl: seconds, first step
             RewardMetricLog,
             reward_kwargs,
             score_completions,
@@ -577,10 +573,8 @@ class GRPOLoop:
         metrics = reward_step_metrics(self.config, scored, self.reward_names)
         metrics.update(completion_metrics(scored.rollouts))
         if self.curriculum is not None:
-            from trl_grpo_ext.data.curriculum import passed_values
-
             c = self.config
-            name = c.curriculum_reward or c.degenerate_reward
+            name = curriculum_pass_reward(c)
             rewards = scored.rewards if name is None else scored.rewards_per_func[:, c.reward_column(name)]
             tasks = [row.get("task") for row in scored.rows for _ in range(c.num_generations)]
             self.curriculum.update(tasks, passed_values(rewards.tolist(), c.curriculum_pass_threshold))
@@ -678,16 +672,12 @@ class GRPOLoop:
         """Check everything bad input can break before a model loads or a file is written: the data (loaded and
         kept), the reward names, the local server's model path, and a resume's recorded state against this config.
         Raises ValueError / FileNotFoundError with one line; returns the state to resume from (None: fresh run)."""
-        from trl_grpo_ext.pytrio.connection import LOCAL_SERVER_NAME
-
         if self._checked is not None:
             return self._checked[0]
         c = self.config
         self._rows = self._load_rows()
         get_reward_funcs(c.reward_funcs)  # unknown names: a ValueError listing the valid ones
-        if c.pytrio_base_url == LOCAL_SERVER_NAME and c.base_model.strip().lower() != "embedded":
-            from trl_grpo_ext.models import check_local_model
-
+        if c.pytrio_base_url == LOCAL_SERVER_NAME and not is_embedded(c.base_model):
             check_local_model(c.base_model)  # a local-looking path that is not a model folder
         previous = load_loop_state(c.output_dir) if c.resume else None
         if c.resume and previous is None:
@@ -778,18 +768,16 @@ def _write_config(config: PyTrioGRPOConfig, out: Path) -> None:
 def run_from_config(config: PyTrioGRPOConfig, loop: GRPOLoop | None = None, **kwargs) -> dict:
     """Connect as ``pytrio_base_url`` says (``local``: start the local server first) and train ``loop`` (default:
     ``GRPOLoop(config, **kwargs)``). Its inputs are checked before the local server loads the model."""
-    from trl_grpo_ext.pytrio.connection import LOCAL_SERVER_NAME, configure_client, local_server
-
     install_log_redaction()
     loop = loop or GRPOLoop(config, **kwargs)
     loop.check_inputs()
     if config.pytrio_base_url == LOCAL_SERVER_NAME:
         # Checkpoints live beside the run, so a resumed run's fresh server finds the earlier process's states.
-        with local_server(
+        with connection.local_server(
             config.base_model, storage_dir=str(Path(config.output_dir) / PYTRIO_SERVER_DIRNAME)
         ) as server:
-            configure_client(base_url=server.base_url, api_key=server.api_key)
+            connection.configure_client(base_url=server.base_url, api_key=server.api_key)
             return loop.run()
     if config.pytrio_base_url:
-        configure_client(base_url=config.pytrio_base_url)
+        connection.configure_client(base_url=config.pytrio_base_url)
     return loop.run()

@@ -8,9 +8,9 @@ columns other than ``prompt`` reach the reward functions as keyword arguments, a
 
 from __future__ import annotations
 
+from trl_grpo_ext.data import load_dataset_split
+from trl_grpo_ext.data.gsm8k import HUB_ID
 from trl_grpo_ext.data.loading import SYNTHETIC_SOURCE
-
-GSM8K_HUB_ID = "openai/gsm8k"
 
 
 def data_source(config) -> str:
@@ -18,13 +18,11 @@ def data_source(config) -> str:
     if config.dataset_name == "synthetic":
         return SYNTHETIC_SOURCE
     if config.dataset_name == "gsm8k":
-        return config.dataset_path or GSM8K_HUB_ID
+        return config.dataset_path or HUB_ID
     raise ValueError(f"dataset_name must be 'gsm8k' or 'synthetic', got {config.dataset_name!r}")
 
 
 def load_train_rows(config) -> list[dict]:
-    from trl_grpo_ext.data import load_dataset_split
-
     dataset = load_dataset_split(
         data_source(config),
         config.dataset_split,

@@ -6,7 +6,7 @@ Registry names: `boxed`, `format`, `format_think`, `format_partial`, `hybrid` (s
 from .accuracy import boxed_reward
 from .format import format_checks, format_reward, make_format_reward
 from .hybrid import DEFAULT_HYBRID_COMPONENTS, hybrid_reward, make_hybrid_reward
-from .registry import REWARD_REGISTRY, get_reward, get_reward_funcs, register_reward, reward_names
+from .registry import REWARD_REGISTRY, get_reward, get_reward_funcs, register_reward, reward_functions, reward_names
 from .vetoes import DEFAULT_VETOES, VETOES, has_repetition_loop
 
 __all__ = [
@@ -24,5 +24,6 @@ __all__ = [
     "make_format_reward",
     "make_hybrid_reward",
     "register_reward",
+    "reward_functions",
     "reward_names",
 ]

@@ -69,6 +69,14 @@ def get_reward_funcs(
     return funcs
 
 
+def reward_functions(names, training_args=None, tokenizer=None) -> list[Callable]:
+    """`get_reward_funcs` with a trainer's context, as both execution paths build their rewards: the length limit
+    (``training_args.max_completion_length``) and the tokenizer's EOS let `hybrid` veto truncated completions."""
+    eos = [tokenizer.eos_token_id] if tokenizer is not None and tokenizer.eos_token_id is not None else None
+    limit = getattr(training_args, "max_completion_length", None)
+    return get_reward_funcs(list(names), max_completion_length=limit, eos_token_ids=eos)
+
+
 def reward_names(entries: Iterable | None = None, func_names: Iterable[str] | None = None) -> list[tuple[str, ...]]:
     """The names each reward function answers to in the options that name one (``degenerate_reward``,
     ``curriculum_reward``; `trl_grpo_ext.grpo_spec.reward_option_problems`): its function name (TRL's

@@ -24,7 +24,8 @@ EVAL_BEFORE_PROBLEMS_FILENAME = "eval_before.jsonl"
 EVAL_AFTER_PROBLEMS_FILENAME = "eval_after.jsonl"
 # SwanLab's offline logs.
 SWANLAB_DIRNAME = "swanlog"
-# The PyTRIO loop's resume record, and the local PyTRIO server's checkpoint storage beside it.
+# The PyTRIO loop's resume record, and the local PyTRIO server's checkpoint storage beside it (also the name of
+# the server's default storage in the package cache, `trl_grpo_ext.pytrio.server.config.default_storage_dir`).
 PYTRIO_STATE_FILENAME = "pytrio_state.json"
 PYTRIO_SERVER_DIRNAME = "pytrio-server"
 # HF Trainer's checkpoint folders (`transformers.trainer_utils.PREFIX_CHECKPOINT_DIR`), the file
@@ -34,7 +35,7 @@ CHECKPOINT_PATTERN = re.compile(rf"{CHECKPOINT_PREFIX}-(\d+)")
 TRAINER_STATE_FILENAME = "trainer_state.json"
 CURRICULUM_STATE_FILENAME = "curriculum_state.json"
 # A model saved into the run folder (`save_model`): a LoRA adapter's config (peft), else the model's config
-# (transformers; every model folder has one, so this name is spelled in models.py too).
+# (transformers; every model folder has one: `trl_grpo_ext.models` checks model folders by it too).
 ADAPTER_CONFIG_FILENAME = "adapter_config.json"
 MODEL_CONFIG_FILENAME = "config.json"
 

@@ -5,11 +5,31 @@ from __future__ import annotations
 import logging
 import math
 import os
+from dataclasses import field
 from pathlib import Path
 
 from trl_grpo_ext.runs.names import METRICS_FILENAME, SWANLAB_DIRNAME
 
 logger = logging.getLogger(__name__)
+
+DEFAULT_SWANLAB_PROJECT = "trl-grpo-ext"
+
+
+def swanlab_project_field():
+    """The ``swanlab_project`` option, as both paths' configs declare it."""
+    return field(default=DEFAULT_SWANLAB_PROJECT, metadata={"help": "SwanLab project (report_to: swanlab)."})
+
+
+def swanlab_mode_field():
+    """The ``swanlab_mode`` option, as both paths' configs declare it (values: `trl_grpo_ext.grpo_spec`)."""
+    return field(
+        default=None,
+        metadata={
+            "help": "SwanLab mode: online, offline (logs under output_dir, no network), local or disabled ('cloud': "
+            "deprecated name of online). Default: $SWANLAB_MODE, else online when an API key is configured, else "
+            "offline."
+        },
+    )
 
 
 def jsonable(value):
@@ -43,7 +63,7 @@ def swanlab_mode(requested: str | None = None) -> str:
 
 def start_swanlab(
     output_dir,
-    project: str = "trl-grpo-ext",
+    project: str = DEFAULT_SWANLAB_PROJECT,
     run_name: str | None = None,
     mode: str | None = None,
     config: dict | None = None,

@@ -12,9 +12,15 @@ See docs/pytrio_server.md for what is implemented.
 
 from __future__ import annotations
 
+import importlib.util
 from contextlib import contextmanager
 
-from trl_grpo_ext.pytrio.server.app import LocalPyTrioServer, ServerConfig
+# the client's protocol models validate every request; Starlette and uvicorn serve them
+_MISSING = [name for name in ("pytrio", "starlette", "uvicorn") if importlib.util.find_spec(name) is None]
+if _MISSING:
+    raise ImportError(f"the local PyTRIO server needs {', '.join(_MISSING)}: pip install 'trl-grpo-ext[pytrio]'")
+
+from trl_grpo_ext.pytrio.server.app import LocalPyTrioServer, ServerConfig  # noqa: E402 - after the check
 
 __all__ = ["LocalPyTrioServer", "ServerConfig", "running_server"]
 

@@ -1,15 +1,26 @@
 """Actor API handlers (``<base>/actor/v1/...``): event submission and status, sampling requests.
 
-A mixin of `LocalPyTrioServer`.
+A mixin of `LocalPyTrioServer`. The two that wait are coroutines run on the server's event loop: an event status
+read waits (long poll) for the event, a sample request for its decode batch, and neither holds a thread meanwhile;
+their blocking parts run in the server's request threads (`_in_thread`).
 """
 
 from __future__ import annotations
 
-import msgpack
+import asyncio
+import contextlib
+from concurrent.futures import Future
+from dataclasses import dataclass
 
-from trl_grpo_ext.pytrio.server.engine import EngineError, SampleSpec
+import msgpack
+from pytrio.protocol.actor.events.event import EventEnvelope
+from pytrio.protocol.actor.sampling_run.sample import SampleRequest
+
+from trl_grpo_ext.pytrio.server.adapters import LoraSnapshot
+from trl_grpo_ext.pytrio.server.decoding import SampleResult, SampleSpec
+from trl_grpo_ext.pytrio.server.errors import ApiError, EngineError
 from trl_grpo_ext.pytrio.server.events import EventRecord, RunEventQueue
-from trl_grpo_ext.pytrio.server.registry import ApiError
+from trl_grpo_ext.pytrio.server.registry import ActorToken
 from trl_grpo_ext.pytrio.server.wire import prompt_tokens, validate
 
 KNOWN_EVENTS = (
@@ -24,10 +35,30 @@ KNOWN_EVENTS = (
 SAMPLING_PARAM_KEYS = {"max_tokens", "temperature", "top_k", "top_p", "seed", "stop", "stop_token_ids"}
 
 
-class ActorHandlers:
-    def submit_event(self, token, raw: bytes) -> tuple[int, dict]:
-        from pytrio.protocol.actor.events.event import EventEnvelope
+@dataclass
+class SampleJob:
+    """A validated sample request, queued for decoding: `results` completes with its sequences."""
 
+    request: SampleRequest
+    run: str
+    prompt: list[int]
+    snapshot: LoraSnapshot | None
+    results: Future  # list[SampleResult]
+
+
+@contextlib.contextmanager
+def _sampling_errors():
+    """A request the engine refuses, or parameters it cannot take, are 400 answers with the engine's code."""
+    try:
+        yield
+    except EngineError as error:
+        raise ApiError(400, error.code, error.message) from None
+    except (TypeError, ValueError) as error:
+        raise ApiError(400, "invalid_sampling_params", str(error)) from None
+
+
+class ActorHandlers:
+    def submit_event(self, token: ActorToken, raw: bytes) -> tuple[int, dict]:
         try:
             data = msgpack.unpackb(raw, raw=False)
         except Exception as error:  # noqa: BLE001 - any undecodable body is a client error
@@ -49,6 +80,8 @@ class ActorHandlers:
         if run.status in ("ENDED", "CANCELLED"):
             raise ApiError(409, "run_ended", f"training run {run_id} is {run.status}")
         record = EventRecord(envelope.event_id, event_type, run_id, envelope.payload)
+        if self._closing.done():  # a queue made now would outlive the server
+            raise ApiError(503, "server_stopping", "the local PyTRIO server is stopping")
         with self.registry.lock:
             q = self._queues.get(run_id)
             if q is None:
@@ -57,17 +90,24 @@ class ActorHandlers:
             raise ApiError(409, "event_exists", f"event {envelope.event_id} was already submitted")
         return 202, record.wire()
 
-    def get_event(self, token, event_id: str, wait: float) -> dict:
+    async def get_event(self, token: ActorToken, event_id: str, wait: float) -> dict:
+        """The event's status once it finished, or after ``min(wait, long_poll_seconds)`` (or when the server stops)."""
         q = self._queues.get(token.run)
         record = q.get(event_id) if q is not None else None
         if record is None:
             raise ApiError(404, "event_not_found", f"event {event_id} not found for run {token.run}")
-        record.done.wait(max(0.0, min(wait, self.config.long_poll_seconds)))
+        await record.wait(min(wait, self.config.long_poll_seconds), self._closing_signal())
         return record.wire()
 
-    def sample(self, token, rid: str, body: dict) -> dict:
-        from pytrio.protocol.actor.sampling_run.sample import SampleRequest
+    async def sample(self, token: ActorToken, rid: str, body: dict) -> dict:
+        """Sample a request in a decode batch shared with concurrent ones (`SamplingBatcher`)."""
+        job = await self._in_thread(self._queue_sample, token, rid, body)
+        with _sampling_errors():
+            results = await asyncio.wrap_future(job.results)  # cancelled while queued: the request is withdrawn
+        return await self._in_thread(self._sample_answer, job, results)
 
+    def _queue_sample(self, token: ActorToken, rid: str, body: dict) -> SampleJob:
+        """Check the request (token, run, schema, limits), load its weights and queue it for decoding."""
         if token.kind != "sampling" or token.run != rid:
             raise ApiError(403, "run_mismatch", f"this actor token does not grant access to sampling run {rid}")
         run = self.registry.sampling_run(rid)
@@ -89,7 +129,7 @@ class ActorHandlers:
             snapshot = self._snapshot(self.registry.checkpoint(run.source_checkpoint_uri), with_optimizer=False)
         stop = params.get("stop")
         stop = [stop] if isinstance(stop, str) else stop
-        try:
+        with _sampling_errors():
             spec = SampleSpec(
                 prompt,
                 request.num_samples,
@@ -102,17 +142,17 @@ class ActorHandlers:
                 stop_token_ids=[int(t) for t in params.get("stop_token_ids") or []],
                 return_text=request.return_text,
             )
-            results = self.sampler.sample(snapshot, spec)  # batched with concurrent requests
-            prompt_logprobs, topk = None, None
-            if request.return_prompt_logprobs or request.topk_prompt_logprobs:
-                prompt_logprobs, topk = self.engine.prompt_logprobs(snapshot, prompt, request.topk_prompt_logprobs)
-        except EngineError as error:
-            raise ApiError(400, error.code, error.message) from None
-        except (TypeError, ValueError) as error:
-            raise ApiError(400, "invalid_sampling_params", str(error)) from None
+            return SampleJob(request, rid, prompt, snapshot, self.sampler.submit(snapshot, spec))
+
+    def _sample_answer(self, job: SampleJob, results: list[SampleResult]) -> dict:
+        request, prompt = job.request, job.prompt
+        prompt_logprobs, topk = None, None
+        if request.return_prompt_logprobs or request.topk_prompt_logprobs:
+            with _sampling_errors():
+                prompt_logprobs, topk = self.engine.prompt_logprobs(job.snapshot, prompt, request.topk_prompt_logprobs)
         return {
             "request_id": request.request_id,
-            "sampling_run": rid,
+            "sampling_run": job.run,
             "sequences": [
                 {
                     "tokens": r.tokens,

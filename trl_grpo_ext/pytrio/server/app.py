@@ -1,15 +1,16 @@
 """The local PyTRIO server: Control API under ``/api``, actor API under ``/actor``, one model engine.
 
-One `ThreadingHTTPServer` serves both; Control hands out ``<base_url>/actor`` as every run's actor endpoint.
-Requests and answers follow the schemas in ``pytrio.protocol`` (reused for validation, so the server accepts
-exactly what the 0.2.9 client sends). This module holds the lifecycle and what every handler shares; routing is
-in `routes`, the handlers in `control` (Control API), `actor` (events, sampling), `training` (``trainer.*``
-events) and `checkpoints` (snapshot cache, retention).
+One Starlette app served by uvicorn (`routes`, `serving`) answers both; Control hands out ``<base_url>/actor`` as
+every run's actor endpoint. Requests and answers follow the schemas in ``pytrio.protocol`` (the client's own models
+validate them, so the server accepts exactly what the 0.2.9 client sends). This module holds the lifecycle and what
+every handler shares; the handlers are in `control` (Control API), `actor` (events, sampling), `training`
+(``trainer.*`` events) and `checkpoints` (snapshot cache, retention).
 """
 
 from __future__ import annotations
 
-import importlib.util
+import asyncio
+import functools
 import logging
 import secrets
 import shutil
@@ -18,19 +19,22 @@ import tempfile
 import threading
 import time
 from collections import OrderedDict
-from http.server import ThreadingHTTPServer
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from trl_grpo_ext.models import EMBEDDED_NAME, is_embedded, resolve_model
 from trl_grpo_ext.pytrio.server.actor import ActorHandlers
+from trl_grpo_ext.pytrio.server.adapters import LoraSnapshot
 from trl_grpo_ext.pytrio.server.checkpoints import CheckpointStore
 from trl_grpo_ext.pytrio.server.config import ServerConfig, default_storage_dir
 from trl_grpo_ext.pytrio.server.control import ControlHandlers
-from trl_grpo_ext.pytrio.server.engine import LoraSnapshot, ModelEngine
-from trl_grpo_ext.pytrio.server.events import RunEventQueue
-from trl_grpo_ext.pytrio.server.faults import FaultInjector
-from trl_grpo_ext.pytrio.server.registry import ApiError, Registry
-from trl_grpo_ext.pytrio.server.routes import make_handler
+from trl_grpo_ext.pytrio.server.engine import ModelEngine
+from trl_grpo_ext.pytrio.server.errors import ApiError
+from trl_grpo_ext.pytrio.server.events import RunEventQueue, started_future
+from trl_grpo_ext.pytrio.server.registry import Registry
+from trl_grpo_ext.pytrio.server.routes import create_app
 from trl_grpo_ext.pytrio.server.sampling import SamplingBatcher
+from trl_grpo_ext.pytrio.server.serving import BackgroundServer
 from trl_grpo_ext.pytrio.server.training import TrainingHandlers
 from trl_grpo_ext.pytrio.server.wire import ACTOR_CUID
 
@@ -38,17 +42,20 @@ __all__ = ["LocalPyTrioServer", "ServerConfig", "default_storage_dir"]
 
 logger = logging.getLogger(__name__)
 
+# Threads that run the handlers' blocking work (registry, checkpoint files, model calls of a prompt-logprob answer).
+# A request holds one only while that work runs: waits for an event or a decode batch hold none.
+REQUEST_THREADS = 32
+
 
 class LocalPyTrioServer(ControlHandlers, ActorHandlers, TrainingHandlers, CheckpointStore):
     """A Control + actor server for the ``pytrio==0.2.9`` client, backed by `ModelEngine`.
 
     Use as a context manager (or `start`/`stop`); it serves from a background thread. Point the client at it
     with `client_env` (environment variables, read when ``pytrio`` is imported) or `configure_client`.
+    `app` is the Starlette app it serves.
     """
 
     def __init__(self, config: ServerConfig, engine: ModelEngine | None = None):
-        if importlib.util.find_spec("pytrio") is None:  # its protocol models validate every request
-            raise RuntimeError("the local PyTRIO server needs the pytrio client package: pip install 'pytrio==0.2.9'")
         self.config = config
         self.api_key = config.api_key or "trio-local-" + secrets.token_urlsafe(18)
         self.engine = engine or ModelEngine(
@@ -63,7 +70,6 @@ class LocalPyTrioServer(ControlHandlers, ActorHandlers, TrainingHandlers, Checkp
         self.served_names = tuple(dict.fromkeys(config.served_names))
         self.model_alias = self.served_names[0] if self.served_names else _default_alias(config.model, self.model_id)
         self.aliases = {self.model_id, self.model_alias, str(config.model), *self.served_names}
-        self.faults = FaultInjector()
         self.sampler = SamplingBatcher(self.engine, config.max_sampling_rows)
         self._queues: dict[str, RunEventQueue] = {}
         self._snapshot_cache: OrderedDict[str, LoraSnapshot] = OrderedDict()
@@ -78,32 +84,48 @@ class LocalPyTrioServer(ControlHandlers, ActorHandlers, TrainingHandlers, Checkp
         restored = self.registry.load_persisted()
         if restored:
             logger.info("PyTRIO local server: %d checkpoints of earlier processes in %s", restored, self.storage)
-        self._httpd: ThreadingHTTPServer | None = None
-        self._thread: threading.Thread | None = None
+        self.app = create_app(self)
+        self._http: BackgroundServer | None = None
+        self._pool: ThreadPoolExecutor | None = None
+        self._closing = started_future()  # done once `stop` begins: long polls return, new event queues are refused
+        self._closing_waiter: asyncio.Future | None = None  # `_closing` on the serving loop
         self.started = time.time()
 
     # ---------------------------------------------------------------- lifecycle
     def start(self) -> LocalPyTrioServer:
-        if self._httpd is not None:
+        if self._http is not None:
             return self
-        handler = make_handler(self)
-        self._httpd = ThreadingHTTPServer((self.config.host, self.config.port), handler)
-        self._httpd.daemon_threads = True
-        self._thread = threading.Thread(target=self._httpd.serve_forever, name="pytrio-local-server", daemon=True)
-        self._thread.start()
+        if self._closing.done():
+            raise RuntimeError("a stopped local PyTRIO server cannot start again; create a new one")
+        self._pool = ThreadPoolExecutor(REQUEST_THREADS, thread_name_prefix="pytrio-request")
+        config = self.config
+        http = BackgroundServer(self.app, host=config.host, port=config.port, idle_timeout=config.idle_timeout_seconds)
+        self._http = http.start()
         logger.info("PyTRIO local server on %s serving %s (%s)", self.base_url, self.model_alias, self.model_id)
         return self
 
     def stop(self) -> None:
+        """Stop serving and release every thread the server started; the storage folder as `ServerConfig` says.
+
+        In-process pytrio clients are closed first; waiting long polls return and queued or decoding sample requests
+        fail at once, so in-flight requests end before uvicorn stops. An event a run's worker is executing finishes
+        in the background (that thread then exits).
+        """
         self._close_inprocess_clients()
+        if not self._closing.done():
+            self._closing.set_result(None)
         self.sampler.stop()
-        if self._httpd is not None:
-            self._httpd.shutdown()
-            self._httpd.server_close()
-            self._httpd = None
-        for q in self._queues.values():
+        if self._http is not None:
+            self._http.stop()
+            self._http = None
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None
+        with self.registry.lock:
+            queues = list(self._queues.values())
+            self._queues.clear()
+        for q in queues:
             q.close()
-        self._queues.clear()
         if self._own_storage:
             shutil.rmtree(self.storage, ignore_errors=True)
         else:  # sampler hand-offs only serve this process's samplers; durable checkpoints stay for a restart
@@ -119,7 +141,7 @@ class LocalPyTrioServer(ControlHandlers, ActorHandlers, TrainingHandlers, Checkp
         A `ServiceClient` closes its session when garbage-collected or at interpreter exit; against a stopped
         server that close would retry connection errors for ``control_retry_timeout_seconds`` (15 min).
         """
-        if self._httpd is None:
+        if self._http is None:
             return
         runtime_module = sys.modules.get("pytrio.runtime.service")
         if runtime_module is None:  # pytrio never imported here: no in-process clients (and no slow import)
@@ -141,9 +163,9 @@ class LocalPyTrioServer(ControlHandlers, ActorHandlers, TrainingHandlers, Checkp
 
     @property
     def port(self) -> int:
-        if self._httpd is None:
+        if self._http is None:
             raise RuntimeError("server is not started")
-        return self._httpd.server_address[1]
+        return self._http.port
 
     @property
     def base_url(self) -> str:
@@ -159,11 +181,18 @@ class LocalPyTrioServer(ControlHandlers, ActorHandlers, TrainingHandlers, Checkp
 
         pytrio.configure(api_key=self.api_key, base_url=self.base_url, **options)
 
-    def revoke_actor_tokens(self) -> int:
-        """Expire every actor token now (tests of the client's 401 -> renew path)."""
-        return self.registry.revoke_tokens()
-
     # ---------------------------------------------------------------- shared helpers
+    async def _in_thread(self, fn, *args):
+        """``fn(*args)`` in a request thread, awaited from the event loop (handlers' blocking work)."""
+        return await asyncio.get_running_loop().run_in_executor(self._pool, functools.partial(fn, *args))
+
+    def _closing_signal(self) -> asyncio.Future:
+        """A future of the serving loop, done once `stop` begins (one for all waiters: they add no callbacks to
+        `_closing` each)."""
+        if self._closing_waiter is None:
+            self._closing_waiter = asyncio.wrap_future(self._closing)
+        return self._closing_waiter
+
     def _actor(self) -> dict:
         return {
             "actor_cuid": ACTOR_CUID,
@@ -199,15 +228,13 @@ class LocalPyTrioServer(ControlHandlers, ActorHandlers, TrainingHandlers, Checkp
 
 
 def _resolve_model(model: str) -> str:
-    if str(model).strip().lower() == "embedded":
-        from trl_grpo_ext.models import resolve_model  # lazy: only the embedded model needs it
-
+    if is_embedded(model):
         return resolve_model(model)
     path = Path(model).expanduser()
     return str(path.resolve()) if path.exists() else str(model)
 
 
 def _default_alias(requested: str, model_id: str) -> str:
-    if str(requested).strip().lower() == "embedded":
-        return "embedded"
+    if is_embedded(requested):
+        return EMBEDDED_NAME
     return Path(model_id).name or model_id

@@ -9,8 +9,10 @@ import logging
 import shutil
 from pathlib import Path
 
-from trl_grpo_ext.pytrio.server.engine import LoraSnapshot
-from trl_grpo_ext.pytrio.server.registry import ApiError, CheckpointRecord
+from trl_grpo_ext.pytrio.checkpoint import load_loop_state
+from trl_grpo_ext.pytrio.server.adapters import LoraSnapshot
+from trl_grpo_ext.pytrio.server.errors import ApiError
+from trl_grpo_ext.pytrio.server.registry import CheckpointRecord
 
 logger = logging.getLogger(__name__)
 
@@ -88,8 +90,6 @@ def loop_state_uris(folder: Path) -> set[str]:
     The recipe keeps its server storage in ``<output_dir>/pytrio-server``, beside the loop's state file, so the
     server can see which checkpoints a later ``resume: true`` needs.
     """
-    from trl_grpo_ext.pytrio.checkpoint import load_loop_state
-
     try:
         state = load_loop_state(folder)
     except (OSError, ValueError):  # an unreadable state protects nothing it could name; the newest N still stay

@@ -6,6 +6,9 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from trl_grpo_ext.models import cache_dir
+from trl_grpo_ext.runs import PYTRIO_SERVER_DIRNAME
+
 API_KEY_ENV = "TRL_GRPO_EXT_PYTRIO_API_KEY"  # read by `trl-grpo-ext pytrio-serve`: keeps the key out of `ps`
 MIB = 1024 * 1024
 
@@ -98,6 +101,4 @@ def read_api_key_file(path: str | os.PathLike) -> str:
 def default_storage_dir() -> Path:
     """``$TRL_GRPO_EXT_CACHE/pytrio-server`` (default ``~/.cache/trl_grpo_ext/pytrio-server``): the same folder
     for every server of this user, so a restarted one finds earlier checkpoints."""
-    from trl_grpo_ext.models import cache_dir
-
-    return cache_dir() / "pytrio-server"
+    return cache_dir() / PYTRIO_SERVER_DIRNAME

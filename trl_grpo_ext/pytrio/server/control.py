@@ -1,6 +1,9 @@
 """Control API handlers (``<base>/api/...``): sessions, training and sampling runs, checkpoints.
 
-A mixin of `LocalPyTrioServer`: each handler takes ``(query, body, *path_groups)`` and returns the JSON answer.
+A mixin of `LocalPyTrioServer`. `routes.CONTROL_ROUTES` binds each handler to its route: it is called as
+``handler(query, body, **path_params)`` with ``query`` as `urllib.parse.parse_qs` returns it and ``body`` the request
+already validated with the client's request model (the parsed JSON where the route declares none), and returns the
+JSON answer.
 """
 
 from __future__ import annotations
@@ -8,9 +11,15 @@ from __future__ import annotations
 import shutil
 import time
 
-from trl_grpo_ext.pytrio.server.engine import LoraSettings
+from pytrio.protocol.control.sampling_run.create import SamplingRunCreateRequest
+from pytrio.protocol.control.service_session.close import ServiceSessionCloseRequest
+from pytrio.protocol.control.service_session.create import ServiceSessionCreateRequest
+from pytrio.protocol.control.training_run.create import TrainingRunCreateRequest
+from pytrio.protocol.control.training_run.update import TrainingRunUpdateRequest
+
+from trl_grpo_ext.pytrio.server.adapters import LoraSettings
+from trl_grpo_ext.pytrio.server.errors import ApiError
 from trl_grpo_ext.pytrio.server.registry import (
-    ApiError,
     CheckpointRecord,
     SamplingRunRecord,
     ServiceSession,
@@ -18,7 +27,7 @@ from trl_grpo_ext.pytrio.server.registry import (
     iso,
     new_id,
 )
-from trl_grpo_ext.pytrio.server.wire import USER, WORKSPACE, page, query_int, validate
+from trl_grpo_ext.pytrio.server.wire import USER, WORKSPACE, page, query_int
 
 
 class ControlHandlers:
@@ -61,10 +70,7 @@ class ControlHandlers:
         offset = query_int(query, "offset", 0)
         return {"items": items[offset:], "total": len(items), "limit": 100, "offset": offset}
 
-    def create_session(self, _q, body) -> dict:
-        from pytrio.protocol.control.service_session.create import ServiceSessionCreateRequest
-
-        request = validate(ServiceSessionCreateRequest, body, "invalid_request")
+    def create_session(self, _q, request: ServiceSessionCreateRequest) -> dict:
         session = ServiceSession(new_id("ss"), request.sdk_version)
         with self.registry.lock:
             self.registry.sessions[session.cuid] = session
@@ -101,10 +107,7 @@ class ControlHandlers:
         return {"service_session_cuid": sid, "workspace_cuid": WORKSPACE, "status": session.status,
                 "updated_at": iso(session.updated)}  # fmt: skip
 
-    def close_session(self, _q, body, sid) -> dict:
-        from pytrio.protocol.control.service_session.close import ServiceSessionCloseRequest
-
-        request = validate(ServiceSessionCloseRequest, body, "invalid_request")
+    def close_session(self, _q, request: ServiceSessionCloseRequest, sid) -> dict:
         with self.registry.lock:
             session = self.registry.sessions.get(sid)
             if session is None:
@@ -124,10 +127,7 @@ class ControlHandlers:
             q.close()
         self.engine.drop_run(run_cuid)
 
-    def create_training_run(self, _q, body, sid) -> dict:
-        from pytrio.protocol.control.training_run.create import TrainingRunCreateRequest
-
-        request = validate(TrainingRunCreateRequest, body, "invalid_request")
+    def create_training_run(self, _q, request: TrainingRunCreateRequest, sid) -> dict:
         if not 1 <= request.lora_rank <= 256:
             raise ApiError(400, "invalid_lora_rank", f"lora_rank must be in [1, 256], got {request.lora_rank}")
         lora = LoraSettings(
@@ -172,10 +172,7 @@ class ControlHandlers:
             "created_at": iso(run.created),
         }
 
-    def update_training_run(self, _q, body, sid, rid) -> dict:
-        from pytrio.protocol.control.training_run.update import TrainingRunUpdateRequest
-
-        request = validate(TrainingRunUpdateRequest, body, "invalid_request")
+    def update_training_run(self, _q, request: TrainingRunUpdateRequest, sid, rid) -> dict:
         run = self.registry.training_run(rid)
         if run.session != sid:
             raise ApiError(404, "training_run_not_found", f"training run {rid} is not in session {sid}")
@@ -296,10 +293,7 @@ class ControlHandlers:
             501, "not_implemented", f"downloads are not served locally; the checkpoint folder is {record.path}"
         )
 
-    def create_sampling_run(self, _q, body, sid) -> dict:
-        from pytrio.protocol.control.sampling_run.create import SamplingRunCreateRequest
-
-        request = validate(SamplingRunCreateRequest, body, "invalid_request")
+    def create_sampling_run(self, _q, request: SamplingRunCreateRequest, sid) -> dict:
         self._resolve_base_model(request.base_model)
         if request.source_checkpoint_uri:
             self._snapshot(self.registry.checkpoint(request.source_checkpoint_uri), with_optimizer=False)

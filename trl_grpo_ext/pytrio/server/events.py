@@ -6,11 +6,15 @@ sequence lock), so gradient accumulation, optimizer steps and saves interleave e
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import queue
 import threading
 from collections.abc import Callable
+from concurrent.futures import Future
 from dataclasses import dataclass, field
+
+from trl_grpo_ext.pytrio.server.errors import EventFailure
 
 logger = logging.getLogger(__name__)
 
@@ -20,12 +24,12 @@ PROTOCOL_VERSION = 1
 MAX_EVENTS_PER_RUN = 512
 
 
-class EventFailure(Exception):
-    """Raised by an event handler: the event ends ``failed`` with this code and message."""
-
-    def __init__(self, code: str, message: str):
-        super().__init__(message)
-        self.code, self.message = code, message
+def started_future() -> Future:
+    """A `Future` already marked running: a waiter that gives up (an HTTP request cancelled at shutdown) cannot
+    cancel it, so whoever completes it always can."""
+    future: Future = Future()
+    future.set_running_or_notify_cancel()
+    return future
 
 
 @dataclass
@@ -38,7 +42,13 @@ class EventRecord:
     result: dict | None = None
     error: dict | None = None
     usage: dict = field(default_factory=lambda: {"input_tokens": 0, "output_tokens": 0, "train_tokens": 0})
-    done: threading.Event = field(default_factory=threading.Event)
+    finished: Future = field(default_factory=started_future)  # result None once succeeded or failed
+
+    async def wait(self, timeout: float, *also: asyncio.Future) -> None:
+        """Until the event finished, one of `also` is done, or `timeout` seconds passed; holds no thread."""
+        if not self.finished.done():
+            waiters = {asyncio.wrap_future(self.finished), *also}
+            await asyncio.wait(waiters, timeout=max(0.0, timeout), return_when=asyncio.FIRST_COMPLETED)
 
     def wire(self) -> dict:
         """The msgpack map the client's `parse_event_response` expects."""
@@ -75,7 +85,7 @@ class RunEventQueue:
                 return existing
             self.events[record.event_id] = record
             if len(self.events) > MAX_EVENTS_PER_RUN:
-                for key in [k for k, v in self.events.items() if v.done.is_set()][: len(self.events) // 2]:
+                for key in [k for k, v in self.events.items() if v.finished.done()][: len(self.events) // 2]:
                     del self.events[key]
         self._queue.put(record)
         return None
@@ -105,4 +115,4 @@ class RunEventQueue:
                 record.status = "failed"
             finally:
                 record.payload = {}  # the batch is no longer needed; only the answer is polled
-                record.done.set()
+                record.finished.set_result(None)

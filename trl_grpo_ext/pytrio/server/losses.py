@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
+from trl_grpo_ext import losses
 from trl_grpo_ext.loss_types import SERVER_LOSS_CONFIG_KEYS, WIRE_CLIP_HIGH, WIRE_CLIP_LOW
 
 # Tinker's names for the knobs, from the loss table; the losses module takes ratio bounds and a DRO beta.
@@ -70,8 +71,6 @@ def per_token_loss(
     advantages: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Unmasked per-token loss of `spec` from `trl_grpo_ext.losses` (same shapes as ``logprobs``)."""
-    from trl_grpo_ext import losses
-
     if spec.name == "cross_entropy":
         return losses.policy_loss("cross_entropy", logprobs, None, weights)
     return losses.policy_loss(

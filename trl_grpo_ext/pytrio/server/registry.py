@@ -18,7 +18,8 @@ from dataclasses import asdict, dataclass, field
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
 
-from trl_grpo_ext.pytrio.server.engine import LoraSettings
+from trl_grpo_ext.pytrio.server.adapters import LoraSettings, next_snapshot_uid
+from trl_grpo_ext.pytrio.server.errors import ApiError
 from trl_grpo_ext.runs import atomic_write_text
 
 logger = logging.getLogger(__name__)
@@ -39,14 +40,6 @@ def new_id(prefix: str) -> str:
 
 def iso(ts: float | None) -> str | None:
     return None if ts is None else datetime.fromtimestamp(ts, tz=timezone.utc).isoformat()
-
-
-class ApiError(Exception):
-    """An HTTP error answer: ``{"code": ..., "message": ...}`` with `status`."""
-
-    def __init__(self, status: int, code: str, message: str):
-        super().__init__(message)
-        self.status, self.code, self.message = status, code, message
 
 
 @dataclass
@@ -249,8 +242,6 @@ def write_record(record: CheckpointRecord, storage: Path) -> None:
 
 def read_record(path: Path, storage: Path) -> CheckpointRecord | None:
     """The record persisted at `path`, or None (logged) when it is unreadable or points outside `storage`."""
-    from trl_grpo_ext.pytrio.server.engine import next_snapshot_uid
-
     try:
         data = json.loads(path.read_text())
         folder = (storage / data["path"]).resolve()

@@ -1,209 +1,334 @@
-"""HTTP routing of the local PyTRIO server: one `BaseHTTPRequestHandler` class bound to a server.
+"""HTTP layer of the local PyTRIO server: every route in one table, served by Starlette (`create_app`).
 
-Control requests (``/api/...``) are matched against `CONTROL_ROUTES` and answered by the server's handler
-method of that name; actor requests (``/actor/...``) go to `ActorHandlers`. Errors are ``{"code", "message"}``
-bodies; unexpected exceptions answer 422, never 5xx, because the client retries 5xx for up to 15 minutes.
+Control routes (``/api/...``, `CONTROL_ROUTES`) name their handler (a `ControlHandlers` method), the client's request
+model the JSON body is validated with before the handler runs, and the client's response model the answer is checked
+against before it is sent. Actor routes (``/actor/v1/...``, `ACTOR_ROUTES`) carry per-run tokens and msgpack or JSON
+bodies; their handlers (`ActorHandlers`) validate with the client's models in the order their errors rank.
+
+Limits, enforced before an endpoint reads a body: `RequestGuard` checks the API key or actor token, then the declared
+size (413 above ``max_request_bytes``); Starlette's `RequestBodyLimitMiddleware` stops a body sent without a length
+(chunked) at the same size. Errors are ``{"code", "message"}`` bodies (msgpack where the client reads msgpack);
+unexpected exceptions answer 422, never 5xx, because the client retries 5xx for up to 15 minutes. Blocking work runs
+in the server's request threads (`LocalPyTrioServer._in_thread`); waits (long polls, decode batches) hold none.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import re
 import secrets
-from http.server import BaseHTTPRequestHandler
-from typing import TYPE_CHECKING
-from urllib.parse import parse_qs, urlsplit
+from collections.abc import Callable
+from dataclasses import dataclass
+from urllib.parse import parse_qs
 
 import msgpack
+from pydantic import BaseModel
+from pytrio.protocol.control.api_key.verify import APIKeyInfo
+from pytrio.protocol.control.checkpoint.download import CheckpointDownloadResponse
+from pytrio.protocol.control.checkpoint.list import CheckpointListResponse
+from pytrio.protocol.control.model.list import ModelListResponse
+from pytrio.protocol.control.platform.bootstrap import SDKBootstrapResponse
+from pytrio.protocol.control.sampling_run.create import SamplingRunCreateRequest, SamplingRunCreateResponse
+from pytrio.protocol.control.sampling_run.get import SamplingRunGetResponse
+from pytrio.protocol.control.sampling_run.renew import SamplingRunRenewResponse
+from pytrio.protocol.control.service_session.close import ServiceSessionCloseRequest
+from pytrio.protocol.control.service_session.create import ServiceSessionCreateRequest, ServiceSessionCreateResponse
+from pytrio.protocol.control.service_session.get import ServiceSessionGetResponse
+from pytrio.protocol.control.service_session.list import ServiceSessionListResponse
+from pytrio.protocol.control.service_session.renew import ServiceSessionRenewResponse
+from pytrio.protocol.control.training_run.create import TrainingRunCreateRequest, TrainingRunCreateResponse
+from pytrio.protocol.control.training_run.find_by_checkpoint_uri import TrainingRunFindByCheckpointURIResponse
+from pytrio.protocol.control.training_run.get import TrainingRunGetResponse
+from pytrio.protocol.control.training_run.list import TrainingRunListResponse
+from pytrio.protocol.control.training_run.renew import TrainingRunRenewResponse
+from pytrio.protocol.control.training_run.update import TrainingRunUpdateRequest, TrainingRunUpdateResponse
+from starlette.applications import Starlette
+from starlette.datastructures import Headers
+from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
+from starlette.middleware.body_limit import RequestBodyLimitMiddleware
+from starlette.requests import ClientDisconnect, Request
+from starlette.responses import Response
+from starlette.routing import Route
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from trl_grpo_ext.pytrio.server.registry import ApiError
-
-if TYPE_CHECKING:
-    from trl_grpo_ext.pytrio.server.app import LocalPyTrioServer
+from trl_grpo_ext.pytrio.server.control import ControlHandlers as C
+from trl_grpo_ext.pytrio.server.errors import ApiError
+from trl_grpo_ext.pytrio.server.wire import validate, validation_message
 
 logger = logging.getLogger(__name__)
 
-CONTROL_ROUTES: list[tuple[str, re.Pattern, str]] = [
-    (m, re.compile(f"^/api/{p}$"), h)
-    for m, p, h in [
-        ("GET", r"openapi/v1/api-key/verify", "verify"),
-        ("GET", r"sdk/bootstrap", "bootstrap"),
-        ("GET", r"models", "models"),
-        ("POST", r"openapi/v1/service-sessions", "create_session"),
-        ("GET", r"openapi/v1/service-sessions", "list_sessions"),
-        ("GET", r"openapi/v1/service-sessions/([\w-]+)", "get_session"),
-        ("POST", r"openapi/v1/service-sessions/([\w-]+)/renew", "renew_session"),
-        ("POST", r"openapi/v1/service-sessions/([\w-]+)/close", "close_session"),
-        ("POST", r"openapi/v1/service-sessions/([\w-]+)/training-runs", "create_training_run"),
-        ("PATCH", r"openapi/v1/service-sessions/([\w-]+)/training-runs/([\w-]+)", "update_training_run"),
-        ("POST", r"openapi/v1/service-sessions/([\w-]+)/sampling-runs", "create_sampling_run"),
-        ("GET", r"openapi/v1/training-runs", "list_training_runs"),
-        ("GET", r"openapi/v1/training-runs/by-checkpoint-uri", "find_by_checkpoint"),
-        ("GET", r"openapi/v1/training-runs/([\w-]+)", "get_training_run"),
-        ("GET", r"openapi/v1/training-runs/([\w-]+)/checkpoints", "list_run_checkpoints"),
-        ("POST", r"openapi/v1/training-runs/([\w-]+)/renew", "renew_training_run"),
-        ("GET", r"openapi/v1/sampling-runs/([\w-]+)", "get_sampling_run"),
-        ("POST", r"openapi/v1/sampling-runs/([\w-]+)/renew", "renew_sampling_run"),
-        ("GET", r"openapi/v1/checkpoints", "list_checkpoints"),
-        ("GET", r"openapi/v1/checkpoints/([\w-]+)/download-url", "checkpoint_download"),
-        ("DELETE", r"openapi/v1/checkpoints/([\w-]+)", "delete_checkpoint"),
-        ("POST", r"telemetry/event", "telemetry"),
-    ]
-]
-_EVENT_GET = re.compile(r"^/actor/v1/events/([\w-]+)$")
-_SAMPLE = re.compile(r"^/actor/v1/sampling-runs/([\w-]+)/sample$")
-_WAIT = re.compile(r"wait=(\d+(?:\.\d+)?)")
-# An error answered before the body was read (bad key, injected fault, no route) first discards a body up to this
-# size (not parsed), so the client reads the answer; a larger one closes the connection instead.
+# An error answered before the request body was read (bad key, no route) leaves a body of at most this size to
+# uvicorn, which reads and drops it so the connection stays usable; above it (or of unknown size) the answer says
+# ``Connection: close`` instead of making the server read it.
 DISCARD_LIMIT = 64 * 1024
+_WAIT = re.compile(r"wait=(\d+(?:\.\d+)?)")
 
 
-def make_handler(server: LocalPyTrioServer) -> type[BaseHTTPRequestHandler]:
-    class Handler(BaseHTTPRequestHandler):
-        protocol_version = "HTTP/1.1"
-        server_version = "trl-grpo-ext-pytrio/0.1"
-        # socket timeout (StreamRequestHandler): a connection that sends nothing for this long - an idle keep-alive
-        # one or a half-sent request - is closed, so slow or stuck clients cannot hold threads forever
-        timeout = server.config.idle_timeout_seconds
+@dataclass(frozen=True)
+class ControlRoute:
+    """A Control API route: ``handler(server, query, body, **path_params)`` answers ``method`` ``/api{path}``."""
 
-        def log_message(self, fmt, *args):  # request lines only: tokens travel in headers, never logged
-            logger.debug("%s %s", self.address_string(), fmt % args)
+    method: str
+    path: str
+    handler: Callable[..., dict]
+    request: type[BaseModel] | None = None  # the client's model of the body; None: the parsed JSON, unchecked
+    reply: type[BaseModel] | None = None  # the client's model of the answer
+    json_body: bool = True  # False: the body is not parsed (telemetry events are counted, not read)
 
-        def _declared_length(self) -> int:
-            if "chunked" in self.headers.get("Transfer-Encoding", "").lower():
-                raise ApiError(
-                    411, "length_required", "send the request body with a Content-Length (no chunked bodies)"
-                )
-            value = (self.headers.get("Content-Length") or "0").strip()
-            if not value.isdigit():
-                raise ApiError(400, "invalid_content_length", f"Content-Length must be a byte count, got {value!r}")
-            return int(value)
 
-        def _body(self) -> bytes:
-            """The request body, read only after the caller checked the credentials; 413 above the size cap."""
-            length = self._declared_length()
-            limit = server.config.max_request_bytes
-            if length > limit:
-                raise ApiError(
-                    413,
-                    "request_too_large",
-                    f"request body of {length} bytes exceeds this server's limit of {limit} bytes "
-                    "(ServerConfig.max_request_bytes, pytrio-serve --max-request-mb); send smaller batches",
-                )
-            self._body_read = True
-            return self.rfile.read(length) if length else b""
+# fmt: off
+CONTROL_ROUTES = [
+    ControlRoute("GET", "/openapi/v1/api-key/verify", C.verify, reply=APIKeyInfo),
+    ControlRoute("GET", "/sdk/bootstrap", C.bootstrap, reply=SDKBootstrapResponse),
+    ControlRoute("GET", "/models", C.models, reply=ModelListResponse),
+    ControlRoute("POST", "/openapi/v1/service-sessions", C.create_session, ServiceSessionCreateRequest,
+                 ServiceSessionCreateResponse),
+    ControlRoute("GET", "/openapi/v1/service-sessions", C.list_sessions, reply=ServiceSessionListResponse),
+    ControlRoute("GET", "/openapi/v1/service-sessions/{sid}", C.get_session, reply=ServiceSessionGetResponse),
+    ControlRoute("POST", "/openapi/v1/service-sessions/{sid}/renew", C.renew_session,
+                 reply=ServiceSessionRenewResponse),
+    ControlRoute("POST", "/openapi/v1/service-sessions/{sid}/close", C.close_session, ServiceSessionCloseRequest),
+    ControlRoute("POST", "/openapi/v1/service-sessions/{sid}/training-runs", C.create_training_run,
+                 TrainingRunCreateRequest, TrainingRunCreateResponse),
+    ControlRoute("PATCH", "/openapi/v1/service-sessions/{sid}/training-runs/{rid}", C.update_training_run,
+                 TrainingRunUpdateRequest, TrainingRunUpdateResponse),
+    ControlRoute("POST", "/openapi/v1/service-sessions/{sid}/sampling-runs", C.create_sampling_run,
+                 SamplingRunCreateRequest, SamplingRunCreateResponse),
+    ControlRoute("GET", "/openapi/v1/training-runs", C.list_training_runs, reply=TrainingRunListResponse),
+    ControlRoute("GET", "/openapi/v1/training-runs/by-checkpoint-uri", C.find_by_checkpoint,
+                 reply=TrainingRunFindByCheckpointURIResponse),
+    ControlRoute("GET", "/openapi/v1/training-runs/{rid}", C.get_training_run, reply=TrainingRunGetResponse),
+    ControlRoute("GET", "/openapi/v1/training-runs/{rid}/checkpoints", C.list_run_checkpoints,
+                 reply=CheckpointListResponse),
+    ControlRoute("POST", "/openapi/v1/training-runs/{rid}/renew", C.renew_training_run,
+                 reply=TrainingRunRenewResponse),
+    ControlRoute("GET", "/openapi/v1/sampling-runs/{rid}", C.get_sampling_run, reply=SamplingRunGetResponse),
+    ControlRoute("POST", "/openapi/v1/sampling-runs/{rid}/renew", C.renew_sampling_run,
+                 reply=SamplingRunRenewResponse),
+    ControlRoute("GET", "/openapi/v1/checkpoints", C.list_checkpoints, reply=CheckpointListResponse),
+    ControlRoute("GET", "/openapi/v1/checkpoints/{cid}/download-url", C.checkpoint_download,
+                 reply=CheckpointDownloadResponse),
+    ControlRoute("DELETE", "/openapi/v1/checkpoints/{cid}", C.delete_checkpoint),
+    ControlRoute("POST", "/telemetry/event", C.telemetry, json_body=False),
+]
+# fmt: on
 
-        def _discard_unread_body(self) -> None:
-            """Before an error answer to a request whose body was not read: discard a small body so the client
-            reads the answer (closing on unread data resets the connection, which clients retry as a network
-            error); for a large or unknown one, close the connection instead of reading it."""
-            if self._body_read:
-                return
-            value = (self.headers.get("Content-Length") or "0").strip()
-            length = int(value) if value.isdigit() else -1
-            if 0 <= length <= DISCARD_LIMIT and "chunked" not in self.headers.get("Transfer-Encoding", "").lower():
-                if length:
-                    self.rfile.read(length)
-                self._body_read = True
-            else:
-                self.close_connection = True
 
-        def _send(self, status: int, body: object, msgpack_body: bool = False) -> None:
-            if msgpack_body:
-                payload, ctype = msgpack.packb(body, use_bin_type=True), "application/msgpack"
-            else:
-                payload, ctype = json.dumps(body).encode(), "application/json"
-            self.send_response(status)
-            self.send_header("Content-Type", ctype)
-            self.send_header("Content-Length", str(len(payload)))
-            self.send_header("X-Request-Id", secrets.token_hex(6))
-            if self.close_connection:
-                self.send_header("Connection", "close")
-            self.end_headers()
-            self.wfile.write(payload)
+# ---------------------------------------------------------------- answers
+def respond(status: int, body: object, msgpack_body: bool = False, close: bool = False) -> Response:
+    """An answer of the local server: JSON (or msgpack) with a request id for the client's logs."""
+    if msgpack_body:
+        content, media_type = msgpack.packb(body, use_bin_type=True), "application/msgpack"
+    else:
+        content, media_type = json.dumps(body).encode(), "application/json"
+    headers = {"X-Request-Id": secrets.token_hex(6)}
+    if close:
+        headers["Connection"] = "close"
+    return Response(content, status, headers, media_type)
 
-        def _bearer(self) -> str | None:
-            value = self.headers.get("Authorization", "")
-            return value[7:].strip() if value.startswith("Bearer ") else None
 
-        def _dispatch(self, method: str) -> None:
-            url = urlsplit(self.path)
-            path, query = url.path.rstrip("/") or "/", parse_qs(url.query)
-            wants_msgpack = "msgpack" in self.headers.get("Accept", "") and path.startswith("/actor/v1/events")
-            self._body_read = False
-            try:
-                fault = server.faults.take(method, path)
-                if fault is not None:
-                    raise ApiError(fault.status, "injected_fault", f"injected HTTP {fault.status} for tests")
-                if path.startswith("/api/"):
-                    self._control(method, path, query)
-                elif path.startswith("/actor/"):
-                    self._actor(method, path)
-                else:
-                    raise ApiError(404, "not_found", f"no route {method} {path}")
-            except (BrokenPipeError, ConnectionResetError):  # the client gave up on this request
-                logger.debug("client closed the connection during %s %s", method, path)
-                self.close_connection = True
-            except ApiError as error:
-                self._discard_unread_body()
-                self._send(error.status, {"code": error.code, "message": error.message}, wants_msgpack)
-            except Exception as error:  # noqa: BLE001 - 4xx, not 5xx: the client would retry a 500 for minutes
-                logger.exception("request %s %s failed", method, path)
-                self._send(
-                    422, {"code": "internal_error", "message": f"{type(error).__name__}: {error}"}, wants_msgpack
-                )
+def error_response(scope: Scope, error: ApiError, close: bool = False) -> Response:
+    """``{"code", "message"}`` with the error's status; msgpack where the client reads events as msgpack."""
+    headers = Headers(scope=scope)
+    wants_msgpack = "msgpack" in headers.get("accept", "") and scope["path"].startswith("/actor/v1/events")
+    return respond(error.status, {"code": error.code, "message": error.message}, wants_msgpack, close)
 
-        def _control(self, method: str, path: str, query: dict) -> None:
-            key = self._bearer() or self.headers.get("X-API-Key")  # checked before the body is read
-            if not key or not secrets.compare_digest(key.encode(), server.api_key.encode()):
+
+def large_unread_body(scope: Scope) -> bool:
+    """Whether answering now, before the body is read, should close the connection (see `DISCARD_LIMIT`)."""
+    headers = Headers(scope=scope)
+    if "chunked" in headers.get("transfer-encoding", "").lower():
+        return True
+    length = headers.get("content-length", "0").strip()
+    return not length.isdigit() or int(length) > DISCARD_LIMIT
+
+
+def too_large(size: str, limit: int) -> ApiError:
+    return ApiError(
+        413,
+        "request_too_large",
+        f"request body of {size} bytes exceeds this server's limit of {limit} bytes "
+        "(ServerConfig.max_request_bytes, pytrio-serve --max-request-mb); send smaller batches",
+    )
+
+
+# ---------------------------------------------------------------- credentials and size, before any body
+class RequestGuard:
+    """ASGI middleware: checks a request's credentials, then its declared body size, before anything reads the body.
+
+    Control requests (``/api/``) need the server's API key (``Authorization: Bearer`` or ``X-API-Key``); actor
+    requests (``/actor/``) an actor token, which it puts in ``request.state.actor_token`` for the handler.
+    """
+
+    def __init__(self, app: ASGIApp, server):
+        self.app = app
+        self.server = server
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        scope["path"] = scope["path"].rstrip("/") or "/"
+        try:
+            self._check(scope)
+        except ApiError as error:
+            await error_response(scope, error, close=large_unread_body(scope))(scope, receive, send)
+            return
+        except Exception as error:  # noqa: BLE001 - 4xx, not 5xx: the client would retry a 500 for minutes
+            logger.exception("checking request %s %s failed", scope["method"], scope["path"])
+            answer = ApiError(422, "internal_error", f"{type(error).__name__}: {error}")
+            await error_response(scope, answer, close=large_unread_body(scope))(scope, receive, send)
+            return
+        if logger.isEnabledFor(logging.DEBUG):  # request lines only: keys and tokens travel in headers
+            send = _logging_send(scope, send)
+        await self.app(scope, receive, send)
+
+    def _check(self, scope: Scope) -> None:
+        headers = Headers(scope=scope)
+        path = scope["path"]
+        if path.startswith("/api/"):
+            key = _bearer(headers) or headers.get("x-api-key")
+            if not key or not secrets.compare_digest(key.encode(), self.server.api_key.encode()):
                 raise ApiError(401, "unauthorized", "invalid API key for this local PyTRIO server")
-            for route_method, pattern, name in CONTROL_ROUTES:
-                match = pattern.match(path)
-                if match and route_method == method:
-                    raw = self._body()
-                    body = {}
-                    if raw and name != "telemetry":
-                        try:
-                            body = json.loads(raw)
-                        except ValueError as error:
-                            raise ApiError(400, "invalid_json", f"request body is not JSON: {error}") from None
-                    result = getattr(server, name)(query, body, *match.groups())
-                    self._send(200, result)
-                    return
-            raise ApiError(404, "not_found", f"no route {method} {path}")
+        elif path.startswith("/actor/"):
+            scope.setdefault("state", {})["actor_token"] = self.server.registry.check_token(_bearer(headers))
+        length = headers.get("content-length", "").strip()
+        limit = self.server.config.max_request_bytes
+        if length.isdigit() and int(length) > limit:  # h11 has already refused a malformed Content-Length
+            raise too_large(length, limit)
 
-        def _actor(self, method: str, path: str) -> None:
-            token = server.registry.check_token(self._bearer())  # checked before the body is read
-            if method == "POST" and path == "/actor/v1/events":
-                status, body = server.submit_event(token, self._body())
-                self._send(status, body, msgpack_body=True)
-            elif method == "GET" and (match := _EVENT_GET.match(path)):
-                wait = _WAIT.search(self.headers.get("Prefer", ""))
-                body = server.get_event(token, match.group(1), float(wait.group(1)) if wait else 0.0)
-                self._send(200, body, msgpack_body=True)
-            elif method == "POST" and path == "/actor/v1/client/heartbeat":
-                self._body()
-                self._send(200, {"heartbeat_ms": server.config.heartbeat_ms})
-            elif method == "POST" and (match := _SAMPLE.match(path)):
-                try:
-                    body = json.loads(self._body() or b"{}")
-                except ValueError as error:
-                    raise ApiError(400, "invalid_json", f"request body is not JSON: {error}") from None
-                self._send(200, server.sample(token, match.group(1), body))
-            else:
-                raise ApiError(404, "not_found", f"no route {method} {path}")
 
-        def do_GET(self):  # noqa: N802 - http.server naming
-            self._dispatch("GET")
+def _bearer(headers: Headers) -> str | None:
+    value = headers.get("authorization", "")
+    return value[7:].strip() if value.startswith("Bearer ") else None
 
-        def do_POST(self):  # noqa: N802
-            self._dispatch("POST")
 
-        def do_PATCH(self):  # noqa: N802
-            self._dispatch("PATCH")
+def _logging_send(scope: Scope, send: Send) -> Send:
+    async def logged(message: Message) -> None:
+        if message["type"] == "http.response.start":
+            logger.debug("%s %s -> %d", scope["method"], scope["path"], message["status"])
+        await send(message)
 
-        def do_DELETE(self):  # noqa: N802
-            self._dispatch("DELETE")
+    return logged
 
-    return Handler
+
+# ---------------------------------------------------------------- endpoints
+def answers_errors(endpoint: Callable) -> Callable:
+    """An endpoint whose `ApiError` is its answer and whose unexpected exceptions answer 422."""
+
+    @functools.wraps(endpoint)
+    async def wrapped(request: Request) -> Response:
+        try:
+            return await endpoint(request)
+        except ApiError as error:
+            return error_response(request.scope, error)
+        except HTTPException as error:  # Starlette's body limit stopped a body sent without a length
+            if error.status_code != 413:
+                raise
+            limit = request.app.state.server.config.max_request_bytes
+            return error_response(request.scope, too_large(f"more than {limit}", limit), close=True)
+        except ClientDisconnect:  # gone while sending its body: nobody reads an answer
+            logger.debug("client closed the connection during %s %s", request.method, request.url.path)
+            return Response(status_code=400)
+        except Exception as error:  # noqa: BLE001 - 4xx, not 5xx: the client would retry a 500 for minutes
+            logger.exception("request %s %s failed", request.method, request.url.path)
+            return error_response(request.scope, ApiError(422, "internal_error", f"{type(error).__name__}: {error}"))
+
+    return wrapped
+
+
+def _json_body(raw: bytes) -> object:
+    try:
+        return json.loads(raw)
+    except ValueError as error:
+        raise ApiError(400, "invalid_json", f"request body is not JSON: {error}") from None
+
+
+def _control_endpoint(route: ControlRoute) -> Callable:
+    @answers_errors
+    async def endpoint(request: Request) -> Response:
+        raw = await request.body()
+        body = _json_body(raw) if raw and route.json_body else {}
+        query = parse_qs(request.url.query)
+        server = request.app.state.server
+        return respond(200, await server._in_thread(_call_control, route, server, query, body, request.path_params))
+
+    return endpoint
+
+
+def _call_control(route: ControlRoute, server, query: dict, body: object, params: dict) -> dict:
+    """The handler's answer to a Control request (in a request thread): body and answer through the client's models."""
+    if route.request is not None:
+        body = validate(route.request, body, "invalid_request")
+    answer = route.handler(server, query, body, **params)
+    if route.reply is not None:
+        try:
+            route.reply.model_validate(answer)
+        except ValueError as error:  # a server bug: say so rather than let the client fail to parse it
+            message = f"answer to {route.method} /api{route.path} is not a valid {route.reply.__name__}"
+            raise ApiError(422, "internal_error", f"{message}: {validation_message(error)}") from None
+    return answer
+
+
+@answers_errors
+async def submit_event(request: Request) -> Response:
+    server = request.app.state.server
+    raw = await request.body()
+    status, body = await server._in_thread(server.submit_event, request.state.actor_token, raw)
+    return respond(status, body, msgpack_body=True)
+
+
+@answers_errors
+async def event_status(request: Request) -> Response:
+    wait = _WAIT.search(request.headers.get("prefer", ""))
+    server = request.app.state.server
+    seconds = float(wait.group(1)) if wait else 0.0
+    body = await server.get_event(request.state.actor_token, request.path_params["event_id"], seconds)
+    return respond(200, body, msgpack_body=True)
+
+
+@answers_errors
+async def heartbeat(request: Request) -> Response:
+    await request.body()
+    return respond(200, {"heartbeat_ms": request.app.state.server.config.heartbeat_ms})
+
+
+@answers_errors
+async def sample(request: Request) -> Response:
+    body = _json_body(await request.body() or b"{}")
+    server = request.app.state.server
+    return respond(200, await server.sample(request.state.actor_token, request.path_params["rid"], body))
+
+
+ACTOR_ROUTES = [
+    Route("/actor/v1/events", submit_event, methods=["POST"]),
+    Route("/actor/v1/events/{event_id}", event_status, methods=["GET"]),
+    Route("/actor/v1/client/heartbeat", heartbeat, methods=["POST"]),
+    Route("/actor/v1/sampling-runs/{rid}/sample", sample, methods=["POST"]),
+]
+
+
+async def _no_route(request: Request, _error: Exception) -> Response:
+    error = ApiError(404, "not_found", f"no route {request.method} {request.url.path}")
+    return error_response(request.scope, error, close=large_unread_body(request.scope))
+
+
+def create_app(server) -> Starlette:
+    """The ASGI app of `server` (a `LocalPyTrioServer`): its routes behind `RequestGuard` and the body limit.
+
+    Middleware added with ``app.add_middleware`` before the first request wraps all of it (tests inject faults so).
+    """
+    control = [Route(f"/api{r.path}", _control_endpoint(r), methods=[r.method]) for r in CONTROL_ROUTES]
+    app = Starlette(
+        routes=[*control, *ACTOR_ROUTES],
+        middleware=[
+            Middleware(RequestGuard, server=server),
+            Middleware(RequestBodyLimitMiddleware, max_body_size=server.config.max_request_bytes),
+        ],
+        exception_handlers={404: _no_route, 405: _no_route},
+    )
+    app.state.server = server
+    return app

@@ -1,10 +1,10 @@
 """Concurrent sample requests of the local server, decoded together (`DecodeBatch`) by one worker thread.
 
 The async PyTRIO loop sends one ``sample`` request per prompt at once; served one at a time they would take as many
-memory-bound decodes as there are prompts. Here a request waits in a queue; the worker starts a batch with the oldest
-one and, between decode steps, admits every queued request on the same adapter snapshot (up to `max_rows` rows), so
-concurrent requests share each decode step. Nothing waits on a clock: a request that finds the worker idle starts at
-once.
+memory-bound decodes as there are prompts. Here a request waits in a queue (its HTTP request awaits the `Future`
+that `submit` returns, holding no thread); the worker starts a batch with the oldest one and, between decode steps,
+admits every queued request on the same adapter snapshot (up to `max_rows` rows), so concurrent requests share each
+decode step. Nothing waits on a clock: a request that finds the worker idle starts at once.
 
 What a request samples does not depend on its batch-mates: each has its own seeded generator and draws from its own
 rows only (`RequestRows`); the batch changes only the float rounding of the shared forward (padding, batch size),
@@ -19,7 +19,9 @@ from collections import deque
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
-from trl_grpo_ext.pytrio.server.engine import DecodeBatch, LoraSnapshot, ModelEngine, SampleResult, SampleSpec
+from trl_grpo_ext.pytrio.server.adapters import LoraSnapshot
+from trl_grpo_ext.pytrio.server.decoding import DecodeBatch, SampleSpec
+from trl_grpo_ext.pytrio.server.engine import ModelEngine
 
 logger = logging.getLogger(__name__)
 
@@ -44,8 +46,11 @@ class SamplingBatcher:
         self.batches = 0  # decode batches started (tests and logs)
         self.max_requests_in_batch = 0
 
-    def sample(self, snapshot: LoraSnapshot | None, spec: SampleSpec) -> list[SampleResult]:
-        """Sample `spec` on `snapshot` (None: the base model); blocks until its rows are done."""
+    def submit(self, snapshot: LoraSnapshot | None, spec: SampleSpec) -> Future:
+        """Queue `spec` on `snapshot` (None: the base model); the future's result is its `SampleResult` list.
+
+        Cancelling the future before its batch admits it withdraws the request (its client is gone).
+        """
         self.engine.check_sample(spec)  # a bad request fails alone, before it joins a batch
         job = _Job(snapshot, spec)
         with self._cv:
@@ -56,12 +61,15 @@ class SamplingBatcher:
                 self._thread.start()
             self._pending.append(job)
             self._cv.notify()
-        return job.future.result()
+        return job.future
 
     def stop(self) -> None:
+        """Fail every queued request and the running batch's (at its next step); the worker thread then exits."""
         with self._cv:
             self._stopped = True
             self._cv.notify()
+        if self._thread is not None:
+            self._thread.join()
 
     def _take_joiners(self, batch: DecodeBatch) -> list[_Job]:
         """Queued jobs that can join `batch` now, oldest first, within `max_rows`."""
@@ -70,8 +78,9 @@ class SamplingBatcher:
             for job in list(self._pending):
                 if batch.can_join(job.snapshot) and rows + job.spec.num_samples <= self.max_rows:
                     self._pending.remove(job)
-                    taken.append(job)
-                    rows += job.spec.num_samples
+                    if job.future.set_running_or_notify_cancel():  # False: withdrawn, nothing to decode
+                        taken.append(job)
+                        rows += job.spec.num_samples
         return taken
 
     def _work(self) -> None:
@@ -80,12 +89,12 @@ class SamplingBatcher:
                 while not self._pending and not self._stopped:
                     self._cv.wait()
                 if self._stopped:
-                    for job in self._pending:
-                        job.future.set_exception(RuntimeError("the local server stopped"))
+                    _fail(self._pending, RuntimeError("the local server stopped"))
                     self._pending.clear()
                     return
                 first = self._pending.popleft()
-            self._run_batch(first)
+            if first.future.set_running_or_notify_cancel():  # False: withdrawn, nothing to decode
+                self._run_batch(first)
 
     def _run_batch(self, first: _Job) -> None:
         batch = DecodeBatch(self.engine, first.snapshot)
@@ -94,6 +103,9 @@ class SamplingBatcher:
         try:
             jobs[id(batch.admit(first.spec))] = first
             while batch.requests:
+                if self._stopped:  # its clients wait for nothing now: fail them at once instead of decoding on
+                    _fail(jobs.values(), RuntimeError("the local server stopped"))
+                    return
                 for job in self._take_joiners(batch):  # requests that arrived meanwhile join before the next step
                     jobs[id(batch.admit(job.spec))] = job
                 self.max_requests_in_batch = max(self.max_requests_in_batch, len(batch.requests))
@@ -101,6 +113,11 @@ class SamplingBatcher:
                     jobs.pop(id(rows)).future.set_result(rows.results(self.engine.tokenizer))
         except Exception as error:  # noqa: BLE001 - every request of the failed batch gets the error
             logger.exception("sampling batch failed")
-            for job in [first, *jobs.values()]:
-                if not job.future.done():
-                    job.future.set_exception(error)
+            _fail([first, *jobs.values()], error)
+
+
+def _fail(jobs, error: BaseException) -> None:
+    """Give every job of `jobs` that is still waiting `error` (withdrawn and answered ones are left alone)."""
+    for job in jobs:
+        if not job.future.done() and (job.future.running() or job.future.set_running_or_notify_cancel()):
+            job.future.set_exception(error)

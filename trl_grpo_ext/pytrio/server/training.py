@@ -9,10 +9,18 @@ import shutil
 import time
 from collections.abc import Callable
 
-from trl_grpo_ext.pytrio.server.engine import EngineError, ForwardDatum, LoraSettings
-from trl_grpo_ext.pytrio.server.events import EventFailure, EventRecord
+from pydantic import ValidationError
+from pytrio.protocol.actor.events.trainer.forward import TrainerForwardBackwardPayload
+from pytrio.protocol.actor.events.trainer.init_run import TrainerInitRunPayload
+from pytrio.protocol.actor.events.trainer.optimize_step import TrainerOptimizeStepPayload
+from pytrio.protocol.actor.events.trainer.save import TrainerSavePayload
+
+from trl_grpo_ext.pytrio.server.adapters import LoraSettings
+from trl_grpo_ext.pytrio.server.errors import ApiError, EngineError, EventFailure
+from trl_grpo_ext.pytrio.server.events import EventRecord
+from trl_grpo_ext.pytrio.server.forward import ForwardDatum
 from trl_grpo_ext.pytrio.server.losses import LossConfigError, parse_loss
-from trl_grpo_ext.pytrio.server.registry import ApiError, CheckpointRecord, checkpoint_uri, new_id, safe_name
+from trl_grpo_ext.pytrio.server.registry import CheckpointRecord, checkpoint_uri, new_id, safe_name
 from trl_grpo_ext.pytrio.server.wire import prompt_tokens, validation_message, wire_tensor
 
 
@@ -35,16 +43,12 @@ class TrainingHandlers:
             raise EventFailure(error.code, error.message) from None
 
     def _payload(self, model, record: EventRecord):
-        from pydantic import ValidationError
-
         try:
             return model.model_validate(record.payload)
         except ValidationError as error:
             raise EventFailure("invalid_payload", f"{record.type}: {validation_message(error)}") from None
 
     def _ev_init(self, record: EventRecord) -> dict:
-        from pytrio.protocol.actor.events.trainer.init_run import TrainerInitRunPayload
-
         payload = self._payload(TrainerInitRunPayload, record)
         if payload.base_model not in self.aliases:
             raise EventFailure("model_not_found", self.not_served_message(payload.base_model))
@@ -59,8 +63,6 @@ class TrainingHandlers:
         return {"training_run_cuid": record.run, "step": self.engine.runs[record.run].step}
 
     def _ev_forward(self, record: EventRecord) -> dict:
-        from pytrio.protocol.actor.events.trainer.forward import TrainerForwardBackwardPayload
-
         payload = self._payload(TrainerForwardBackwardPayload, record)
         try:
             spec = parse_loss(payload.loss.type, payload.loss.config)
@@ -105,8 +107,6 @@ class TrainingHandlers:
         }
 
     def _ev_optim(self, record: EventRecord) -> dict:
-        from pytrio.protocol.actor.events.trainer.optimize_step import TrainerOptimizeStepPayload
-
         payload = self._payload(TrainerOptimizeStepPayload, record)
         adam = payload.adam_params.model_dump()
         if adam["learning_rate"] < 0 or not (0 <= adam["beta1"] < 1 and 0 <= adam["beta2"] < 1) or adam["eps"] <= 0:
@@ -114,8 +114,6 @@ class TrainingHandlers:
         return {"metrics": self.engine.optim_step(record.run, adam)}
 
     def _ev_save(self, record: EventRecord) -> dict:
-        from pytrio.protocol.actor.events.trainer.save import TrainerSavePayload
-
         payload = self._payload(TrainerSavePayload, record)
         kind = "state" if record.type == "trainer.save_state" else "sampler"
         if not safe_name(payload.name):

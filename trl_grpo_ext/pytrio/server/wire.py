@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from trl_grpo_ext.pytrio.server.events import EventFailure
-from trl_grpo_ext.pytrio.server.registry import ApiError
+from trl_grpo_ext.pytrio.server.errors import ApiError, EventFailure
 
 WORKSPACE = "ws_local"
 USER = "user_local"

@@ -1,4 +1,7 @@
-"""Where a sweep's runs execute (`launcher:`) and what each SLURM job asks for (`slurm:`), validated on load."""
+"""Where a sweep's runs execute (`launcher:`) and what each SLURM job asks for (`slurm:`), validated on load.
+
+Part of the sweep file's schema (`trl_grpo_ext.sweep` reads it); `trl_grpo_ext.launch` acts on it. No project imports.
+"""
 
 from __future__ import annotations
 
@@ -91,7 +94,3 @@ class SlurmOptions:
             return cls(**data)
         except ValueError as e:
             raise ValueError(f"{where}{e}") from None
-
-
-class LauncherError(RuntimeError):
-    """A launcher cannot do what was asked (no sbatch here, squeue down, a refused submission): one line."""

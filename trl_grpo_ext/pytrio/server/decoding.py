@@ -1,0 +1,294 @@
+"""Sampling on the local server's model: a request's rows, decode batches shared by concurrent requests.
+
+`Sampling` is the part of `ModelEngine` that samples a prompt (on its own) and scores prompt tokens; a `DecodeBatch`
+holds the rows of several requests on one adapter snapshot and decodes them together, one token per row per step.
+`server/sampling.py` feeds it concurrent requests. A request's tokens depend on its prompt, parameters and seed only
+(`RequestRows`: its own generator, its own rows), never on its batch-mates.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+
+import torch
+
+from trl_grpo_ext.compat import output_cache
+from trl_grpo_ext.pytrio.server.adapters import LoraSnapshot
+from trl_grpo_ext.pytrio.server.errors import EngineError
+
+
+@dataclass
+class SampleResult:
+    tokens: list[int]
+    logprobs: list[float]
+    stop_reason: str
+    text: str | None = None
+
+
+@dataclass
+class SampleSpec:
+    """One sample request: `num_samples` continuations of `prompt` (``temperature`` 0 = greedy)."""
+
+    prompt: list[int]
+    num_samples: int
+    max_tokens: int
+    temperature: float = 1.0
+    top_k: int = -1
+    top_p: float = 1.0
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    return_text: bool = True
+
+
+def default_stop_ids(model, tokenizer) -> set[int]:
+    """The end-of-sequence ids of `model`'s generation config and of `tokenizer`: every request stops on them."""
+    ids = set()
+    for value in (getattr(model.generation_config, "eos_token_id", None), tokenizer.eos_token_id):
+        if isinstance(value, int):
+            ids.add(value)
+        elif isinstance(value, (list, tuple)):
+            ids.update(int(v) for v in value)
+    return ids
+
+
+def sampling_distribution(logits: torch.Tensor, temperature: float, top_k: int, top_p: float) -> torch.Tensor:
+    """Log-probabilities of the distribution actually sampled from (temperature, top-k, top-p applied)."""
+    if temperature <= 0:  # greedy: a point mass on the argmax
+        out = torch.full_like(logits, float("-inf"))
+        return out.scatter(-1, logits.argmax(-1, keepdim=True), 0.0)
+    logits = logits / temperature
+    if top_k is not None and top_k > 0 and top_k < logits.shape[-1]:
+        kth = torch.topk(logits, top_k, dim=-1).values[..., -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p is not None and 0 < top_p < 1:
+        sorted_logits, order = torch.sort(logits, descending=True, dim=-1)
+        cumulative = torch.softmax(sorted_logits, dim=-1).cumsum(-1)
+        drop = cumulative - torch.softmax(sorted_logits, dim=-1) >= top_p  # keep the token that crosses top_p
+        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+        logits = torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits)
+    return torch.log_softmax(logits, dim=-1)
+
+
+def ends_with_stop(tokenizer, tokens: list[int], stop: list[str]) -> bool:
+    """Whether the decoded `tokens` end with one of the `stop` strings (checked after every drawn token)."""
+    # Checked after every token, so a stop string can only have appeared in the newest one: a short
+    # decoded tail is enough to see it.
+    tail = tokenizer.decode(tokens[-(max(len(s) for s in stop) + 8) :])
+    return any(s in tail for s in stop)
+
+
+class Sampling:
+    """The sampling side of `ModelEngine` (uses its ``lock``, ``device``, ``tokenizer``, ``stop_ids``, ``cache_kw``,
+    ``vocab_size``, ``max_seq_len`` and `use_snapshot`)."""
+
+    def check_sample(self, spec: SampleSpec) -> None:
+        """Raise `EngineError` for a request this engine cannot sample (before it joins a batch)."""
+        prompt = spec.prompt
+        if not prompt or max(prompt) >= self.vocab_size or min(prompt) < 0:
+            raise EngineError("token_out_of_range", f"prompt token ids must lie in [0, {self.vocab_size})")
+        if self.max_seq_len and len(prompt) + spec.max_tokens > self.max_seq_len:
+            raise EngineError(
+                "sequence_too_long", f"prompt {len(prompt)} + max_tokens {spec.max_tokens} exceeds {self.max_seq_len}"
+            )
+        if spec.num_samples < 1 or spec.max_tokens < 0:
+            raise EngineError("invalid_sampling_params", "num_samples must be >= 1 and max_tokens >= 0")
+
+    def sample(self, snapshot: LoraSnapshot | None, prompt: list[int], *, num_samples: int, **params):
+        """Sample `num_samples` continuations of `prompt` (`SampleSpec` fields as keywords), on its own.
+
+        The same computation as the request inside a `DecodeBatch` shared with others.
+        """
+        spec = SampleSpec(list(prompt), num_samples, **params)
+        self.check_sample(spec)
+        batch = DecodeBatch(self, snapshot)
+        rows = batch.admit(spec)
+        while batch.requests:
+            batch.step()
+        return rows.results(self.tokenizer)
+
+    def prompt_logprobs(self, snapshot: LoraSnapshot | None, prompt: list[int], topk: int = 0):
+        """``[None, log p(x_1 | x_0), ...]`` and, with ``topk``, the top-k (token, logprob) per position."""
+        with self.lock:
+            model, ctx = self.use_snapshot(snapshot)
+            with ctx, torch.no_grad():
+                logits = model(input_ids=torch.tensor([prompt], device=self.device)).logits[0].float()
+            logp = torch.log_softmax(logits, dim=-1)
+        targets = torch.tensor(prompt[1:], device=logp.device)
+        values = logp[:-1].gather(-1, targets.unsqueeze(-1)).squeeze(-1).tolist() if len(prompt) > 1 else []
+        top = None
+        if topk > 0:
+            top_v, top_i = torch.topk(logp[:-1], min(topk, logp.shape[-1]), dim=-1)
+            top = [None] + [list(zip(i.tolist(), v.tolist(), strict=True)) for i, v in zip(top_i, top_v, strict=True)]
+        return [None, *values], top
+
+
+class RequestRows:
+    """One request's rows in a `DecodeBatch`: its own generator, the next-token logits of its rows, the tokens so far.
+
+    A request always draws from its own rows only, with its own generator, in the same order (every row each step
+    until all its rows stopped), so its tokens are a function of its prompt, parameters and seed, not of the other
+    requests in the batch.
+    """
+
+    def __init__(self, spec: SampleSpec, logits: torch.Tensor, device: torch.device, stop_ids: set[int]):
+        self.spec = spec
+        seed = spec.seed if spec.seed is not None else random.randrange(2**63)
+        self.generator = torch.Generator(device=device).manual_seed(seed)
+        self.logits = logits  # (num_samples, vocab): scores the next token of each row
+        self.stop_ids = stop_ids | set(spec.stop_token_ids)
+        self.stop = [s for s in spec.stop if s]
+        n = spec.num_samples
+        self.tokens: list[list[int]] = [[] for _ in range(n)]
+        self.logps: list[list[float]] = [[] for _ in range(n)]
+        self.reasons = ["length"] * n
+        self.done = [False] * n
+        self.last = torch.zeros(n, dtype=torch.long, device=device)  # the token each row feeds next
+        self.steps = 0
+
+    @property
+    def finished(self) -> bool:
+        return all(self.done) or self.steps >= self.spec.max_tokens
+
+    def draw(self, tokenizer) -> None:
+        spec = self.spec
+        dist = sampling_distribution(self.logits, spec.temperature, spec.top_k, spec.top_p)
+        nxt = torch.multinomial(dist.exp(), 1, generator=self.generator).squeeze(-1)
+        chosen = dist.gather(-1, nxt.unsqueeze(-1)).squeeze(-1)
+        for i in range(spec.num_samples):
+            if self.done[i]:
+                continue
+            tok = int(nxt[i])
+            self.tokens[i].append(tok)
+            self.logps[i].append(float(chosen[i]))
+            if tok in self.stop_ids or (self.stop and ends_with_stop(tokenizer, self.tokens[i], self.stop)):
+                self.done[i], self.reasons[i] = True, "stop"
+        self.last = nxt
+        self.steps += 1
+
+    def results(self, tokenizer) -> list[SampleResult]:
+        return [
+            SampleResult(t, lp, r, tokenizer.decode(t) if self.spec.return_text else None)
+            for t, lp, r in zip(self.tokens, self.logps, self.reasons, strict=True)
+        ]
+
+
+class DecodeBatch:
+    """Rows of several sample requests on one adapter snapshot, decoded together one token per row per `step`.
+
+    Decoding is memory-bound (every step reads all weights), so one step for many rows costs about what one step
+    for a few does. Each request is prefilled on its own (its prompt encoded once, the cache expanded to its
+    `num_samples` rows: exactly what a request alone does), then its cache joins the batch's, left-padded to the
+    longest row, with explicit positions and a padding mask. Requests join between steps and leave when done.
+    """
+
+    def __init__(self, engine: Sampling, snapshot: LoraSnapshot | None):
+        self.engine = engine
+        self.snapshot = snapshot
+        self.uid = snapshot.uid if snapshot is not None else None
+        self.requests: list[RequestRows] = []  # in row order
+        self.cache = None
+        self.mask: torch.Tensor | None = None  # (rows, cached slots): 1 real, 0 left padding
+        self.positions: torch.Tensor | None = None  # (rows,): position of the token each row feeds next
+
+    @property
+    def rows(self) -> int:
+        return sum(r.spec.num_samples for r in self.requests)
+
+    def can_join(self, snapshot: LoraSnapshot | None) -> bool:
+        """Whether a request on `snapshot` can join: same weights, and a cache this class can pad and concatenate."""
+        if (snapshot.uid if snapshot is not None else None) != self.uid:
+            return False
+        return self.cache is None or all(type(layer) is _dynamic_layer_type() for layer in self.cache.layers)
+
+    def admit(self, spec: SampleSpec) -> RequestRows:
+        engine, n = self.engine, spec.num_samples
+        with engine.lock:
+            model, ctx = engine.use_snapshot(self.snapshot)
+            with ctx, torch.no_grad():
+                prompt = torch.tensor([spec.prompt], device=engine.device)
+                out = model(input_ids=prompt, use_cache=True, logits_to_keep=1)
+                cache, logits = output_cache(out), out.logits[:, -1].float()
+                if n > 1:
+                    cache.batch_repeat_interleave(n)
+        rows = RequestRows(spec, logits.expand(n, -1), engine.device, engine.stop_ids)
+        length = len(spec.prompt)
+        mask = torch.ones(n, length, dtype=torch.long, device=engine.device)
+        positions = torch.full((n,), length, dtype=torch.long, device=engine.device)
+        if self.cache is None:
+            self.cache, self.mask, self.positions = cache, mask, positions
+        else:
+            width = max(self.mask.shape[1], length)
+            for mine, theirs in zip(self.cache.layers, cache.layers, strict=True):
+                mine.keys = torch.cat([_left_pad(mine.keys, width), _left_pad(theirs.keys, width)])
+                mine.values = torch.cat([_left_pad(mine.values, width), _left_pad(theirs.values, width)])
+            self.mask = torch.cat([_left_pad(self.mask, width, dim=1), _left_pad(mask, width, dim=1)])
+            self.positions = torch.cat([self.positions, positions])
+        self.requests.append(rows)
+        return rows
+
+    def step(self) -> list[RequestRows]:
+        """Draw one token for every row, retire the requests that are done (returned), advance the others."""
+        engine = self.engine
+        for rows in self.requests:
+            if not rows.finished:  # max_tokens 0: nothing to draw
+                rows.draw(engine.tokenizer)
+        finished = [r for r in self.requests if r.finished]
+        if finished:
+            keep, start = [], 0
+            for rows in self.requests:
+                n = rows.spec.num_samples
+                if not rows.finished:
+                    keep.extend(range(start, start + n))
+                start += n
+            self.requests = [r for r in self.requests if not r.finished]
+            if not self.requests:
+                self.cache = self.mask = self.positions = None
+                return finished
+            index = torch.tensor(keep, dtype=torch.long, device=engine.device)
+            self.cache.batch_select_indices(index)
+            self.mask, self.positions = self.mask[index], self.positions[index]
+            width = int(self.mask.sum(1).max())  # slots no remaining row uses are dropped
+            if width < self.mask.shape[1]:
+                cut = self.mask.shape[1] - width
+                for layer in self.cache.layers:
+                    layer.keys, layer.values = layer.keys[:, :, cut:], layer.values[:, :, cut:]
+                self.mask = self.mask[:, cut:]
+        ids = torch.cat([r.last for r in self.requests]).unsqueeze(-1)
+        self.mask = torch.cat([self.mask, self.mask.new_ones(self.mask.shape[0], 1)], dim=1)
+        with engine.lock:
+            model, ctx = engine.use_snapshot(self.snapshot)
+            with ctx, torch.no_grad():
+                out = model(
+                    input_ids=ids,
+                    attention_mask=self.mask,
+                    position_ids=self.positions.unsqueeze(-1),
+                    use_cache=True,
+                    logits_to_keep=1,
+                    **{engine.cache_kw: self.cache},
+                )
+        self.cache, self.positions = output_cache(out), self.positions + 1
+        logits = out.logits[:, -1].float()
+        start = 0
+        for rows in self.requests:
+            n = rows.spec.num_samples
+            rows.logits = logits[start : start + n]
+            start += n
+        return finished
+
+
+def _left_pad(tensor: torch.Tensor, width: int, dim: int = -2) -> torch.Tensor:
+    """`tensor` with zeros prepended along `dim` up to `width`."""
+    missing = width - tensor.shape[dim]
+    if missing <= 0:
+        return tensor
+    shape = list(tensor.shape)
+    shape[dim] = missing
+    return torch.cat([tensor.new_zeros(shape), tensor], dim=dim)
+
+
+def _dynamic_layer_type():
+    from transformers.cache_utils import DynamicLayer
+
+    return DynamicLayer
