@@ -29,7 +29,7 @@ print("policy at torch import:", globals().get("seen"))
 
 def test_defaults_apply_when_the_user_set_none():
     env = {"OMP_NUM_THREADS": "3"}
-    assert DEFAULTS == {"GOMP_SPINCOUNT": "10000"}  # what bench/cpu_threads.py measured (docs/gpu.md)
+    assert DEFAULTS == {"GOMP_SPINCOUNT": "10000"}  # what bench/cpu_threads.py measured (docs/recipes.md#cpu-threads)
     assert apply_cpu_thread_defaults(env) == DEFAULTS
     assert env == {"OMP_NUM_THREADS": "3", **DEFAULTS}  # the thread count is the user's
 

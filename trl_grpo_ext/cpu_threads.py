@@ -7,7 +7,7 @@ the spinning threads take the cores the working thread needs, and a step slows s
 train`'s 2-thread default ran 100 s a step beside one busy process, 18 s with one thread, ~12 s idle).
 ``GOMP_SPINCOUNT=10000`` keeps a short spin (tens of microseconds) and then sleeps: an idle machine keeps the
 spin's benefit between back-to-back regions, a loaded one degrades to about the speed of the cores it has left.
-Measured side by side in one run (`bench/cpu_threads.py`, docs/gpu.md#cpu-threads): ``OMP_WAIT_POLICY=PASSIVE``
+Measured side by side in one run (`bench/cpu_threads.py`, docs/recipes.md#cpu-threads): ``OMP_WAIT_POLICY=PASSIVE``
 (sleep at once) degrades as well under load but cost 6-16% idle, over the 5% budget; the short spin cost nothing
 measurable idle. The thread count is left as it is (torch's default, or every core for a single-process run,
 `configure_cpu_threads`): fewer threads would cost an idle machine far more than 5%. Only GNU OpenMP (torch's Linux
