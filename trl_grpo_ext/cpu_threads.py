@@ -8,8 +8,8 @@ train`'s 2-thread default ran 100 s a step beside one busy process, 18 s with on
 ``GOMP_SPINCOUNT=10000`` keeps a short spin (tens of microseconds) and then sleeps: an idle machine keeps the
 spin's benefit between back-to-back regions, a loaded one degrades to about the speed of the cores it has left.
 Measured side by side in one run (`bench/cpu_threads.py`, docs/recipes.md#cpu-threads): ``OMP_WAIT_POLICY=PASSIVE``
-(sleep at once) degrades as well under load but cost 6-16% idle, over the 5% budget; the short spin cost nothing
-measurable idle. The thread count is left as it is (torch's default, or every core for a single-process run,
+(sleep at once) degrades best under load but cost 6-16% idle, over the 5% budget; the short spin lost 0-3% idle
+and avoids the collapse, though beside a busy process it ran 0.84-1.0x one thread. The thread count is left as it is (torch's default, or every core for a single-process run,
 `configure_cpu_threads`): fewer threads would cost an idle machine far more than 5%. Only GNU OpenMP (torch's Linux
 wheels) reads ``GOMP_SPINCOUNT``; builds on LLVM or Intel OpenMP (macOS) keep their own default.
 
