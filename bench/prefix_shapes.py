@@ -48,6 +48,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import torch  # noqa: E402
+from gpu_offline import QWEN25_05B  # noqa: E402  (bench/, the script's own folder)
 
 COMPLETIONS = {"u64-1024": (64, 1024), "all-1024": (1024, 1024), "u64-512": (64, 512)}
 # The embedded model on CPU, without --full: (G, S, completions). It runs tens of seconds per pass on 2 cores, so
@@ -57,17 +58,10 @@ COMPLETIONS = {"u64-1024": (64, 1024), "all-1024": (1024, 1024), "u64-512": (64,
 # model's copies outgrew the 24 GiB machine (killed by the OOM killer).
 EMBEDDED_CPU_SHAPES = ((4, 100, "u64-512"), (4, 400, "u64-512"), (8, 100, "u64-512"), (4, 100, "all-1024"))
 QUESTION = 50  # tokens of each distinct question after the shared head
-QWEN_05B = dict(
-    hidden_size=896,
-    intermediate_size=4864,
-    num_hidden_layers=24,
-    num_attention_heads=14,
-    num_key_value_heads=2,
-    vocab_size=151936,
-    max_position_embeddings=32768,
-    rope_theta=1000000.0,
-    tie_word_embeddings=True,
-)
+# Qwen2.5-0.5B-Instruct's shape, as the offline GPU check writes it (one place); the token ids are our tokenizer's
+QWEN_05B = {
+    k: v for k, v in QWEN25_05B.items() if k not in ("architectures", "model_type", "bos_token_id", "eos_token_id")
+}
 TINY = dict(
     hidden_size=64,
     intermediate_size=128,
