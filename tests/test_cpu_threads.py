@@ -286,3 +286,19 @@ def test_each_cpu_model_load_installs_it(fake_governor, tiny_model_path, monkeyp
     gpu_args = SimpleNamespace(gradient_checkpointing=False, use_cpu=False, trust_remote_code=False)
     monkeypatch.setattr("torch.cuda.is_available", lambda: True)  # a GPU run: the model moves there later
     assert not _hooked(load_model(tiny_model_path, model_args, gpu_args))
+
+
+def test_a_bad_switch_is_one_line_before_any_model_loads(monkeypatch, capsys):
+    from trl_grpo_ext.cli import main
+
+    monkeypatch.setenv(MODE_ENV, "sometimes")
+    with pytest.raises(SystemExit) as exit_info:
+        main(["eval", "--model", "/nonexistent"])
+    assert exit_info.value.code == 2
+    assert f"error: {MODE_ENV}='sometimes': expected one of auto, fixed" in capsys.readouterr().err
+    from types import SimpleNamespace
+
+    from trl_grpo_ext.cpu_threads import configure_cpu_threads
+
+    with pytest.raises(ValueError, match=MODE_ENV):  # the TRL recipe: inside its one-line `error:` block
+        configure_cpu_threads(SimpleNamespace(use_cpu=True))
