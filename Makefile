@@ -42,8 +42,9 @@ $(STAMP): pyproject.toml $(CONSTRAINTS)
 install: $(STAMP)
 
 train: $(STAMP)
-	$(BIN)/accelerate launch --config_file accelerate_configs/cpu.yaml --num_cpu_threads_per_process $$(nproc) \
-		recipes/gsm8k_grpo.py --config $(RECIPE) $(ARGS)
+	# every core while the machine is idle, fewer while other processes keep some busy (trl_grpo_ext/cpu_threads.py)
+	TRL_GRPO_EXT_CPU_THREADS=auto $(BIN)/accelerate launch --config_file accelerate_configs/cpu.yaml \
+		--num_cpu_threads_per_process $$(nproc) recipes/gsm8k_grpo.py --config $(RECIPE) $(ARGS)
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q $(ARGS)

@@ -1,15 +1,19 @@
 """CPU thread settings, idle and beside a busy process, in one run: the default the recipes and CLIs apply
-(trl_grpo_ext/cpu_threads.py: a short OpenMP spin, GOMP_SPINCOUNT=10000, every core) against torch's own default
-(OpenMP threads spin ~300k iterations while they wait), sleeping at once (OMP_WAIT_POLICY=PASSIVE, for comparison)
-and one thread.
+(trl_grpo_ext/cpu_threads.py: a short OpenMP spin, GOMP_SPINCOUNT=10000, every core while the machine is idle and
+fewer while other processes keep cores busy, `govern_cpu_threads`) against torch's own default (OpenMP threads spin
+~300k iterations while they wait, every core), sleeping at once (OMP_WAIT_POLICY=PASSIVE, for comparison) and one
+thread.
 
 Each setting trains a randomly initialised model of SmolLM2-135M's width (the embedded default's shape, fewer layers)
 for a fixed number of forward/backward/AdamW steps in a fresh process (OpenMP reads its settings when torch
-loads), first on the machine as it is, then beside `--busy` processes that each keep one core busy; the settings
-take turns over `--rounds` rounds, so a slow minute of a noisy host falls on all of them. It prints a
-table and one summary line with the target: the default loses at most 5% idle against torch's default, and beside
-the busy process(es) it is at least as fast as torch's default and within 10% of one thread (degrades to the
-cores it has left, no collapse). Exit status 1 when the target is missed.
+loads), first on the machine as it is, then beside `--busy` processes that each keep one core busy (started before
+the settings' processes, as another user's job would be); the settings take turns over `--rounds` rounds, so a
+slow minute of a noisy host falls on all of them. It prints a table and one summary line with the target: the
+default loses at most 5% idle against torch's default, and beside the busy process(es) it is at least as fast as
+torch's default and within 10% of one thread (degrades to the cores it has left, no collapse). Every setting's
+process installs the governor as the recipes do; only the default lets it act (TRL_GRPO_EXT_CPU_THREADS=auto; the
+others =fixed). The table shows the threads each setting ended at and how often the governor changed them. Exit
+status 1 when the target is missed.
 
     python bench/cpu_threads.py                  # ~6-8 minutes idle on 2 cores
     python bench/cpu_threads.py --steps 2 --layers 2 --busy 1   # a quick smoke run
@@ -29,7 +33,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from trl_grpo_ext.cpu_threads import DEFAULTS, USER_SETTINGS, usable_cores  # noqa: E402
+from trl_grpo_ext.cpu_threads import DEFAULTS, MODE_ENV, USER_SETTINGS, usable_cores  # noqa: E402
 
 IDLE_TARGET = 0.95  # the default's idle speed relative to torch's default, at least
 LOADED_VS_ONE_THREAD = 0.90  # the default's loaded speed relative to one thread, at least
@@ -37,19 +41,24 @@ LOADED_VS_ONE_THREAD = 0.90  # the default's loaded speed relative to one thread
 
 def settings(cores: int) -> dict[str, dict[str, str]]:
     """name -> environment of the process that runs the steps (thread count and OpenMP wait settings)."""
+    fixed = {"OMP_NUM_THREADS": str(cores), MODE_ENV: "fixed"}
     return {
-        "torch default (spin-wait)": {"OMP_NUM_THREADS": str(cores)},
-        "default (this package)": {"OMP_NUM_THREADS": str(cores), **DEFAULTS},
-        # for comparison: GNU OpenMP (torch's) spins briefly, then sleeps (its default spins 300k iterations)
-        "passive (OMP_WAIT_POLICY=PASSIVE)": {"OMP_NUM_THREADS": str(cores), "OMP_WAIT_POLICY": "PASSIVE"},
-        "1 thread": {"OMP_NUM_THREADS": "1", **DEFAULTS},
+        "torch default (spin-wait)": fixed,
+        # as `make train` runs: every core, then the governor follows the load
+        "default (this package)": {"OMP_NUM_THREADS": str(cores), MODE_ENV: "auto", **DEFAULTS},
+        # for comparison: GNU OpenMP (torch's) sleeps at once (its default spins 300k iterations)
+        "passive (OMP_WAIT_POLICY=PASSIVE)": {**fixed, "OMP_WAIT_POLICY": "PASSIVE"},
+        "1 thread": {**fixed, "OMP_NUM_THREADS": "1", **DEFAULTS},
     }
 
 
 def worker(args) -> None:
-    """Run in a fresh process: warm-up step, then `steps` timed steps; prints JSON with each step's seconds."""
+    """Run in a fresh process: warm-up step, then `steps` timed steps; prints JSON with each step's seconds, the
+    threads at the end and the governor's changes."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
+
+    from trl_grpo_ext.cpu_threads import govern_cpu_threads
 
     torch.manual_seed(0)
     config = LlamaConfig(
@@ -57,6 +66,7 @@ def worker(args) -> None:
         num_key_value_heads=3, vocab_size=args.vocab, max_position_embeddings=2048, tie_word_embeddings=True,
     )  # fmt: skip
     model = LlamaForCausalLM(config)
+    governor = govern_cpu_threads(model)  # as the recipes' model load; None unless the setting says auto
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5)
     ids = torch.randint(0, args.vocab, (args.batch, args.seq_len), generator=torch.Generator().manual_seed(1))
     times = []
@@ -68,11 +78,12 @@ def worker(args) -> None:
         optimizer.zero_grad(set_to_none=True)
         if step:  # step 0 warms up allocators and OpenMP's pool
             times.append(time.perf_counter() - start)
-    print(json.dumps({"threads": torch.get_num_threads(), "step_s": times}))
+    changes = governor.changes if governor else 0
+    print(json.dumps({"threads": torch.get_num_threads(), "changes": changes, "step_s": times}))
 
 
 def run_setting(env_overrides: dict, args) -> dict:
-    env = {k: v for k, v in os.environ.items() if k not in USER_SETTINGS and k not in ("OMP_NUM_THREADS",)}
+    env = {k: v for k, v in os.environ.items() if k not in (*USER_SETTINGS, "OMP_NUM_THREADS", MODE_ENV)}
     env.update(env_overrides)
     cmd = [sys.executable, str(Path(__file__).resolve()), "_worker", "--steps", str(args.steps), "--layers",
            str(args.layers), "--batch", str(args.batch), "--seq-len", str(args.seq_len), "--vocab", str(args.vocab)]  # fmt: skip
@@ -116,21 +127,28 @@ def main(argv=None) -> int:
           f"batch {args.batch} x {args.seq_len} tokens, {args.rounds} rounds; loaded = beside {args.busy} busy "
           f"process(es)")  # fmt: skip
     results: dict[tuple[str, str], float] = {}
+    governor: dict[str, dict] = {}  # the default's threads at the end of each process, and the changes, per load
     for load in ("idle", "loaded"):
         busy = start_busy(args.busy) if load == "loaded" else []
         try:
             steps: dict[str, list[float]] = {}
-            threads: dict[str, int] = {}
+            threads: dict[str, list[int]] = {}
+            changes: dict[str, int] = {}
             for _ in range(args.rounds):
                 for name, env in settings(cores).items():
                     out = run_setting(env, args)
                     steps.setdefault(name, []).extend(out["step_s"])
-                    threads[name] = out["threads"]
+                    threads.setdefault(name, []).append(out["threads"])
+                    changes[name] = changes.get(name, 0) + out["changes"]
             for name, times in steps.items():
                 median = statistics.median(times)
                 results[(name, load)] = median
+                if name == "default (this package)":
+                    governor[load] = {"threads_ended": threads[name], "changes": changes[name]}
                 spread = f"{min(times):.3f}-{max(times):.3f}"
-                print(f"  {load:6s}  {name:34s} {threads[name]} threads  median {median:.3f} s/step  ({spread})")
+                ended = "/".join(str(t) for t in sorted(set(threads[name])))
+                print(f"  {load:6s}  {name:34s} {ended} threads ({changes[name]} changes)  "
+                      f"median {median:.3f} s/step  ({spread})")  # fmt: skip
         finally:
             stop(busy)
     spin, ours, one = "torch default (spin-wait)", "default (this package)", "1 thread"
@@ -141,14 +159,15 @@ def main(argv=None) -> int:
     summary = {
         "cores": cores, "busy": args.busy, "median_step_s": {f"{n} / {ld}": s for (n, ld), s in results.items()},
         "idle_speed_vs_torch_default": idle_ratio, "loaded_speed_vs_torch_default": loaded_vs_spin,
-        "loaded_speed_vs_one_thread": loaded_vs_one, "target_met": met,
+        "loaded_speed_vs_one_thread": loaded_vs_one, "governor": governor, "target_met": met,
     }  # fmt: skip
     if args.json:
         Path(args.json).write_text(json.dumps(summary, indent=2) + "\n")
     print(
-        f"cpu_threads: default {DEFAULTS} x {cores} threads: idle {idle_ratio:.2f}x torch's default speed (target >= "
-        f"{IDLE_TARGET}), beside {args.busy} busy {loaded_vs_spin:.2f}x torch's default (target >= 1.0) and "
-        f"{loaded_vs_one:.2f}x one thread (target >= {LOADED_VS_ONE_THREAD}): {'target met' if met else 'TARGET MISSED'}"
+        f"cpu_threads: default {DEFAULTS}, {cores} threads governed: idle {idle_ratio:.2f}x torch's default speed "
+        f"(target >= {IDLE_TARGET}), beside {args.busy} busy {loaded_vs_spin:.2f}x torch's default (target >= 1.0) "
+        f"and {loaded_vs_one:.2f}x one thread (target >= {LOADED_VS_ONE_THREAD}): "
+        f"{'target met' if met else 'TARGET MISSED'}"
     )
     return 0 if met else 1
 

@@ -15,13 +15,14 @@ See docs/pytrio.md.
 
 import json
 import logging
+import os
 import sys
 from pathlib import Path
 
 # Runnable from a checkout without `pip install -e .` too.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from trl_grpo_ext.cpu_threads import apply_cpu_thread_defaults  # noqa: E402
+from trl_grpo_ext.cpu_threads import apply_cpu_thread_defaults, threads_mode  # noqa: E402
 
 apply_cpu_thread_defaults()  # before torch loads (here or in the local server): OpenMP reads its settings then
 
@@ -38,6 +39,7 @@ def main(argv=None) -> int:
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per HTTP request otherwise
     install_log_redaction()
     try:
+        threads_mode(os.environ)  # TRL_GRPO_EXT_CPU_THREADS, read by the local server's model load
         (config,) = parse_recipe_args(argv, default_config=EMBEDDED_CONFIG, dataclass_types=(PyTrioGRPOConfig,))
         # data, reward names, model path, resume state: before the local server loads the model or a file is written
         loop = GRPOLoop(config)

@@ -14,6 +14,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from trl_grpo_ext.cpu_threads import current_governor, govern_cpu_threads, runs_on_cpu
 from trl_grpo_ext.data import load_dataset_split, load_problems
 from trl_grpo_ext.evaluation import HELDOUT_SEED, heldout_lines, problems_from_rows
 from trl_grpo_ext.grpo_spec import raise_problems, reward_option_problems
@@ -109,6 +110,7 @@ def load_model(path: str, model_args, training_args):
     )
     if training_args.gradient_checkpointing:
         model.config.use_cache = False
+    govern_cpu_threads(model, on_cpu=runs_on_cpu(training_args))  # fewer threads while other processes are busy
     return model
 
 
@@ -214,7 +216,10 @@ def report_run(trainer, training_args) -> dict:
             summary["heldout_gain"] = summary["eval"]["paired"]["metrics"]
     import torch
 
-    summary["torch_threads"] = torch.get_num_threads()
+    governor = current_governor()
+    summary["torch_threads"] = governor.cap if governor else torch.get_num_threads()
+    if governor:  # the count followed the machine's load: how often, and how low
+        summary["torch_threads_governor"] = {"changes": governor.changes, "lowest": governor.lowest}
     summary["wall_time_s"] = round(time.time() - _START, 1)
     usage = resource.getrusage(resource.RUSAGE_SELF)
     summary["cpu_time_s"] = round(usage.ru_utime + usage.ru_stime, 1)

@@ -5,10 +5,11 @@ when chosen, so `trl-grpo-ext compare` does not pay for importing torch's traini
 """
 
 import argparse
+import os
 import sys
 from importlib import import_module
 
-from trl_grpo_ext.cpu_threads import apply_cpu_thread_defaults
+from trl_grpo_ext.cpu_threads import apply_cpu_thread_defaults, threads_mode
 
 SUBCOMMANDS = {
     "pytrio-serve": ("trl_grpo_ext.cli.pytrio_serve", "serve the PyTRIO protocol locally on a transformers model"),
@@ -31,6 +32,10 @@ def main(argv=None) -> int:
     args, extra = parser.parse_known_args(argv)
     if extra:
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    try:
+        threads_mode(os.environ)  # read where a model loads: a bad value fails here, first
+    except ValueError as error:
+        parser.error(str(error))
     return import_module(SUBCOMMANDS[args.command][0]).run(args) or 0
 
 

@@ -7,6 +7,7 @@ import contextlib
 from pathlib import Path
 from typing import Any, Sequence
 
+from trl_grpo_ext.cpu_threads import govern_cpu_threads
 from trl_grpo_ext.evaluation.problems import Prompt
 from trl_grpo_ext.models import resolve_model
 
@@ -42,6 +43,7 @@ class HFGenerator:
 
             self.model = merge_and_unload(PeftModel.from_pretrained(self.model, adapter))
         self.model.to(self.device).eval()
+        govern_cpu_threads(self.model)  # on the CPU: fewer threads while other processes are busy
         self._settings(max_new_tokens, temperature, top_p, seed)
 
     def _settings(self, max_new_tokens: int, temperature: float, top_p: float, seed: int) -> None:

@@ -16,6 +16,7 @@ import warnings
 import torch
 
 from trl_grpo_ext.compat import cache_keyword
+from trl_grpo_ext.cpu_threads import govern_cpu_threads
 from trl_grpo_ext.prefix import sharing_unsupported_reason
 from trl_grpo_ext.pytrio.server.adapters import LoraAdapters, LoraSettings, LoraSnapshot, TrainingRun
 from trl_grpo_ext.pytrio.server.decoding import Sampling, default_stop_ids
@@ -49,6 +50,7 @@ class ModelEngine(LoraAdapters, ForwardBackward, Sampling):
         model.eval()  # no dropout: forward and forward_backward must see the same function
         for p in model.parameters():
             p.requires_grad_(False)
+        govern_cpu_threads(model)  # on the CPU: fewer threads while other processes are busy
         self.base = model
         # read before PEFT wraps the layers: LoRA-wrapped linears are no longer nn.Linear
         self._linear_names = {n.rsplit(".", 1)[-1] for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
