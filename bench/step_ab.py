@@ -84,7 +84,9 @@ def overrides_for(generations: int, steps: int) -> list[str]:
 def run_tree(tree: Path, args) -> dict:
     overrides = json.dumps(overrides_for(args.generations, args.steps))
     cmd = [sys.executable, str(Path(__file__).resolve()), "_worker", str(tree), overrides]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout, cwd=tree)
+    # the thread count fixed at torch's default in both (the base may predate the load governor)
+    env = {**os.environ, "TRL_GRPO_EXT_CPU_THREADS": "fixed"}
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout, cwd=tree, env=env)
     if proc.returncode != 0:
         raise RuntimeError(f"{tree}: worker failed ({proc.returncode}): {proc.stderr[-2000:]}")
     out = json.loads(proc.stdout.strip().splitlines()[-1])
