@@ -302,3 +302,20 @@ def test_a_bad_switch_is_one_line_before_any_model_loads(monkeypatch, capsys):
 
     with pytest.raises(ValueError, match=MODE_ENV):  # the TRL recipe: inside its one-line `error:` block
         configure_cpu_threads(SimpleNamespace(use_cpu=True))
+
+
+def test_the_run_summary_says_when_the_count_followed_the_load(fake_governor, tmp_path, capsys):
+    from types import SimpleNamespace
+
+    from trl_grpo_ext.cpu_threads import current_governor
+    from trl_grpo_ext.recipe import report_run
+
+    trainer = SimpleNamespace(is_world_process_zero=lambda: True)
+    args = SimpleNamespace(output_dir=str(tmp_path))
+    assert "torch_threads_governor" in report_run(trainer, args)
+    assert "2 torch threads)" in capsys.readouterr().out  # idle: no change, nothing more said
+    fake_governor.advance(1.0, own_cores=1.3, other_cores=0.7)
+    current_governor().check()
+    summary = report_run(trainer, args)
+    assert summary["torch_threads"] == 2 and summary["torch_threads_governor"] == {"changes": 1, "lowest": 1}
+    assert "2 torch threads, down to 1 while other processes were busy)" in capsys.readouterr().out

@@ -232,9 +232,12 @@ def report_run(trainer, training_args) -> dict:
             f"last {summary['window']}: {summary['reward_last']:.3f}"
         )
     lines += heldout_lines(summary.get("eval", {}))
+    threads = f"{summary['torch_threads']} torch threads"
+    if governor and governor.changes:
+        threads += f", down to {governor.lowest} while other processes were busy"
     lines.append(
-        f"  wall time {summary['wall_time_s']} s (CPU time {summary['cpu_time_s']} s, {summary['torch_threads']} torch "
-        f"threads), peak RSS {summary['peak_rss_gb']} GB"
+        f"  wall time {summary['wall_time_s']} s (CPU time {summary['cpu_time_s']} s, {threads}), "
+        f"peak RSS {summary['peak_rss_gb']} GB"
     )
     print("\n".join(lines), file=sys.stdout, flush=True)
     return summary
