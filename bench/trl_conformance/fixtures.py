@@ -172,7 +172,9 @@ def main(test_file: str, cache: str) -> None:
         (built if build_model(model_id, cache_dir) else left).append(model_id)
     print(f"offline fixtures: built {len(built)} tiny models in {cache_dir}")
     if left:
-        print(f"offline fixtures: no stand-in (tests that load these fail or skip for both): {', '.join(left)}")
+        print(
+            f"offline fixtures: no stand-in for these quoted names (a test loading one fails or skips for both): {', '.join(left)}"
+        )
 
 
 if __name__ == "__main__":

@@ -17,7 +17,7 @@ import torch
 # require_<name> -> the modules it needs, when the name is not the module's own
 _PACKAGES = {
     "liger_kernel": ["liger_kernel"],
-    "vision": ["PIL", "torchvision"],
+    "vision": ["PIL"],  # transformers' is_vision_available, as TRL's require_vision
     "jmespath": ["jmespath"],
     "kernels": ["kernels"],
     "bitsandbytes": ["bitsandbytes"],
