@@ -31,7 +31,12 @@ TRL_VERSION=$("$PYTHON" -c 'import importlib.metadata as m; print(m.version("trl
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1} TOKENIZERS_PARALLELISM=false TRL_EXPERIMENTAL_SILENCE=1
 export HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TRANSFORMERS_OFFLINE=1 HF_HUB_DISABLE_TELEMETRY=1
 export TRL_CONFORMANCE_TEST_TIMEOUT=${TRL_CONFORMANCE_TEST_TIMEOUT:-300}
-rm -rf "$WORK" && mkdir -p "$WORK"
+# The work folder is emptied first: only one this script made (its marker file) or an empty one.
+if [ -d "$WORK" ] && [ -n "$(ls -A "$WORK")" ] && [ ! -f "$WORK/.trl_conformance" ]; then
+  echo "trl_conformance: $WORK is not empty and not a folder of this script's; set TRL_CONFORMANCE_WORKDIR"
+  exit 2
+fi
+rm -rf "$WORK" && mkdir -p "$WORK" && touch "$WORK/.trl_conformance"
 WORK=$(cd "$WORK" && pwd)
 export HF_HOME="$WORK/hf" HF_HUB_CACHE="$WORK/hf/hub"
 
