@@ -39,6 +39,31 @@ def test_defaults_and_help():
     assert "trl_cispo" in fields["loss_type"].metadata["help"]
 
 
+def test_trl_field_order_first_so_positional_arguments_land_where_trl_puts_them():
+    ours = [f.name for f in dataclasses.fields(GRPOConfig)]
+    trls = [f.name for f in dataclasses.fields(trl.GRPOConfig)]
+    assert ours[: len(trls)] == trls  # TRL's order first, then the spec's and this path's own fields
+    assert set(NEW_FIELDS) <= set(ours[len(trls) :])
+    config = GRPOConfig("some-output-dir", 4, report_to="none", use_cpu=True, bf16=False, num_generations=4)
+    assert (config.output_dir, config.per_device_train_batch_size) == ("some-output-dir", 4)  # TRL's first two
+    assert config.loss_type == "dapo"
+
+
+def test_fields_trl_declares_keep_trls_declaration():
+    """The spec re-declares TRL's sampling fields (for the PyTRIO path); this path keeps TRL's type, default, help."""
+    from trl_grpo_ext.grpo_spec import GRPOSpec
+
+    ours, trls = GRPOConfig.__dataclass_fields__, trl.GRPOConfig.__dataclass_fields__
+    shared = [name for name in GRPOSpec.__dataclass_fields__ if name in trls]
+    assert {"num_generations", "max_completion_length", "temperature", "reward_weights"} <= set(shared)
+    for name in shared:
+        if name == "loss_type":  # the spec's help (both paths' names), TRL's default
+            assert ours[name].default == trls[name].default == "dapo"
+        else:
+            assert ours[name] is trls[name], name
+    assert make().max_completion_length == trls["max_completion_length"].default != GRPOSpec.max_completion_length
+
+
 def test_loss_type_names():
     assert set(EXTRA_LOSS_TYPES) == {"importance_sampling", "cispo", "ppo"}
     assert trl_loss_type("trl_cispo") == "cispo"

@@ -200,6 +200,17 @@ def test_reward_options_take_either_spelling_on_both_paths():
     assert reward_option_problems(trl_config(reward_weights=[1.0]), names) == [
         "reward_weights has 1 entries for 2 reward functions (['boxed_reward/boxed', 'format_reward/format'])"
     ]
+    # TRL weighs the reward_funcs it was given; a reward an environment owns comes after them, with weight 1
+    with_env = [*names, ("DummyEnvironment",)]
+    assert (
+        reward_option_problems(
+            trl_config(reward_weights=[1.0, 0.5], degenerate_reward="DummyEnvironment"), with_env, 2
+        )
+        == []
+    )
+    assert reward_option_problems(trl_config(reward_weights=[1.0, 0.5, 1.0]), with_env, 2) == [
+        "reward_weights has 3 entries for 2 reward functions (['boxed_reward/boxed', 'format_reward/format'])"
+    ]
 
 
 def test_swanlab_modes_agree_and_the_old_value_is_an_alias_that_warns():

@@ -326,3 +326,71 @@ def test_train_steps(tiny_model_path, tmp_path, loss_type, beta, num_iterations,
     assert logs[0]["train_tokens"] > 0
     if num_iterations == 2:  # the second pass reuses the generation: old log-probs differ from the moved policy
         assert any(abs(entry["ratio_mean"] - 1.0) > 1e-6 for entry in logs)
+
+
+def test_default_args_as_trl_builds_them(tiny_model_path, tmp_path, monkeypatch):
+    """Without `args` TRL builds ``GRPOConfig(f"{model}-GRPO")`` (output_dir positional): ours ends as TRL's does
+    (on a CPU machine both stop at TRL's bf16 default; elsewhere both get that output_dir)."""
+    monkeypatch.chdir(tmp_path)
+
+    def outcome(cls):
+        try:
+            return cls(tiny_model_path, length_reward, train_dataset=dataset()).args.output_dir
+        except ValueError as error:
+            return str(error)
+
+    assert outcome(GRPOTrainer) == outcome(trl.GRPOTrainer)
+
+
+class ScoredEnvironment:
+    """An environment that owns its reward (TRL's ``get_reward``): TRL scores it as one more reward column."""
+
+    def reset(self, **kwargs):
+        return None
+
+    def get_reward(self):
+        return 0.5
+
+
+def tool_calling_tokenizer(path):
+    """The tiny model's tokenizer with a chat template TRL ships that renders tool calls (environments need one)."""
+    from pathlib import Path
+
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    tokenizer.chat_template = (Path(trl.__file__).parent / "chat_templates" / "qwen2_5.jinja").read_text()
+    return tokenizer
+
+
+def test_environment_owned_reward_is_weighted_as_trl_weighs_it(tiny_model_path, tmp_path):
+    """TRL counts reward_weights against the reward_funcs given; the environment's reward follows with weight 1."""
+    args = GRPOConfig(output_dir=str(tmp_path / "out"), **COMMON, reward_weights=[2.0])
+    rewards = [length_reward]
+    trainer = GRPOTrainer(
+        tiny_model_path,
+        rewards,
+        args=args,
+        train_dataset=dataset(),
+        processing_class=tool_calling_tokenizer(tiny_model_path),
+        environment_factory=ScoredEnvironment,
+    )
+    assert trainer.reward_func_names == ["length_reward", "ScoredEnvironment"]
+    assert trainer.reward_weights.tolist() == [2.0, 1.0]
+    # the environment's column can be named like any reward; a name that is no column is still refused
+    named = GRPOConfig(output_dir=str(tmp_path / "out"), **COMMON, degenerate_reward="ScoredEnvironment")
+    kwargs = dict(processing_class=tool_calling_tokenizer(tiny_model_path), environment_factory=ScoredEnvironment)
+    assert (
+        GRPOTrainer(tiny_model_path, [length_reward], args=named, train_dataset=dataset(), **kwargs)._degenerate_column
+        == 1
+    )
+    for bad, message in (
+        (
+            {"reward_weights": [1.0, 1.0]},
+            r"Number of reward weights \(2\) must match number of reward functions \(1\)",
+        ),
+        ({"degenerate_reward": "Environment"}, r"degenerate_reward='Environment' is not one of .*ScoredEnvironment"),
+    ):
+        args = GRPOConfig(output_dir=str(tmp_path / "out"), **COMMON, **bad)
+        with pytest.raises(ValueError, match=message):
+            GRPOTrainer(tiny_model_path, [length_reward], args=args, train_dataset=dataset(), **kwargs)

@@ -39,13 +39,33 @@ VALID_LOSS_TYPES = valid_loss_types(TRL)
 __all__ = ["EXTRA_LOSS_TYPES", "GRPOConfig", "TRL_CISPO_ALIAS", "TRL_LOSS_TYPES", "VALID_LOSS_TYPES", "trl_loss_type"]
 
 
+def trl_declarations(cls):
+    """Give `cls` (a class body, before ``@dataclass``) TRL's own declaration of every field that `GRPOSpec` and
+    `trl.GRPOConfig` both declare and the body does not: TRL's type, default and help, as TRL users expect.
+
+    `GRPOConfig` lists `GRPOSpec` before TRL in its bases because a dataclass orders its fields by the bases in reverse
+    (the last base's first): that keeps TRL's field order, so ``GRPOConfig("out")`` sets ``output_dir`` as in TRL. The
+    same rule would let the spec's declaration of a shared field win; re-declaring it here keeps TRL's, in TRL's place.
+    """
+    annotations = cls.__dict__.get("__annotations__", {})
+    trl_fields = trl.GRPOConfig.__dataclass_fields__
+    for name in GRPOSpec.__dataclass_fields__:
+        if name in trl_fields and name not in annotations:
+            annotations[name] = trl_fields[name].type
+            # TRL's Field itself: @dataclass reads its default and metadata, and sets on it the name and type it has
+            setattr(cls, name, trl_fields[name])
+    cls.__annotations__ = annotations
+    return cls
+
+
 @dataclass
-class GRPOConfig(trl.GRPOConfig, GRPOSpec):
+@trl_declarations
+class GRPOConfig(GRPOSpec, trl.GRPOConfig):
     """TRL's `GRPOConfig` with the shared GRPO spec: more loss types, degenerate groups, dynamic sampling, curriculum.
 
-    TRL comes first in the bases, so the fields TRL declares keep TRL's declaration (default and help); `GRPOSpec`
-    adds the rest. See `docs/losses.md` for the formulas, the options that do not combine with the new loss types,
-    and the degenerate-group rule.
+    TRL's fields come first, in TRL's order and with TRL's declaration (default and help), also where the spec
+    declares them (`trl_declarations`); the spec's other fields and this path's own follow. See `docs/losses.md`
+    for the formulas, the options that do not combine with the new loss types, and the degenerate-group rule.
     """
 
     # The spec's help (both paths' loss names), TRL's default.

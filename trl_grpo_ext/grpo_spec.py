@@ -3,10 +3,11 @@
 `GRPOSpec` declares every GRPO setting the TRL path (`trl_grpo_ext.config.GRPOConfig`) and the PyTRIO path
 (`trl_grpo_ext.pytrio.config.PyTrioGRPOConfig`) both read, spelled and meant as in `trl.GRPOConfig`:
 
-- ``GRPOConfig(trl.GRPOConfig, GRPOSpec)``: TRL comes first, so a field TRL already declares (``num_generations``,
-  ``temperature``, ``beta``, ``epsilon``, ``scale_rewards``...) keeps TRL's declaration on the TRL path (TRL's
-  default and help, as TRL users expect); the fields TRL lacks (clip bounds of ``cispo``, degenerate groups, dynamic
-  sampling, curriculum) come from here. ``loss_type`` is re-declared there with this help and TRL's default.
+- ``GRPOConfig(GRPOSpec, trl.GRPOConfig)``: TRL's fields come first, in TRL's order (positional arguments land where
+  TRL puts them), and a field TRL already declares (``num_generations``, ``temperature``, ``beta``, ``epsilon``,
+  ``scale_rewards``...) keeps TRL's declaration on the TRL path (TRL's default and help, as TRL users expect;
+  `trl_grpo_ext.config.trl_declarations`); the fields TRL lacks (clip bounds of ``cispo``, degenerate groups,
+  dynamic sampling, curriculum) come from here. ``loss_type`` is re-declared there with this help and TRL's default.
 - ``PyTrioGRPOConfig(GRPOSpec)`` takes every field from here.
 
 So the spec's defaults are the PyTRIO path's; two differ from TRL's, on purpose: ``loss_type`` ('dapo' is TRL's
@@ -340,19 +341,24 @@ def curriculum_pass_reward(config) -> str | None:
     return getattr(config, "curriculum_reward", None) or getattr(config, "degenerate_reward", None)
 
 
-def reward_option_problems(config, reward_names: Sequence[Collection[str]]) -> list[str]:
+def reward_option_problems(config, reward_names: Sequence[Collection[str]], weighted: int | None = None) -> list[str]:
     """``reward_weights``, ``degenerate_reward`` and ``curriculum_reward`` of `config` against its reward functions.
 
     `reward_names[i]` holds every name reward function i answers to: its ``reward_funcs`` entry and its function
     name (TRL's ``rewards/<name>/mean``), from `trl_grpo_ext.rewards.reward_names`. Both paths call this: the TRL
     recipe before the model loads, the trainer when built, the PyTRIO config when parsed.
+
+    `weighted`: how many of the reward functions, from the first, ``reward_weights`` weighs (None: all). TRL's
+    trainer weighs the ``reward_funcs`` it was given and appends a reward an environment owns (``environment_factory``
+    with ``get_reward``) after them with weight 1; the options that name a reward may still name that one.
     """
     shown = ["/".join(dict.fromkeys(names)) for names in reward_names]
+    weighted = len(reward_names) if weighted is None else weighted
     problems = []
     weights = getattr(config, "reward_weights", None)
-    if isinstance(weights, (list, tuple)) and len(weights) != len(reward_names):
+    if isinstance(weights, (list, tuple)) and len(weights) != weighted:
         problems.append(
-            f"reward_weights has {len(weights)} entries for {len(reward_names)} reward functions ({shown})"
+            f"reward_weights has {len(weights)} entries for {weighted} reward functions ({shown[:weighted]})"
         )
     for option in ("degenerate_reward", "curriculum_reward"):
         name = getattr(config, option, None)

@@ -47,6 +47,14 @@ _MODEL_INPUT_KEYS = (
 )
 
 
+def given_reward_count(reward_funcs) -> int:
+    """How many reward functions TRL 1.16 weighs with ``reward_weights``: the ``reward_funcs`` argument (one, a
+    list, or none). A reward an environment owns comes after them, with weight 1 and no entry in ``reward_weights``."""
+    if reward_funcs is None:
+        return 0
+    return len(reward_funcs) if isinstance(reward_funcs, list) else 1
+
+
 @functools.cache
 def _on_policy_ratio_metrics(clip_low, clip_high) -> dict[str, float]:
     """`ratio_metrics` of ratios that are all exactly 1, as plain floats."""
@@ -66,6 +74,7 @@ class GRPOTrainer(DynamicSamplingMixin, CurriculumMixin, PrefixSharingMixin, trl
             model_name = model if isinstance(model, str) else get_config_model_id(model.config)
             args = GRPOConfig(f"{model_name.split('/')[-1]}-GRPO")
         extended = isinstance(args, GRPOConfig)
+        weighted = given_reward_count(reward_funcs)  # counted first: TRL appends to a list it is given
         super().__init__(model, reward_funcs, args, *pos_args, **kwargs)
 
         self.ext_loss_type = args.loss_type if extended and args.loss_type in EXTRA_LOSS_TYPES else None
@@ -79,8 +88,10 @@ class GRPOTrainer(DynamicSamplingMixin, CurriculumMixin, PrefixSharingMixin, trl
             args, "zero_degenerate_advantages", defaults["zero_degenerate_advantages"].default
         )
         self.degenerate_reward = getattr(args, "degenerate_reward", None)
+        # Every reward column TRL scores (the reward_funcs given, then the rewards environments own) may be named;
+        # reward_weights covers the given ones, as TRL counts them. One check, curriculum_reward included.
         names = reward_names(func_names=self.reward_func_names)
-        raise_problems("GRPOTrainer", reward_option_problems(args, names))
+        raise_problems("GRPOTrainer", reward_option_problems(args, names, weighted))
         self._degenerate_column = (
             None if self.degenerate_reward is None else reward_index(self.degenerate_reward, names)
         )

@@ -34,7 +34,7 @@ from trl.trainer.utils import RepeatSampler, shuffle_sequence_dict, split_tensor
 from trl_grpo_ext.data.curriculum import Curriculum, TaskPools, curriculum_from_tasks, draw_tasks, passed_values
 from trl_grpo_ext.data.synthetic import parse_task_mix
 from trl_grpo_ext.dynamic_sampling import GroupFilter, GroupRef
-from trl_grpo_ext.grpo_spec import curriculum_pass_reward, raise_problems, reward_index, reward_option_problems
+from trl_grpo_ext.grpo_spec import curriculum_pass_reward, reward_index
 from trl_grpo_ext.reward_aggregation import weighted_rewards
 from trl_grpo_ext.rewards import reward_names
 from trl_grpo_ext.runs import CURRICULUM_STATE_FILENAME, atomic_write_json, checkpoint_dir
@@ -270,10 +270,12 @@ class CurriculumMixin:
         self.curriculum = curriculum_from_tasks(
             self._curriculum_tasks, ema=self.args.curriculum_ema, floor=self.args.curriculum_floor
         )
-        names = reward_names(func_names=self.reward_func_names)
-        raise_problems("GRPOTrainer", reward_option_problems(self.args, names))
+        # A curriculum_reward naming no reward column leaves None here; `trl_grpo_ext.trainer.GRPOTrainer` checks
+        # the options that name rewards right after this (it knows which columns reward_weights covers).
         name = curriculum_pass_reward(self.args)
-        self._curriculum_column = None if name is None else reward_index(name, names)
+        self._curriculum_column = (
+            None if name is None else reward_index(name, reward_names(func_names=self.reward_func_names))
+        )
 
     # Checkpoints carry the pass-rate estimates, as TRL 1.16 does its adaptive-entropy state (same two hooks), so a
     # resumed run keeps its adapted weights. The prompt order after a resume still differs from an uninterrupted
