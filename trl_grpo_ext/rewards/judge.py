@@ -55,7 +55,7 @@ class JudgeConfig:
     """The recipe's ``judge:`` mapping."""
 
     base_url: str = ""  # the OpenAI client's form: http://127.0.0.1:8000/v1
-    model: str = ""  # the model name the server knows
+    model: str = ""  # the model name the server lists at /v1/models; 'auto': the one model it lists
     rubric: str | None = None  # the grading instructions, or
     rubric_file: str | None = None  # a file holding them (relative to the working directory)
     score_format: str = "integer"  # 'integer' (the reply's first integer) or 'json' (a JSON object's score_field)
@@ -259,25 +259,35 @@ class JudgeReward:
     abstains_on_failure = True
 
     def preflight(self) -> None:
-        """Raise a one-line ValueError naming the URL unless the server answers ``GET <base_url>/models``."""
+        """Raise a one-line ValueError naming the URL unless the server answers ``GET <base_url>/models`` and lists
+        the judge model (``model: auto`` becomes the one model it lists). Runs before any model loads."""
         import httpx  # the openai client's HTTP library
 
-        url = f"{self.config.url}/models"
+        url = self.config.url
         try:
             response = httpx.get(
-                url,
+                f"{url}/models",
                 headers={"Authorization": f"Bearer {self.config.api_key()}"},
                 timeout=min(self.config.timeout_s, 10.0),
             )
         except httpx.HTTPError as error:
-            raise ValueError(f"judge: cannot reach {self.config.url} ({type(error).__name__})") from None
+            raise ValueError(f"judge: cannot reach {url} ({type(error).__name__})") from None
         if response.status_code in (401, 403):
             raise ValueError(
-                f"judge: {self.config.url} refused the API key from ${self.config.api_key_env} "
-                f"(HTTP {response.status_code})"
+                f"judge: {url} refused the API key from ${self.config.api_key_env} (HTTP {response.status_code})"
             )
-        if response.status_code >= 500:
-            raise ValueError(f"judge: {self.config.url} answers HTTP {response.status_code}")
+        if response.status_code >= 400:
+            raise ValueError(f"judge: {url}/models answers HTTP {response.status_code}; is it an OpenAI-style server?")
+        try:
+            served = [m.get("id") for m in response.json().get("data", []) if isinstance(m, dict)]
+        except (ValueError, AttributeError):
+            served = None  # a server that lists nothing readable: take the model name on trust
+        if self.config.model == "auto":
+            if not served or len(served) != 1:
+                raise ValueError(f"judge: model: auto needs {url} to list exactly one model; it lists {served}")
+            self.config.model = served[0]
+        elif served and self.config.model not in served:
+            raise ValueError(f"judge: {url} does not serve model {self.config.model!r}; it serves {served[:5]}")
 
     def _state(self) -> _LoopState:
         loop = asyncio.get_running_loop()
@@ -355,9 +365,11 @@ class JudgeReward:
             future.set_result(score)
         return score, sent[0]
 
-    async def __call__(self, prompts=None, completions=None, log_metric=None, **kwargs) -> list[float | None]:
+    async def __call__(self, completions, prompts=None, log_metric=None, **kwargs) -> list[float | None]:
         completions = as_list(completions)
         prompts = list(prompts) if prompts is not None else [""] * len(completions)
+        if self.config.model == "auto":  # a judge built without the start-up check: it names the model now
+            await asyncio.to_thread(self.preflight)
         state = self._state()
         stats = _CallStats()
         results = await asyncio.gather(
