@@ -151,3 +151,30 @@ def test_bad_reward_model_entries_fail_with_one_line(tiny_model_path, tmp_path):
     (tmp_path / "empty").mkdir()
     with pytest.raises(ValueError, match="cannot be read"):
         check_reward_model(str(tmp_path / "empty"))
+
+
+@pytest.mark.parametrize("path", ["trl", "pytrio"])
+def test_a_reward_model_folder_in_reward_funcs_trains_on_both_paths(reward_model_path, tiny_model_path, tmp_path, path):
+    """Two GRPO steps of each recipe with ``reward_funcs: [boxed, <folder>]``: TRL's metric name for the model on
+    both paths (``rewards/rm/mean``)."""
+    import importlib.util
+    import json
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    name = "gsm8k_grpo" if path == "trl" else "gsm8k_pytrio"
+    spec = importlib.util.spec_from_file_location(f"{name}_rm", root / "recipes" / f"{name}.py")
+    recipe = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(recipe)
+    out = tmp_path / "run"
+    common = ["--output_dir", str(out), "--max_steps", "2", "--max_completion_length", "8", "--num_generations", "2",
+              "--per_device_train_batch_size", "4", "--reward_funcs", "boxed", reward_model_path,
+              "--reward_model", json.dumps({"batch_size": 2, "max_length": 256, "dtype": "float32"})]  # fmt: skip
+    if path == "trl":
+        argv = ["--model_name_or_path", tiny_model_path, "--eval_num_samples", "0", "--synthetic_tasks", "chain_sum"]
+    else:
+        argv = ["--base_model", tiny_model_path, "--lora_rank", "4", "--dataset_size", "16", "--save_every", "0"]
+    assert recipe.main(argv + common) == 0
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2]
+    assert all(isinstance(r["rewards/rm/mean"], float) and r["rewards/rm/std"] >= 0 for r in rows)
