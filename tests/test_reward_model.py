@@ -154,7 +154,9 @@ def test_bad_reward_model_entries_fail_with_one_line(tiny_model_path, tmp_path):
 
 
 @pytest.mark.parametrize("path", ["trl", "pytrio"])
-def test_a_reward_model_folder_in_reward_funcs_trains_on_both_paths(reward_model_path, tiny_model_path, tmp_path, path):
+def test_a_reward_model_folder_in_reward_funcs_trains_on_both_paths(
+    reward_model_path, tiny_model_path, tmp_path, path
+):
     """Two GRPO steps of each recipe with ``reward_funcs: [boxed, <folder>]``: TRL's metric name for the model on
     both paths (``rewards/rm/mean``)."""
     import importlib.util
