@@ -76,7 +76,7 @@ def test_reward_model_ranks_held_out_correct_answers_above_wrong_ones(reward_mod
     assert isinstance(reward, RewardModelReward)
     held_out = _pairs(40, seed=12345)
     prompts = [p for p, _, _ in held_out]
-    right = reward(prompts=prompts, completions=[c for _, c, _ in held_out])
+    right = reward([c for _, c, _ in held_out], prompts=prompts)
     wrong = reward(prompts=prompts, completions=[r for _, _, r in held_out])
     wins = sum(a > b for a, b in zip(right, wrong, strict=True)) / len(held_out)
     # chance is 0.5; 40 pairs at 0.75 or better is p < 0.001 under chance
@@ -131,9 +131,30 @@ def test_reward_model_options_change_what_it_reads(reward_model_path):
     (full,) = reward_functions([reward_model_path])
     cut = RewardModelReward(reward_model_path, RewardModelOptions(max_length=8))
     prompt, right, wrong = _pairs(1, seed=3)[0]
-    assert full([prompt, prompt], [right, wrong])[0] != full([prompt, prompt], [right, wrong])[1]
-    a, b = cut([prompt, prompt], [right, wrong])
+    a, b = full(prompts=[prompt, prompt], completions=[right, wrong])
+    assert a != pytest.approx(b, abs=1e-6)
+    a, b = cut(prompts=[prompt, prompt], completions=[right, wrong])
     assert a == pytest.approx(b, abs=1e-6)
+
+
+def test_a_reward_model_is_a_hybrid_term(reward_model_path):
+    class Settings:
+        hybrid = {"components": {"boxed": 1.0, reward_model_path: 0.5}, "vetoes": ["no_box"]}
+
+    (rm,) = reward_functions([reward_model_path])
+    (hybrid,) = reward_functions(["hybrid"], settings=Settings)
+    prompt, right, wrong = _pairs(1, seed=5)[0]
+    answer = f"#### {right[0]['content'].split('{')[1].split('}')[0]}"
+    logged = {}
+    scores = hybrid(
+        [right, wrong, [{"role": "assistant", "content": "no box"}]],
+        prompts=[prompt] * 3,
+        answer=[answer] * 3,
+        log_metric=logged.__setitem__,
+    )
+    model_scores = rm(prompts=[prompt] * 2, completions=[right, wrong])
+    assert scores == [pytest.approx(1.0 + 0.5 * model_scores[0]), pytest.approx(0.5 * model_scores[1]), 0.0]
+    assert f"rewards/hybrid_reward/{reward_model_path}" in logged
 
 
 def test_bad_reward_model_entries_fail_with_one_line(tiny_model_path, tmp_path):

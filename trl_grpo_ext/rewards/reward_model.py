@@ -199,12 +199,14 @@ class RewardModelReward:
             ]
         return [p + c for p, c in zip(prompts, completions, strict=True)]
 
-    def __call__(self, prompts, completions, **kwargs) -> list[float]:
+    def __call__(self, completions, prompts=None, **kwargs) -> list[float]:
         import torch
 
         model, tokenizer = self.load()
         if not completions:
             return []
+        if prompts is None:
+            raise ValueError(f"reward model {self.__name__!r} reads the prompts too; TRL passes them as `prompts`")
         inputs = tokenizer(
             text=self.texts(list(prompts), list(completions)),
             return_tensors="pt",
