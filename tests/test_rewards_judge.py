@@ -261,3 +261,32 @@ def test_bad_judge_options_are_one_line(mapping, message):
     with pytest.raises(ValueError, match=re.escape(message)) as info:
         JudgeConfig.from_mapping(mapping)
     assert "\n" not in str(info.value)
+
+
+def _side(body):
+    text = body["messages"][-1]["content"]
+    a = text.split("Response A:\n")[1].split("\n\nResponse B:")[0]
+    return a, text.split("Response B:\n")[1]
+
+
+def test_pairwise_mode_asks_both_orders_and_cancels_position_bias():
+    def fair(index, body):  # prefers the longer answer, wherever it stands
+        a, b = _side(body)
+        return ("ok", "A" if len(a) > len(b) else "B")
+
+    prompts = [PROMPT] * 3 + [[{"role": "user", "content": "What is 3 + 3?"}]] * 2
+    completions = ["x", "xxx", "xx", "only", "only"]
+    with ScriptedServer(fair) as server:
+        judge = judge_for(server, mode="pairwise")
+        log = RewardMetricLog()
+        scores = asyncio.run(judge(completions, prompts=prompts, log_metric=log))
+    # group 1: 3 pairs x 2 orders; group 2: two identical completions tie without a request
+    assert len(server.bodies) == 6 and scores == [0.0, 1.0, 0.5, 0.5, 0.5]
+    assert "A or B" in server.bodies[0]["messages"][0]["content"]
+    assert log.metrics()["judge/position_disagreements"] == 0 and judge.last_requests == [4, 4, 4, 0, 0]
+
+    with ScriptedServer(lambda index, body: ("ok", "A")) as server:  # always the first shown
+        biased = judge_for(server, mode="pairwise")
+        log = RewardMetricLog()
+        scores = asyncio.run(biased(completions[:3], prompts=prompts[:3], log_metric=log))
+    assert scores == [0.5, 0.5, 0.5] and log.metrics()["judge/position_disagreements"] == 3

@@ -40,6 +40,8 @@ from .reward_model import mapping_option
 logger = logging.getLogger(__name__)
 
 SCORE_FORMATS = ("integer", "json")
+MODES = ("pointwise", "pairwise")
+_SIDE = re.compile(r"\b([AB])\b")
 # A local server takes any key; the openai client refuses an empty one.
 NO_KEY = "EMPTY"
 _INTEGER = re.compile(r"-?\d+")
@@ -58,6 +60,7 @@ class JudgeConfig:
     model: str = ""  # the model name the server lists at /v1/models; 'auto': the one model it lists
     rubric: str | None = None  # the grading instructions, or
     rubric_file: str | None = None  # a file holding them (relative to the working directory)
+    mode: str = "pointwise"  # or 'pairwise': each completion against the others of its prompt, both orders asked
     score_format: str = "integer"  # 'integer' (the reply's first integer) or 'json' (a JSON object's score_field)
     score_field: str = "score"
     score_range: list = field(default_factory=lambda: [1, 10])  # [low, high], mapped to [0, 1]
@@ -101,6 +104,10 @@ class JudgeConfig:
             problems.append("set exactly one of rubric (text) and rubric_file (a path)")
         elif self.rubric_file and not Path(self.rubric_file).expanduser().is_file():
             problems.append(f"rubric_file {self.rubric_file!r} does not exist")
+        if self.mode not in MODES:
+            problems.append(f"mode={self.mode!r} must be one of {', '.join(MODES)}")
+        if self.mode == "pairwise" and self.logprobs:
+            problems.append("logprobs: true weighs a pointwise score; pairwise mode parses the preferred side")
         if self.score_format not in SCORE_FORMATS:
             problems.append(f"score_format={self.score_format!r} must be one of {', '.join(SCORE_FORMATS)}")
         r = self.score_range
@@ -155,6 +162,22 @@ def judge_messages(config: JudgeConfig, prompt, completion) -> list[dict]:
     return [{"role": "system", "content": config.system_prompt()}, {"role": "user", "content": user}]
 
 
+def pairwise_messages(config: JudgeConfig, prompt, first, second) -> list[dict]:
+    """The chat of a pairwise comparison: response A, then response B."""
+    system = f"{config.rubric.strip()}\n\nYou are shown two responses, A and B. Reply with only the letter of the better one: A or B."
+    user = (
+        f"Question:\n{question_text(prompt)}\n\nResponse A:\n{completion_text(first)}\n\n"
+        f"Response B:\n{completion_text(second)}"
+    )
+    return [{"role": "system", "content": system}, {"role": "user", "content": user}]
+
+
+def parse_preference(reply: str | None) -> str | None:
+    """'A' or 'B': the first standalone letter A or B of the reply; None without one."""
+    match = _SIDE.search(reply) if isinstance(reply, str) else None
+    return match.group(1) if match else None
+
+
 def parse_score(config: JudgeConfig, reply: str | None) -> float | None:
     """The declared score of `reply` mapped to [0, 1], or None when it has none in range."""
     if not isinstance(reply, str):
@@ -202,8 +225,11 @@ def logprob_score(config: JudgeConfig, choice) -> float | None:
 
 def cache_key(config: JudgeConfig, prompt, completion) -> str:
     """The cache's key: rubric and score format, prompt, completion and judge model."""
-    material = [config.system_prompt(), question_text(prompt), completion_text(completion), config.model]
-    material.append(config.logprobs)
+    if isinstance(completion, list) and all(isinstance(c, str) for c in completion):  # a pairwise (A, B)
+        shown = list(completion)
+    else:
+        shown = completion_text(completion)
+    material = [config.system_prompt(), question_text(prompt), shown, config.model, config.logprobs, config.mode]
     return hashlib.sha256(json.dumps(material, ensure_ascii=False).encode()).hexdigest()
 
 
@@ -220,11 +246,13 @@ class _CallStats:
     retries: int = 0
     parse_errors: int = 0
     cache_hits: int = 0
+    position_disagreements: int = 0  # pairwise: pairs whose two orders disagree
+    asked: int = 0  # items that needed a request (not answered from the cache)
     latencies: list = field(default_factory=list)
     last_error: str = ""
 
     def metrics(self) -> dict[str, float]:
-        out = {f"judge/{k}": float(v) for k, v in asdict(self).items() if isinstance(v, int)}
+        out = {f"judge/{k}": float(v) for k, v in asdict(self).items() if isinstance(v, int) and k != "asked"}
         if self.latencies:
             out["judge/latency_p50"] = percentile(self.latencies, 50)
             out["judge/latency_p99"] = percentile(self.latencies, 99)
@@ -291,6 +319,8 @@ class JudgeReward:
 
     def _state(self) -> _LoopState:
         loop = asyncio.get_running_loop()
+        for key in [k for k, (old, _) in self._states.items() if old.is_closed()]:  # asyncio.run()'s, finished
+            del self._states[key]
         entry = self._states.get(id(loop))
         if entry is None or entry[0] is not loop:
             entry = (loop, _LoopState(self.config))
@@ -328,42 +358,93 @@ class JudgeReward:
         stats.failures += 1
         return None
 
-    def _score_reply(self, response, stats: _CallStats) -> float | None:
+    def _parse(self, response, stats: _CallStats):
+        """The reply's value: a score in [0, 1] (pointwise) or the preferred side 'A' / 'B' (pairwise); None, and a
+        parse error counted, when it has none."""
         try:
             choice = response.choices[0]
             reply = choice.message.content
         except (AttributeError, IndexError, TypeError):  # a 200 whose body is no chat completion
+            value = None
+        else:
+            if self.config.mode == "pairwise":
+                value = parse_preference(reply)
+            else:
+                value = logprob_score(self.config, choice) if self.config.logprobs else None
+                if value is None:
+                    value = parse_score(self.config, reply)
+        if value is None:
             stats.parse_errors += 1
-            return None
-        score = logprob_score(self.config, choice) if self.config.logprobs else None
-        if score is None:
-            score = parse_score(self.config, reply)
-        if score is None:
-            stats.parse_errors += 1
-        return score
+        return value
 
-    async def _score_one(self, prompt, completion, stats: _CallStats, state: _LoopState) -> tuple[float | None, int]:
-        """(score, requests sent for it)."""
-        key = cache_key(self.config, prompt, completion)
+    async def _cached_ask(self, key: str, messages: list[dict], stats: _CallStats, state: _LoopState):
+        """(parsed value, requests sent): from the cache, from an identical request in flight, or asked."""
         if self.config.cache and key in self.cache:
             stats.cache_hits += 1
             return self.cache[key], 0
         if self.config.cache and key in state.inflight:  # the same request is on its way: share its answer
             stats.cache_hits += 1
             return await asyncio.shield(state.inflight[key]), 0
+        stats.asked += 1
         future = asyncio.get_running_loop().create_future()
         state.inflight[key] = future
         sent = [0]
-        score = None
+        value = None
         try:
-            response = await self._ask(state, judge_messages(self.config, prompt, completion), stats, sent)
-            score = None if response is None else self._score_reply(response, stats)
-            if score is not None and self.config.cache:
-                self.cache[key] = score
+            response = await self._ask(state, messages, stats, sent)
+            value = None if response is None else self._parse(response, stats)
+            if value is not None and self.config.cache:
+                self.cache[key] = value
         finally:
             state.inflight.pop(key, None)
-            future.set_result(score)
-        return score, sent[0]
+            future.set_result(value)
+        return value, sent[0]
+
+    async def _pointwise(self, prompts, completions, stats, state) -> tuple[list, list[int]]:
+        results = await asyncio.gather(
+            *(
+                self._cached_ask(cache_key(self.config, p, c), judge_messages(self.config, p, c), stats, state)
+                for p, c in zip(prompts, completions, strict=True)
+            )
+        )
+        return [v for v, _ in results], [n for _, n in results]
+
+    async def _pairwise(self, prompts, completions, stats, state) -> tuple[list, list[int]]:
+        """Each completion against every other one of its prompt, both orders asked: a pair's outcome is the mean of
+        the orders that parsed (1 win, 0 loss; orders that disagree, the position bias, give 0.5); a completion's
+        score is the mean of its outcomes (None with none). Identical completions tie without a request."""
+        groups: dict[str, list[int]] = {}
+        for i, p in enumerate(prompts):
+            groups.setdefault(question_text(p), []).append(i)
+        pairs = [(i, j) for members in groups.values() for a, i in enumerate(members) for j in members[a + 1 :]]
+        texts = [completion_text(c) for c in completions]
+        asks, order = [], []
+        for i, j in pairs:
+            if texts[i] == texts[j]:
+                continue
+            for first, second in ((i, j), (j, i)):
+                key = cache_key(self.config, prompts[i], [texts[first], texts[second]])
+                messages = pairwise_messages(self.config, prompts[i], completions[first], completions[second])
+                asks.append(self._cached_ask(key, messages, stats, state))
+                order.append((i, j, first == i))
+        answers = await asyncio.gather(*asks)
+        sent = [0] * len(completions)
+        votes: dict[tuple[int, int], list[float]] = {}
+        for (i, j, i_first), (side, n) in zip(order, answers, strict=True):
+            sent[i] += n
+            sent[j] += n
+            if side is not None:  # 1.0: i preferred
+                votes.setdefault((i, j), []).append(float((side == "A") == i_first))
+        outcomes: list[list[float]] = [[] for _ in completions]
+        for i, j in pairs:
+            result = 0.5 if texts[i] == texts[j] else None
+            if (i, j) in votes:
+                result = sum(votes[(i, j)]) / len(votes[(i, j)])
+                stats.position_disagreements += len(votes[(i, j)]) == 2 and votes[(i, j)][0] != votes[(i, j)][1]
+            if result is not None:
+                outcomes[i].append(result)
+                outcomes[j].append(1.0 - result)
+        return [sum(o) / len(o) if o else None for o in outcomes], sent
 
     async def __call__(self, completions, prompts=None, log_metric=None, **kwargs) -> list[float | None]:
         completions = as_list(completions)
@@ -372,28 +453,28 @@ class JudgeReward:
             await asyncio.to_thread(self.preflight)
         state = self._state()
         stats = _CallStats()
-        results = await asyncio.gather(
-            *(self._score_one(p, c, stats, state) for p, c in zip(prompts, completions, strict=True))
-        )
-        self.last_requests = [sent for _, sent in results]
-        asked = len(completions) - stats.cache_hits
-        if asked and stats.failures >= asked:
+        judge = self._pairwise if self.config.mode == "pairwise" else self._pointwise
+        scores, self.last_requests = await judge(prompts, completions, stats, state)
+        if stats.asked and stats.failures >= stats.asked:
             self.failed_steps += 1
-        elif asked:
+        elif stats.asked:
             self.failed_steps = 0
         if callable(log_metric):
             for name, value in stats.metrics().items():
                 log_metric(name, value)
         if stats.failures:
             logger.warning(
-                "judge: %d of %d requests failed after retries (last: %s)", stats.failures, asked, stats.last_error
+                "judge: %d of %d requests failed after retries (last: %s)",
+                stats.failures,
+                stats.asked,
+                stats.last_error,
             )
         if self.failed_steps >= self.config.max_failed_steps:
             raise JudgeUnavailableError(
                 f"judge at {self.config.url} failed every request of {self.failed_steps} step(s) in a row (last: "
                 f"{stats.last_error}); stopping rather than training on the other rewards alone"
             )
-        return [score for score, _ in results]
+        return scores
 
 
 def _error_line(error) -> str:
