@@ -56,7 +56,7 @@ def reward_model_path(tiny_model_path, tmp_path_factory):
     args = RewardConfig(
         output_dir=str(out / "run"),
         per_device_train_batch_size=16,
-        max_steps=60,
+        max_steps=30,
         learning_rate=3e-3,
         logging_steps=1000,
         save_strategy="no",

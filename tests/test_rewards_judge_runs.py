@@ -151,6 +151,19 @@ def test_a_judge_down_at_start_stops_the_recipe_before_anything(tiny_model_path,
     assert not out.exists()
 
 
+@pytest.mark.parametrize("path", ["trl", "pytrio"])
+def test_bad_reward_options_stop_the_recipe_in_one_line(tiny_model_path, tmp_path, capsys, path):
+    out = tmp_path / "run"
+    judge = {"base_url": "127.0.0.1:8000", "model": "m", "rubric": "r", "retries": -1}
+    if path == "trl":
+        code = _load("gsm8k_grpo").main(trl_argv(tiny_model_path, out, judge))
+    else:
+        code = _load("gsm8k_pytrio").main(pytrio_argv(tiny_model_path, out, judge))
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1 and "judge: base_url='127.0.0.1:8000' must be an http" in err[0]
+    assert "retries=-1 must be an integer >= 0" in err[0] and not out.exists()
+
+
 def _fails_after_first(index, body):
     """One good answer, then 500 for ever: step 1 goes on (one term missing where it failed), step 2 fails whole."""
     return ("ok", "5") if index == 0 else ("status", 500)
