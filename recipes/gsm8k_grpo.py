@@ -23,6 +23,7 @@ from trl_grpo_ext.recipe import (  # noqa: E402
     report_run,
     save_run_config,
 )
+from trl_grpo_ext.rewards import JudgeUnavailableError, trl_reward_inputs  # noqa: E402
 from trl_grpo_ext.runs.tracking import start_swanlab  # noqa: E402
 from trl_grpo_ext.script_args import parse_recipe_args  # noqa: E402
 
@@ -51,13 +52,16 @@ def main(argv=None) -> int:
             script_args.swanlab_mode,
             training_args.to_dict(),
         )
+    # reward models as TRL takes them: the model, with its tokenizer as the reward processing class
+    reward_funcs, reward_processing_classes = trl_reward_inputs(run.reward_funcs)
     callbacks = [cbs.MetricsJsonlCallback()]
     if run.eval_problems:
         eval_options = recipe_eval_options(script_args, training_args)
         callbacks.append(cbs.BeforeAfterEvalCallback(run.eval_problems, eval_options))
     trainer = trl_grpo_ext.GRPOTrainer(
         model=model,
-        reward_funcs=run.reward_funcs,
+        reward_funcs=reward_funcs,
+        reward_processing_classes=reward_processing_classes,
         args=training_args,
         train_dataset=run.train_dataset,
         processing_class=run.tokenizer,
@@ -69,7 +73,11 @@ def main(argv=None) -> int:
     save_run_config(trainer, script_args, training_args, model_args)
     if run.resume_from_checkpoint:
         print(f"resuming from {run.resume_from_checkpoint}", flush=True)
-    trainer.train(resume_from_checkpoint=run.resume_from_checkpoint)
+    try:
+        trainer.train(resume_from_checkpoint=run.resume_from_checkpoint)
+    except JudgeUnavailableError as error:  # the checkpoints saved so far stay as they are
+        print(f"error: {error}", file=sys.stderr)
+        return 1
     trainer.save_model(training_args.output_dir)
     if report_run(trainer, training_args):
         from plot_metrics import plot_reward_curve

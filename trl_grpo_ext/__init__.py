@@ -14,6 +14,8 @@ _EXPORTS = {
     "make_hybrid_reward": "trl_grpo_ext.rewards",
     "get_reward_funcs": "trl_grpo_ext.rewards",
     "REWARD_REGISTRY": "trl_grpo_ext.rewards",
+    "make_judge_reward": "trl_grpo_ext.rewards",
+    "reward_functions": "trl_grpo_ext.rewards",
     "GRPOConfig": "trl_grpo_ext.config",
     "GRPOTrainer": "trl_grpo_ext.trainer",
 }

@@ -20,7 +20,7 @@ from trl_grpo_ext.evaluation import HELDOUT_SEED, heldout_lines, problems_from_r
 from trl_grpo_ext.grpo_spec import raise_problems, reward_option_problems
 from trl_grpo_ext.models import resolve_model
 from trl_grpo_ext.reward_aggregation import reward_func_name
-from trl_grpo_ext.rewards import reward_functions, reward_names
+from trl_grpo_ext.rewards import preflight_rewards, reward_functions, reward_names
 from trl_grpo_ext.runs import (
     EVAL_BEFORE_AFTER_FILENAME,
     RUN_SUMMARY_FILENAME,
@@ -43,7 +43,7 @@ class PreparedRun:
 
     model_path: str
     tokenizer: object
-    reward_funcs: list
+    reward_funcs: list  # reward models as `RewardModelReward`s: `trl_reward_inputs` hands them to TRL
     train_dataset: object
     eval_problems: list
     resume_from_checkpoint: str | None
@@ -55,14 +55,16 @@ def prepare_run(script_args, training_args, model_args) -> PreparedRun:
     Nothing is written to the run folder and no model weights are loaded here.
     """
     names = list(script_args.reward_funcs)
-    reward_functions(names)  # unknown names fail before anything slow
+    # unknown names, bad reward options, a reward model that is missing or no classifier: before anything slow;
+    # then a judge that does not answer, before the embedded model is converted or anything is loaded
+    preflight_rewards(reward_functions(names, training_args, settings=script_args))
     resume = resolve_resume_checkpoint(training_args.resume_from_checkpoint, training_args.output_dir)
     if not model_args.model_name_or_path:
         raise ValueError("model_name_or_path is not set; use 'embedded', a hub id or a local path")
     path = resolve_model(model_args.model_name_or_path, progress=not getattr(training_args, "disable_tqdm", False))
     tokenizer = load_tokenizer(path, model_args, training_args)
     train_dataset, eval_problems = build_datasets(script_args, training_args, tokenizer)
-    funcs = reward_functions(names, training_args, tokenizer)
+    funcs = reward_functions(names, training_args, tokenizer, settings=script_args)
     check_reward_options(training_args, funcs, names)
     return PreparedRun(path, tokenizer, funcs, train_dataset, eval_problems, resume)
 

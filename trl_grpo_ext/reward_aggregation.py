@@ -12,8 +12,10 @@ against a real `trl.GRPOTrainer`).
 
 from __future__ import annotations
 
+import asyncio
+
 import torch
-from trl.trainer.utils import get_callable_name, nanstd
+from trl.trainer.utils import get_callable_name, is_async_callable, nanstd, start_event_loop_in_daemon
 
 # Keys of a training row that TRL 1.16's `_calculate_rewards` does not forward as reward keyword arguments.
 NOT_REWARD_KWARGS = ("prompt", "completion", "completion_ids")
@@ -65,23 +67,66 @@ def reward_kwargs(inputs: list[dict]) -> dict[str, list]:
     return {key: [example.get(key) for example in inputs] for key in keys}
 
 
+_ASYNC_LOOP = None  # (thread, loop): the daemon event loop of async rewards, started on first use as TRL starts its
+
+
+def _async_loop():
+    """The event loop async reward functions run on: one daemon loop per process, started as TRL 1.16's trainer
+    starts its own (`trl.trainer.utils.start_event_loop_in_daemon`), so clients bound to a loop (the judge's) live
+    across steps."""
+    global _ASYNC_LOOP
+    if _ASYNC_LOOP is None:
+        thread, loop, ready = start_event_loop_in_daemon(name="trl_grpo_ext-async-rewards")
+        ready.wait()
+        _ASYNC_LOOP = (thread, loop)
+    return _ASYNC_LOOP[1]
+
+
+def _checked_output(output, name: str, n: int) -> list:
+    output = [torch.nan if reward is None else reward for reward in (output if output is not None else [])]
+    if len(output) != n:
+        raise RewardFunctionError(f"reward function {name!r} returned {len(output)} rewards for {n} completions")
+    return output
+
+
+def _column(rewards_per_func, i: int, output, name: str) -> None:
+    try:
+        rewards_per_func[:, i] = torch.tensor(output, dtype=torch.float32)
+    except (TypeError, ValueError):
+        raise RewardFunctionError(f"reward function {name!r} returned a non-number among {output[:4]!r}") from None
+
+
+def _failure(name: str, error: Exception) -> RewardFunctionError:
+    return RewardFunctionError(f"reward function {name!r} failed: {type(error).__name__}: {error}")
+
+
 def score_completions(reward_funcs, names, prompts, completions, completion_ids, kwargs) -> torch.Tensor:
-    """``rewards_per_func`` (N, K) float32: TRL 1.16 `_calculate_rewards` for plain (synchronous) reward functions,
-    ``None`` -> NaN. A function that raises or returns the wrong number of values raises `RewardFunctionError`."""
+    """``rewards_per_func`` (N, K) float32 as TRL 1.16's `_calculate_rewards` computes it: synchronous functions in
+    order, then the async ones (an LLM judge) concurrently on one event loop (``asyncio.gather``); ``None`` -> NaN.
+    A function that raises or returns the wrong number of values raises `RewardFunctionError`."""
     n = len(prompts)
     rewards_per_func = torch.zeros(n, len(reward_funcs))
+    call = dict(prompts=prompts, completions=completions, completion_ids=completion_ids, **kwargs)
+    pending = []
     for i, (func, name) in enumerate(zip(reward_funcs, names, strict=True)):
+        if is_async_callable(func):
+            pending.append((i, func, name))
+            continue
         try:
-            output = func(prompts=prompts, completions=completions, completion_ids=completion_ids, **kwargs)
+            output = func(**call)
         except Exception as error:  # noqa: BLE001 - name the function, keep the message
-            raise RewardFunctionError(f"reward function {name!r} failed: {type(error).__name__}: {error}") from None
-        output = [torch.nan if reward is None else reward for reward in (output if output is not None else [])]
-        if len(output) != n:
-            raise RewardFunctionError(f"reward function {name!r} returned {len(output)} rewards for {n} completions")
-        try:
-            rewards_per_func[:, i] = torch.tensor(output, dtype=torch.float32)
-        except (TypeError, ValueError):
-            raise RewardFunctionError(f"reward function {name!r} returned a non-number among {output[:4]!r}") from None
+            raise _failure(name, error) from None
+        _column(rewards_per_func, i, _checked_output(output, name, n), name)
+    if pending:
+
+        async def run_all():
+            return await asyncio.gather(*(func(**call) for _, func, _ in pending), return_exceptions=True)
+
+        outputs = asyncio.run_coroutine_threadsafe(run_all(), _async_loop()).result()
+        for (i, _, name), output in zip(pending, outputs, strict=True):
+            if isinstance(output, BaseException):
+                raise _failure(name, output) from None
+            _column(rewards_per_func, i, _checked_output(output, name, n), name)
     return rewards_per_func
 
 

@@ -17,13 +17,14 @@ from dataclasses import dataclass, field
 import yaml
 
 from trl_grpo_ext.grpo_spec import normalize_values, raise_problems, reward_funcs_list, swanlab_mode_problems
+from trl_grpo_ext.rewards.settings import RewardSettings, reward_settings_problems
 from trl_grpo_ext.runs.tracking import swanlab_mode_field, swanlab_project_field
 
 PROMPT_FORMATS = ("auto", "chat", "text")
 
 
 @dataclass
-class ScriptArguments:
+class ScriptArguments(RewardSettings):
     """Data, prompt, reward and logging options of `recipes/gsm8k_grpo.py` (training options live in GRPOConfig)."""
 
     dataset_name: str = field(
@@ -59,7 +60,10 @@ class ScriptArguments:
     )
     reward_funcs: list[str] = field(
         default_factory=lambda: ["boxed", "format"],
-        metadata={"help": "Reward names from trl_grpo_ext.REWARD_REGISTRY (weights: GRPOConfig.reward_weights)."},
+        metadata={
+            "help": "Reward names from trl_grpo_ext.REWARD_REGISTRY, 'judge', 'cost', or a reward model's folder or "
+            "hub id, as in TRL (weights: GRPOConfig.reward_weights; options: judge, reward_model, hybrid, cost)."
+        },
     )
     eval_num_samples: int = field(
         default=0,
@@ -77,7 +81,7 @@ class ScriptArguments:
         if self.prompt_format not in PROMPT_FORMATS:
             raise ValueError(f"prompt_format must be one of {PROMPT_FORMATS}, got {self.prompt_format!r}")
         normalize_values(self)  # swanlab_mode: cloud -> online, with a deprecation warning
-        raise_problems("script arguments", swanlab_mode_problems(self.swanlab_mode))
+        raise_problems("script arguments", swanlab_mode_problems(self.swanlab_mode) + reward_settings_problems(self))
         self.reward_funcs = reward_funcs_list(self.reward_funcs)
         if not self.reward_funcs:
             raise ValueError("reward_funcs is empty; name at least one reward (e.g. boxed)")

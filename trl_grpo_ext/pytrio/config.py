@@ -28,12 +28,12 @@ from trl_grpo_ext.grpo_spec import (
 )
 from trl_grpo_ext.loss_types import LOSSES, PYTRIO, ratio_bounds
 from trl_grpo_ext.models import EMBEDDED_NAME
-from trl_grpo_ext.rewards import reward_names
+from trl_grpo_ext.rewards import RewardSettings, reward_names, reward_settings_problems
 from trl_grpo_ext.runs.tracking import swanlab_mode_field, swanlab_project_field
 
 
 @dataclass
-class PyTrioGRPOConfig(GRPOSpec):
+class PyTrioGRPOConfig(GRPOSpec, RewardSettings):
     """The PyTRIO loop's options: the shared GRPO spec (`trl_grpo_ext.grpo_spec.GRPOSpec`, TRL's names) plus where
     the model lives, the data, the optimizer and the run."""
 
@@ -115,7 +115,10 @@ class PyTrioGRPOConfig(GRPOSpec):
     )
     reward_funcs: list[str] = field(
         default_factory=lambda: ["boxed"],
-        metadata={"help": "Reward function names from `trl_grpo_ext.rewards.REWARD_REGISTRY`."},
+        metadata={
+            "help": "Reward function names from `trl_grpo_ext.rewards.REWARD_REGISTRY`, 'judge', 'cost', or a reward "
+            "model's folder or hub id, as in TRL (options: judge, reward_model, hybrid, cost)."
+        },
     )
     # --- optimizer (TRL spelling, sent as pytrio AdamParams) ---
     learning_rate: float = field(default=1e-5, metadata={"help": "Peak AdamW learning rate."})
@@ -173,6 +176,7 @@ class PyTrioGRPOConfig(GRPOSpec):
         if not self.reward_funcs:
             problems.append("reward_funcs is empty; name at least one reward (e.g. boxed)")
         problems += reward_option_problems(self, reward_names(self.reward_funcs))
+        problems += reward_settings_problems(self)
         problems += self._run_problems()
         raise_problems("PyTRIO GRPO config", problems)
 

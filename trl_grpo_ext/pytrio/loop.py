@@ -44,7 +44,7 @@ from trl_grpo_ext.pytrio.config import PyTrioGRPOConfig
 from trl_grpo_ext.pytrio.connection import LOCAL_SERVER_NAME, install_log_redaction, redact
 from trl_grpo_ext.pytrio.datums import Rollout, build_datum, shifted_sequences, validate_rollout
 from trl_grpo_ext.pytrio.rows import load_train_rows
-from trl_grpo_ext.rewards import get_reward_funcs, reward_functions
+from trl_grpo_ext.rewards import preflight_rewards, reward_functions
 from trl_grpo_ext.runs import PYTRIO_SERVER_DIRNAME, write_run_config
 from trl_grpo_ext.runs.metrics import RunLogger
 from trl_grpo_ext.runs.tracking import start_swanlab
@@ -437,7 +437,7 @@ class GRPOLoop:
         and EOS let rewards that veto truncated completions recognise them), TRL's names and weights."""
         from trl_grpo_ext.reward_aggregation import reward_func_name, reward_weight_tensor  # trl: seconds
 
-        funcs = reward_functions(self.config.reward_funcs, self.config, self.tokenizer)
+        funcs = reward_functions(self.config.reward_funcs, self.config, self.tokenizer, settings=self.config)
         return (
             funcs,
             [reward_func_name(f) for f in funcs],
@@ -675,8 +675,9 @@ class GRPOLoop:
         if self._checked is not None:
             return self._checked[0]
         c = self.config
+        # unknown names, bad reward options, a reward model that is no classifier, a judge that does not answer
+        preflight_rewards(reward_functions(c.reward_funcs, c, settings=c))
         self._rows = self._load_rows()
-        get_reward_funcs(c.reward_funcs)  # unknown names: a ValueError listing the valid ones
         if c.pytrio_base_url == LOCAL_SERVER_NAME and not is_embedded(c.base_model):
             check_local_model(c.base_model)  # a local-looking path that is not a model folder
         previous = load_loop_state(c.output_dir) if c.resume else None

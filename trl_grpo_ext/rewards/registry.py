@@ -26,11 +26,19 @@ def register_reward(name: str):
     return decorator
 
 
-def _unknown(name) -> ValueError:
-    valid = ", ".join(sorted(REWARD_REGISTRY))
-    close = difflib.get_close_matches(str(name), list(REWARD_REGISTRY), n=1)
+def unknown_reward(name, extra: Iterable[str] = (), models: bool = False, empty: bool = False) -> ValueError:
+    """The one-line error of a reward name no one knows (`extra`: names built from options, e.g. ``judge``)."""
+    valid = ", ".join(sorted([*REWARD_REGISTRY, *extra]))
+    tail = " (or a reward model's folder or hub id)" if models else ""
+    if empty:
+        return ValueError(f"no reward functions given; valid: {valid}{tail}")
+    close = difflib.get_close_matches(str(name), [*REWARD_REGISTRY, *extra], n=1)
     hint = f" (did you mean {close[0]!r}?)" if close else ""
-    return ValueError(f"unknown reward {name!r}{hint}; valid: {valid}")
+    return ValueError(f"unknown reward {name!r}{hint}; valid: {valid}{tail}")
+
+
+def _unknown(name) -> ValueError:
+    return unknown_reward(name)
 
 
 def get_reward(name_or_func) -> Callable:
@@ -67,14 +75,6 @@ def get_reward_funcs(
     if not funcs:
         raise ValueError(f"no reward functions given; valid: {', '.join(sorted(REWARD_REGISTRY))}")
     return funcs
-
-
-def reward_functions(names, training_args=None, tokenizer=None) -> list[Callable]:
-    """`get_reward_funcs` with a trainer's context, as both execution paths build their rewards: the length limit
-    (``training_args.max_completion_length``) and the tokenizer's EOS let `hybrid` veto truncated completions."""
-    eos = [tokenizer.eos_token_id] if tokenizer is not None and tokenizer.eos_token_id is not None else None
-    limit = getattr(training_args, "max_completion_length", None)
-    return get_reward_funcs(list(names), max_completion_length=limit, eos_token_ids=eos)
 
 
 def reward_names(entries: Iterable | None = None, func_names: Iterable[str] | None = None) -> list[tuple[str, ...]]:
