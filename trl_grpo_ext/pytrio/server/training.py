@@ -5,6 +5,7 @@ A mixin of `LocalPyTrioServer`; every handler takes the `EventRecord` and return
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable
 
@@ -21,6 +22,8 @@ from trl_grpo_ext.pytrio.server.forward import ForwardDatum
 from trl_grpo_ext.pytrio.server.losses import LossConfigError, parse_loss
 from trl_grpo_ext.pytrio.server.registry import KIND_FOLDERS, CheckpointRecord, checkpoint_uri, new_id, safe_name
 from trl_grpo_ext.pytrio.server.wire import prompt_tokens, validation_message, wire_tensor
+
+logger = logging.getLogger(__name__)
 
 
 class TrainingHandlers:
@@ -40,6 +43,11 @@ class TrainingHandlers:
             raise EventFailure(error.code, error.message) from None
         except ApiError as error:
             raise EventFailure(error.code, error.message) from None
+        except OSError as error:  # its text would name a file of the server's disk: no client's business
+            logger.warning("%s of run %s failed on the storage: %s", record.type, record.run, error)
+            raise EventFailure(
+                "storage_error", f"{error.strerror or type(error).__name__} on the server's storage"
+            ) from None
 
     def _payload(self, model, record: EventRecord):
         try:
