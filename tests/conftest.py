@@ -76,3 +76,31 @@ def build_tiny_model(path, vocab_size=512, seed=0):
 def tiny_model_path(tmp_path_factory):
     """Path of a tiny random chat model (Llama architecture, ~60k parameters) with a chat template."""
     return build_tiny_model(tmp_path_factory.mktemp("tiny-model"))
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_model_path):
+    """One local PyTRIO server `ModelEngine` on the tiny model for a module's servers (model loading dominates)."""
+    from trl_grpo_ext.pytrio.server.engine import ModelEngine
+
+    return ModelEngine(tiny_model_path)
+
+
+@pytest.fixture
+def make_server(engine, tiny_model_path, tmp_path):
+    """``make(**ServerConfig options)``: a started local PyTRIO server on `engine` (storage under `tmp_path`), the
+    process's pytrio client pointed at it; every server made is stopped after the test."""
+    from trl_grpo_ext.pytrio.server import LocalPyTrioServer, ServerConfig
+
+    started = []
+
+    def make(**options):
+        options.setdefault("storage_dir", str(tmp_path / "storage"))
+        server = LocalPyTrioServer(ServerConfig(model=tiny_model_path, **options), engine=engine).start()
+        server.configure_client(home=str(tmp_path / "trio-home"), retry_initial_delay_seconds=0.05)
+        started.append(server)
+        return server
+
+    yield make
+    for server in started:
+        server.stop()

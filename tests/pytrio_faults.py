@@ -6,10 +6,16 @@
     assert fault.hits == 1
 
 The faults answer before anything else, credentials included, with the server's own error body.
+
+`full_storage` makes the server's checkpoint disk full for a block (see its modes).
 """
 
 from __future__ import annotations
 
+import contextlib
+import errno
+import os
+import shutil
 import threading
 from dataclasses import dataclass
 
@@ -69,3 +75,35 @@ class _FaultMiddleware:
             return
         error = ApiError(fault.status, "injected_fault", f"injected HTTP {fault.status} for tests")
         await error_response(scope, error)(scope, receive, send)
+
+
+@contextlib.contextmanager
+def full_storage(monkeypatch, mode: str = "mid-write"):
+    """The local server's checkpoint disk is full while the block runs.
+
+    ``mid-write``: each checkpoint save writes its files, then fails as a full disk does (`OSError` ENOSPC), so a
+    partial folder is left for the server to clean up. ``no-room``: the disk reports almost no free space, so the
+    server refuses before writing anything.
+    """
+    from trl_grpo_ext.pytrio.server import checkpoints
+    from trl_grpo_ext.pytrio.server.adapters import LoraSnapshot
+
+    with monkeypatch.context() as patch:
+        if mode == "mid-write":
+            save = LoraSnapshot.save
+
+            def failing_save(self, folder, *args, **kwargs):
+                save(self, folder, *args, **kwargs)
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+            patch.setattr(LoraSnapshot, "save", failing_save)
+        elif mode == "no-room":
+            usage = shutil.disk_usage
+
+            def no_room(path):
+                return usage(path)._replace(free=1024)
+
+            patch.setattr(checkpoints.shutil, "disk_usage", no_room)
+        else:
+            raise ValueError(f"unknown full_storage mode {mode!r}")
+        yield

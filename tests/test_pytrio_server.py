@@ -368,7 +368,7 @@ def test_cli_arguments():
     parser = argparse.ArgumentParser()
     pytrio_serve.add_arguments(parser)
     args = parser.parse_args(["--model", "embedded"])
-    assert args.host == "127.0.0.1" and args.api_key is None and math.isfinite(args.port)
+    assert args.host == "127.0.0.1" and args.api_key == [] and math.isfinite(args.port)
 
 
 def test_pytrio_serve_command_serves_checks_the_key_and_stops(tiny_model_path):

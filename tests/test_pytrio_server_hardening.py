@@ -20,31 +20,9 @@ trio = pytest.importorskip("pytrio")
 from pytrio.errors.control import ControlAPIError  # noqa: E402
 
 from trl_grpo_ext.pytrio.server import LocalPyTrioServer, ServerConfig  # noqa: E402
-from trl_grpo_ext.pytrio.server.engine import ModelEngine  # noqa: E402
 
 VERIFY = "/api/openapi/v1/api-key/verify"
 DEMO_NAME = "Qwen/Qwen3-4B-Instruct-2507"  # what the hosted service's demo scripts pass as base_model
-
-
-@pytest.fixture(scope="module")
-def engine(tiny_model_path):
-    return ModelEngine(tiny_model_path)
-
-
-@pytest.fixture
-def make_server(engine, tiny_model_path, tmp_path):
-    started = []
-
-    def make(**options) -> LocalPyTrioServer:
-        options.setdefault("storage_dir", str(tmp_path / "storage"))
-        server = LocalPyTrioServer(ServerConfig(model=tiny_model_path, **options), engine=engine).start()
-        server.configure_client(home=str(tmp_path / "trio-home"), retry_initial_delay_seconds=0.05)
-        started.append(server)
-        return server
-
-    yield make
-    for server in started:
-        server.stop()
 
 
 def _raw(server: LocalPyTrioServer, head: str, body: bytes = b"", wait: float = 10.0) -> tuple[int, dict, bytes]:
@@ -295,13 +273,19 @@ def test_cli_key_from_file_or_environment_and_bad_options_fail_before_loading(tm
     module, args = _cli_args("--api-key-file", str(key_file), "--served-name", DEMO_NAME, "--served-name", "x")
     config, chosen = module._config(args)
     assert config.api_key == "file-secret-123" and chosen and config.served_names == (DEMO_NAME, "x")
+    assert config.api_keys == ()
     monkeypatch.setenv("TRL_GRPO_EXT_PYTRIO_API_KEY", "env-secret")
     config, chosen = module._config(_cli_args()[1])
     assert config.api_key == "env-secret" and chosen
     module, args = _cli_args("--keep-checkpoints", "1")
     assert module.run(args) == 2 and "keep_checkpoints" in capsys.readouterr().err
-    with pytest.raises(SystemExit):  # one key source at a time
-        _cli_args("--api-key", "a", "--api-key-file", str(key_file))
+    # several clients: the file's keys, then each --api-key (the environment's key only when neither is given)
+    key_file.write_text("# one client per line\nfile-secret-123\n\nfile-secret-456\n")
+    config, chosen = module._config(_cli_args("--api-key-file", str(key_file), "--api-key", "a", "--api-key", "b")[1])
+    assert (config.api_key, config.api_keys) == ("file-secret-123", ("file-secret-456", "a", "b")) and chosen
+    key_file.write_text("good-key\nhas space\n")
+    module, args = _cli_args("--api-key-file", str(key_file))
+    assert module.run(args) == 2 and "line 2 has whitespace" in capsys.readouterr().err
 
 
 SERVER_THREADS = ("pytrio-local-server", "pytrio-request", "pytrio-sampling", "pytrio-events-")
@@ -337,7 +321,7 @@ def test_every_control_route_passes_the_path_parameters_its_handler_takes():
 
     assert len({(r.method, r.path) for r in CONTROL_ROUTES}) == len(CONTROL_ROUTES)
     for route in CONTROL_ROUTES:
-        taken = list(inspect.signature(route.handler).parameters)[3:]  # after self, query, body
+        taken = list(inspect.signature(route.handler).parameters)[4:]  # after self, query, body, caller
         assert taken == re.findall(r"{(\w+)}", route.path), route.path
 
 

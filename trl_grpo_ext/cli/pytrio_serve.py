@@ -18,17 +18,31 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", required=True, help="model folder, hub id, or 'embedded' (SmolLM2-135M-Instruct)")
     parser.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1: this machine only)")
     parser.add_argument("--port", type=int, default=8710, help="port (0 picks a free one)")
-    key = parser.add_mutually_exclusive_group()
-    key.add_argument(
+    parser.add_argument(
         "--api-key-file",
         default=None,
-        help="file holding the bearer token clients must send (safest: the key never shows in `ps`); "
-        f"else ${API_KEY_ENV}, else a random key printed once at start",
+        help="file of the bearer tokens clients send, one key per line, one line per client: each client sees only "
+        "its own sessions, runs and checkpoints (safest: keys never show in `ps`); else --api-key, else "
+        f"${API_KEY_ENV}, else a random key printed once at start",
     )
-    key.add_argument(
+    parser.add_argument(
         "--api-key",
+        action="append",
+        default=[],
+        metavar="KEY",
+        help=f"a client key itself, repeatable (visible in `ps` to other users: prefer --api-key-file or ${API_KEY_ENV})",
+    )
+    parser.add_argument(
+        "--admin-key-file",
         default=None,
-        help=f"the key itself (visible in `ps` to other users: prefer --api-key-file or ${API_KEY_ENV})",
+        help="file of admin keys, one per line: an admin sees and may act on every client's objects",
+    )
+    parser.add_argument(
+        "--session-timeout",
+        type=float,
+        default=defaults.session_timeout_seconds,
+        help="seconds without a heartbeat (or any request) after which a client's session is reclaimed: its runs "
+        f"ended, their memory freed (0: never; default {defaults.session_timeout_seconds:g})",
     )
     parser.add_argument(
         "--served-name",
@@ -72,15 +86,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def _config(args: argparse.Namespace) -> tuple[ServerConfig, bool]:
     """The server config from the command line; also whether the key was chosen by the user. ValueError if bad."""
-    if args.api_key_file:
-        api_key = read_api_key_file(args.api_key_file)
-    else:
-        api_key = args.api_key or os.environ.get(API_KEY_ENV) or None
+    keys = [*(read_api_key_file(args.api_key_file) if args.api_key_file else []), *args.api_key]
+    if not keys and os.environ.get(API_KEY_ENV):
+        keys = [os.environ[API_KEY_ENV]]
+    admin_keys = read_api_key_file(args.admin_key_file) if args.admin_key_file else []
     config = ServerConfig(
         model=args.model,
         host=args.host,
         port=args.port,
-        api_key=api_key,
+        api_key=keys[0] if keys else None,
+        api_keys=tuple(keys[1:]),
+        admin_keys=tuple(admin_keys),
+        session_timeout_seconds=args.session_timeout,
         served_names=tuple(args.served_name),
         storage_dir=args.storage_dir,
         keep_checkpoints=args.keep_checkpoints,
@@ -91,7 +108,7 @@ def _config(args: argparse.Namespace) -> tuple[ServerConfig, bool]:
         max_num_samples=args.max_num_samples,
         idle_timeout_seconds=args.idle_timeout,
     )
-    return config, api_key is not None
+    return config, bool(keys)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -115,6 +132,10 @@ def run(args: argparse.Namespace) -> int:
     names = ", ".join(sorted(server.aliases))
     print(f"PyTRIO local server: {server.base_url}  model: {server.model_alias} ({server.model_id})", flush=True)
     print(f"  base_model may be any of: {names}", flush=True)
+    clients = 1 + len(set(config.api_keys) - {config.api_key})
+    if clients > 1 or config.admin_keys:
+        print(f"  {clients} client keys, each seeing only its own sessions, runs and checkpoints; "
+              f"{len(set(config.admin_keys))} admin keys", flush=True)  # fmt: skip
     print(f"  export PYTRIO_BASE_URL={server.base_url}", flush=True)
     if not chosen_key:  # a generated key is shown once so the user can copy it; a chosen key is never echoed
         print(f"  export PYTRIO_API_KEY={server.api_key}", flush=True)

@@ -147,6 +147,15 @@ class PyTrioGRPOConfig(GRPOSpec, RewardSettings):
     request_timeout_s: float = field(
         default=1800.0, metadata={"help": "Longest wait for any one service call before the run stops with an error."}
     )
+    server_retry_budget_s: float = field(
+        default=600.0,
+        metadata={
+            "help": "How long the loop keeps retrying a service that stopped answering (refused or dropped "
+            "connections, timeouts, 5xx) or restarted and forgot the run: it says so at once and logs each retry; "
+            "once the service answers it reconnects and continues from the last saved state (as resume: true "
+            "would); after this many seconds it stops with one error line. 0: stop at the first failure."
+        },
+    )
 
     def __post_init__(self):
         self.validate()
@@ -225,6 +234,9 @@ class PyTrioGRPOConfig(GRPOSpec, RewardSettings):
         problems += swanlab_mode_problems(self.swanlab_mode)
         if self.request_timeout_s <= 0:
             problems.append("request_timeout_s must be > 0")
+        problems += number_problem(
+            "server_retry_budget_s", self.server_retry_budget_s, lambda v: v >= 0, "a finite number >= 0 (seconds)"
+        )
         return problems
 
     def learning_rate_at(self, step: int) -> float:

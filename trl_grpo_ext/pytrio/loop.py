@@ -16,10 +16,14 @@ One optimizer step (`GRPOLoop.train_step`), phase by phase:
 
 Every ``save_every`` steps ``save_state`` checkpoints weights + optimizer remotely and
 `trl_grpo_ext.pytrio.checkpoint` records step and data position locally; ``resume: true`` continues from there.
+A service that stops answering (or restarts and forgets the run) is retried for ``server_retry_budget_s``, saying
+so (`connection.ServiceOutage`); once it answers, the loop reconnects and continues from the last saved state, as
+``resume: true`` would.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import random
 import time
@@ -41,11 +45,24 @@ from trl_grpo_ext.pytrio.checkpoint import (
     save_loop_state,
 )
 from trl_grpo_ext.pytrio.config import PyTrioGRPOConfig
-from trl_grpo_ext.pytrio.connection import LOCAL_SERVER_NAME, install_log_redaction, redact
+from trl_grpo_ext.pytrio.connection import (
+    LOCAL_SERVER_NAME,
+    ServiceLost,
+    ServiceOutage,
+    install_log_redaction,
+    redact,
+    service_lost,
+)
 from trl_grpo_ext.pytrio.datums import Rollout, build_datum, shifted_sequences, validate_rollout
 from trl_grpo_ext.pytrio.rows import load_train_rows
 from trl_grpo_ext.rewards import preflight_rewards, reward_functions
-from trl_grpo_ext.runs import PYTRIO_SERVER_DIRNAME, write_run_config
+from trl_grpo_ext.runs import (
+    CONFIG_FILENAME,
+    METRICS_FILENAME,
+    PYTRIO_SERVER_DIRNAME,
+    PYTRIO_STATE_FILENAME,
+    write_run_config,
+)
 from trl_grpo_ext.runs.metrics import RunLogger
 from trl_grpo_ext.runs.tracking import start_swanlab
 
@@ -54,6 +71,19 @@ logger = logging.getLogger(__name__)
 
 class PyTrioLoopError(RuntimeError):
     """A service call failed or answered something the loop cannot train on; the message names which."""
+
+
+class ServiceLostError(PyTrioLoopError, ServiceLost):
+    """A service call failed because the service stopped answering or forgot the run (`connection.service_lost`)."""
+
+
+# pytrio's own retries of a service that does not answer, per call, before the loop's (which say so) take over
+PYTRIO_RETRY_WINDOW_S = 5.0
+
+
+def _failure(what: str, error: BaseException) -> PyTrioLoopError:
+    kind = ServiceLostError if service_lost(error) else PyTrioLoopError
+    return kind(f"{what} failed: {type(error).__name__}: {redact(error)}")
 
 
 @dataclass
@@ -79,7 +109,7 @@ def _wait(future, what: str, timeout: float):
     except PyTrioLoopError:
         raise
     except Exception as error:  # noqa: BLE001 - every service failure is reported the same way
-        raise PyTrioLoopError(f"{what} failed: {type(error).__name__}: {redact(error)}") from None
+        raise _failure(what, error) from None
 
 
 def _call(fn, what: str, *args, **kwargs):
@@ -89,7 +119,7 @@ def _call(fn, what: str, *args, **kwargs):
     except PyTrioLoopError:
         raise
     except Exception as error:  # noqa: BLE001
-        raise PyTrioLoopError(f"{what} failed: {type(error).__name__}: {redact(error)}") from None
+        raise _failure(what, error) from None
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -384,13 +414,25 @@ class GRPOLoop:
         self._prompt_cache: dict[int, list[int]] = {}
         self.curriculum = None  # `trl_grpo_ext.data.curriculum.Curriculum` with ``curriculum: true`` (`prepare`)
         self._checked: tuple[LoopState | None] | None = None  # (resume state,) once `check_inputs` has passed
+        # else `_service_client` makes one, and a new one after an outage
+        self._given_service = service_client is not None
 
     # --- setup -------------------------------------------------------------------------------------------------
 
     def _service_client(self):
         if self._service is None:
-            self._service = connection.create_service_client()
+            window = min(PYTRIO_RETRY_WINDOW_S, self.config.server_retry_budget_s)
+            self._service = connection.create_service_client(retry_window_s=window)
         return self._service
+
+    def _drop_service(self) -> bool:
+        """Release the service client this loop created (its service was lost); False if the loop was given one."""
+        if self._given_service:
+            return False
+        if self._service is not None:
+            connection.close_service_client(self._service)
+        self._service = None
+        return True
 
     def _load_rows(self) -> list[dict]:
         if self._rows is not None:
@@ -664,7 +706,8 @@ class GRPOLoop:
         state.curriculum = self.curriculum.state_dict() if self.curriculum is not None else None
         state.state_path = path
         state.checkpoints.append({"step": step_done, "path": path, "time": time.time()})
-        save_loop_state(self.config.output_dir, state)
+        with _output_errors(Path(self.config.output_dir), PYTRIO_STATE_FILENAME):
+            save_loop_state(self.config.output_dir, state)
 
     # --- entry point ---------------------------------------------------------------------------------------------
 
@@ -689,77 +732,150 @@ class GRPOLoop:
         return previous
 
     def run(self) -> dict:
-        """Train to ``max_steps`` (or resume to it); returns a summary with the final sampler weights' path."""
+        """Train to ``max_steps`` (or resume to it); returns a summary with the final sampler weights' path.
+
+        A service that stops answering or forgets the run is retried for ``server_retry_budget_s``
+        (`connection.ServiceOutage` says so); once it answers, a new client continues from the last saved loop
+        state, as ``resume: true`` would: the rows logged after that checkpoint are dropped and their steps run
+        again, so every step is logged once."""
         install_log_redaction()
         c = self.config
         out = Path(c.output_dir)
         # Before the first write to the run folder (config.yaml, then the metrics truncation below): a failing
         # rerun leaves the previous run's files as they were.
-        previous = self.check_inputs()
+        state = self.check_inputs()
         self._checked = None  # a later run() reads the loop state again
+        outage = ServiceOutage(connection.current_base_url(), c.server_retry_budget_s)
+        sink = None
+        try:
+            while True:
+                try:
+                    training_client, state = self._start(state)
+                    stream = self.prepare(training_client, state.data_position, state.curriculum)
+                    if sink is None:
+                        sink = self._open_run_folder(out)
+                    # A resumed run drops the rows logged after its checkpoint (those steps run again); a fresh one
+                    # starts empty.
+                    with _output_errors(out, METRICS_FILENAME):
+                        sink.start(state.step)
+                    return self._train(training_client, stream, state, sink, outage)
+                except ServiceLost as error:
+                    if not self._drop_service():  # a client we were given: we cannot make another
+                        raise
+                    if not outage.wait(error):
+                        raise _gave_up(outage, error, out) from None
+                    state = load_loop_state(out)  # the last saved state (None: nothing saved, start over)
+                    if state is not None:
+                        check_resumable(state, c)
+        finally:
+            if sink is not None:
+                sink.close()
+
+    def _start(self, state: LoopState | None):
+        """``(training client, state)``: restored from `state`'s checkpoint, or a new LoRA run (`state` None)."""
+        c = self.config
         service = self._service_client()
-        if previous is not None:
-            state = previous
+        if state is not None:
             training_client = _call(
                 service.create_training_client_from_state_with_optimizer,
                 "restore from checkpoint",
                 state.state_path,
             )
             logger.info("resumed at step %d from %s", state.step, state.state_path)
-        else:
-            state = LoopState(pinned=pinned_settings(c))
-            training_client = _call(
-                service.create_lora_training_client,
-                "create_lora_training_client",
-                c.base_model,
-                rank=c.lora_rank,
-                seed=c.seed,
-            )
-        stream = self.prepare(training_client, state.data_position, state.curriculum)
-        out.mkdir(parents=True, exist_ok=True)
-        _write_config(c, out)
-        # A resumed run drops the rows logged after its checkpoint (those steps run again); a fresh one starts empty.
+            return training_client, state
+        training_client = _call(
+            service.create_lora_training_client,
+            "create_lora_training_client",
+            c.base_model,
+            rank=c.lora_rank,
+            seed=c.seed,
+        )
+        return training_client, LoopState(pinned=pinned_settings(c))
+
+    def _open_run_folder(self, out: Path) -> RunLogger:
+        """config.yaml written, SwanLab started: the run's logger."""
+        c = self.config
+        with _output_errors(out, CONFIG_FILENAME):
+            out.mkdir(parents=True, exist_ok=True)
+            _write_config(c, out)
         swanlab = None
         if c.report_to == "swanlab":
             swanlab = start_swanlab(
                 out, c.swanlab_project, c.run_name, c.swanlab_mode, c.to_dict(), required=False, redact=redact
             )
-        sink = RunLogger(out, swanlab, redact)
-        sink.start(state.step)
-        try:
-            for step in range(state.step, c.max_steps):
-                metrics = self.train_step(training_client, stream, step)
-                step_done = step + 1
-                # Logged before the checkpoint: a kill in between re-runs this step and the resume drops the row.
-                sink.log(step_done, metrics)
-                logger.info(
-                    "step %d/%d reward=%.3f loss=%s step_time=%.2fs",
-                    step_done,
-                    c.max_steps,
-                    metrics["reward"],
-                    metrics.get("loss"),
-                    metrics["step_time"],
-                )
-                if c.save_every and step_done % c.save_every == 0 and step_done < c.max_steps:
-                    self._checkpoint(training_client, state, stream, step_done)
+        return RunLogger(out, swanlab, redact)
 
-            if state.step < c.max_steps:
-                self._checkpoint(training_client, state, stream, c.max_steps)
-            final = _wait(
-                _call(training_client.save_weights_for_sampler, "save_weights_for_sampler", "final"),
-                "save_weights_for_sampler",
-                c.request_timeout_s,
+    def _train(self, training_client, stream: PromptStream, state: LoopState, sink: RunLogger, outage) -> dict:
+        """Steps ``state.step`` to ``max_steps``, the final checkpoint and sampler weights; returns the summary."""
+        c = self.config
+        out = Path(c.output_dir)
+        for step in range(state.step, c.max_steps):
+            metrics = self.train_step(training_client, stream, step)
+            step_done = step + 1
+            # Logged before the checkpoint: a kill in between re-runs this step and the resume drops the row.
+            with _output_errors(out, METRICS_FILENAME):
+                sink.log(step_done, metrics)
+            logger.info(
+                "step %d/%d reward=%.3f loss=%s step_time=%.2fs",
+                step_done,
+                c.max_steps,
+                metrics["reward"],
+                metrics.get("loss"),
+                metrics["step_time"],
             )
-            state.sampler_path = getattr(final, "path", None)
+            if c.save_every and step_done % c.save_every == 0 and step_done < c.max_steps:
+                self._checkpoint(training_client, state, stream, step_done)
+            outage.over()
+
+        if state.step < c.max_steps:
+            self._checkpoint(training_client, state, stream, c.max_steps)
+        final = _wait(
+            _call(training_client.save_weights_for_sampler, "save_weights_for_sampler", "final"),
+            "save_weights_for_sampler",
+            c.request_timeout_s,
+        )
+        state.sampler_path = getattr(final, "path", None)
+        with _output_errors(out, PYTRIO_STATE_FILENAME):
             save_loop_state(out, state)
-            return {
-                "steps": state.step,
-                "state_path": state.state_path,
-                "sampler_path": state.sampler_path,
-                "output_dir": str(out),
-            }
-        finally:
-            sink.close()
+        return {
+            "steps": state.step,
+            "state_path": state.state_path,
+            "sampler_path": state.sampler_path,
+            "output_dir": str(out),
+        }
+
+
+def _saved(out: Path) -> str:
+    """What a resume from `out` would start from, as the loop state on disk says."""
+    try:
+        state = load_loop_state(out)
+    except (OSError, ValueError):
+        state = None
+    if state is None or not state.state_path:
+        return "no checkpoint was saved yet"
+    return f"the checkpoint of step {state.step} is kept"
+
+
+@contextlib.contextmanager
+def _output_errors(out: Path, filename: str):
+    """A failed write to the run folder (a full disk) as one `PyTrioLoopError` line saying what is kept."""
+    try:
+        yield
+    except OSError as error:
+        reason = error.strerror or type(error).__name__
+        raise PyTrioLoopError(
+            f"cannot write {filename} in {out} ({reason}): the run stopped and {_saved(out)}; free space, then "
+            "rerun with resume: true"
+        ) from None
+
+
+def _gave_up(outage: ServiceOutage, error: BaseException, out: Path) -> PyTrioLoopError:
+    last = " ".join(redact(error).split())  # one line, whatever the client's message looked like
+    return PyTrioLoopError(
+        f"the PyTRIO service at {outage.base_url} did not answer for {outage.elapsed():.0f} s "
+        f"(server_retry_budget_s={outage.budget_s:g}); stopped, {_saved(out)}: rerun with resume: true once it is "
+        f"back. Last error: {last}"
+    )
 
 
 def _write_config(config: PyTrioGRPOConfig, out: Path) -> None:

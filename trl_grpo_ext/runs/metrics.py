@@ -59,14 +59,29 @@ def _repair_torn_tail(handle) -> None:
 
 
 def append_jsonl_row(path, row: dict) -> None:
-    """Append `row` as one JSON line to `path` (created if missing) after repairing a torn last line."""
+    """Append `row` as one JSON line to `path` (created if missing) after repairing a torn last line.
+
+    The row is written whole or not at all: a write that fails partway (a full disk, a file-size limit) is cut back
+    to where the row began before the error is raised, so the file never ends in a partial row.
+    """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     data = (json.dumps(row) + "\n").encode("utf-8")
-    with open(path, "a+b") as handle:  # a+: created if missing, readable; every write lands at the end
+    # unbuffered: each write reaches the file at once, so a failing one is seen here, with the row's start known
+    with open(path, "a+b", buffering=0) as handle:  # a+: created if missing, readable; every write lands at the end
         _repair_torn_tail(handle)
-        handle.write(data)
-        handle.flush()
+        start = handle.seek(0, os.SEEK_END)
+        try:
+            view = memoryview(data)
+            while view:
+                written = handle.write(view)
+                view = view[written:]
+        except BaseException:
+            try:
+                handle.truncate(start)  # frees what the partial row took; works on a full disk
+            except OSError:
+                logger.warning("could not remove a partial row at the end of %s", path)
+            raise
 
 
 def read_metrics_file(path) -> tuple[list[dict], int]:

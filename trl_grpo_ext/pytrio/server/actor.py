@@ -74,8 +74,8 @@ class ActorHandlers:
             )
         envelope = validate(EventEnvelope, data, "invalid_envelope")
         run_id = envelope.metadata.run_id
-        if token.kind != "training" or token.run != run_id:
-            raise ApiError(403, "run_mismatch", f"this actor token does not grant access to run {run_id}")
+        if token.kind != "training" or token.run != run_id:  # as for a missing run: no existence leak
+            raise ApiError(404, "training_run_not_found", f"training run {run_id} not found")
         run = self.registry.training_run(run_id)
         if run.status in ("ENDED", "CANCELLED"):
             raise ApiError(409, "run_ended", f"training run {run_id} is {run.status}")
@@ -108,8 +108,8 @@ class ActorHandlers:
 
     def _queue_sample(self, token: ActorToken, rid: str, body: dict) -> SampleJob:
         """Check the request (token, run, schema, limits), load its weights and queue it for decoding."""
-        if token.kind != "sampling" or token.run != rid:
-            raise ApiError(403, "run_mismatch", f"this actor token does not grant access to sampling run {rid}")
+        if token.kind != "sampling" or token.run != rid:  # as for a missing run: no existence leak
+            raise ApiError(404, "sampling_run_not_found", f"sampling run {rid} not found")
         run = self.registry.sampling_run(rid)
         request = validate(SampleRequest, body, "invalid_sample_request")
         if request.num_samples > self.config.max_num_samples:

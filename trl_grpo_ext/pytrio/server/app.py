@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
-import secrets
 import shutil
 import sys
 import tempfile
@@ -20,12 +19,14 @@ import threading
 import time
 from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import wait as wait_futures
 from pathlib import Path
 
 from trl_grpo_ext.models import EMBEDDED_NAME, is_embedded, resolve_model
 from trl_grpo_ext.pytrio.server.actor import ActorHandlers
 from trl_grpo_ext.pytrio.server.adapters import LoraSnapshot
 from trl_grpo_ext.pytrio.server.checkpoints import CheckpointStore
+from trl_grpo_ext.pytrio.server.clients import KeyRing
 from trl_grpo_ext.pytrio.server.config import ServerConfig, default_storage_dir
 from trl_grpo_ext.pytrio.server.control import ControlHandlers
 from trl_grpo_ext.pytrio.server.engine import ModelEngine
@@ -57,7 +58,9 @@ class LocalPyTrioServer(ControlHandlers, ActorHandlers, TrainingHandlers, Checkp
 
     def __init__(self, config: ServerConfig, engine: ModelEngine | None = None):
         self.config = config
-        self.api_key = config.api_key or "trio-local-" + secrets.token_urlsafe(18)
+        client_keys = [k for k in (config.api_key, *config.api_keys) if k]
+        self.keys = KeyRing(client_keys, config.admin_keys) if client_keys else KeyRing.generate()
+        self.api_key = self.keys.primary
         self.engine = engine or ModelEngine(
             _resolve_model(config.model),
             device=config.device,
@@ -80,7 +83,7 @@ class LocalPyTrioServer(ControlHandlers, ActorHandlers, TrainingHandlers, Checkp
         else:
             self.storage = Path(config.storage_dir).expanduser() if config.storage_dir else default_storage_dir()
             self.storage.mkdir(parents=True, exist_ok=True)
-        self.registry = Registry(self.storage)
+        self.registry = Registry(self.storage, self.keys.legacy_owner)
         restored = self.registry.load_persisted()
         if restored:
             logger.info("PyTRIO local server: %d checkpoints of earlier processes in %s", restored, self.storage)
@@ -89,6 +92,7 @@ class LocalPyTrioServer(ControlHandlers, ActorHandlers, TrainingHandlers, Checkp
         self._pool: ThreadPoolExecutor | None = None
         self._closing = started_future()  # done once `stop` begins: long polls return, new event queues are refused
         self._closing_waiter: asyncio.Future | None = None  # `_closing` on the serving loop
+        self._reaper: threading.Thread | None = None  # reclaims idle sessions (`reclaim_idle_sessions`)
         self.started = time.time()
 
     # ---------------------------------------------------------------- lifecycle
@@ -101,6 +105,9 @@ class LocalPyTrioServer(ControlHandlers, ActorHandlers, TrainingHandlers, Checkp
         config = self.config
         http = BackgroundServer(self.app, host=config.host, port=config.port, idle_timeout=config.idle_timeout_seconds)
         self._http = http.start()
+        if config.session_timeout_seconds:
+            self._reaper = threading.Thread(target=self._reap_idle_sessions, name="pytrio-sessions", daemon=True)
+            self._reaper.start()
         logger.info("PyTRIO local server on %s serving %s (%s)", self.base_url, self.model_alias, self.model_id)
         return self
 
@@ -115,6 +122,9 @@ class LocalPyTrioServer(ControlHandlers, ActorHandlers, TrainingHandlers, Checkp
         if not self._closing.done():
             self._closing.set_result(None)
         self.sampler.stop()
+        if self._reaper is not None:
+            self._reaper.join()
+            self._reaper = None
         if self._http is not None:
             self._http.stop()
             self._http = None
@@ -180,6 +190,15 @@ class LocalPyTrioServer(ControlHandlers, ActorHandlers, TrainingHandlers, Checkp
         import pytrio
 
         pytrio.configure(api_key=self.api_key, base_url=self.base_url, **options)
+
+    def _reap_idle_sessions(self) -> None:
+        """`reclaim_idle_sessions` a few times per timeout, until `stop`."""
+        interval = min(30.0, self.config.session_timeout_seconds / 4)
+        while not wait_futures([self._closing], timeout=interval).done:
+            try:
+                self.reclaim_idle_sessions()
+            except Exception:  # noqa: BLE001 - a bug here must not stop the reclaiming
+                logger.exception("reclaiming idle sessions failed")
 
     # ---------------------------------------------------------------- shared helpers
     async def _in_thread(self, fn, *args):

@@ -1,23 +1,72 @@
-"""Checkpoint side of the local server: the in-memory snapshot cache and pruning of old checkpoints.
+"""Checkpoint side of the local server: writing checkpoint folders, the in-memory snapshot cache and pruning of old
+checkpoints.
 
 A mixin of `LocalPyTrioServer`.
 """
 
 from __future__ import annotations
 
+import errno
 import logging
+import os
 import shutil
 from pathlib import Path
 
+import torch
+
 from trl_grpo_ext.pytrio.checkpoint import load_loop_state
 from trl_grpo_ext.pytrio.server.adapters import LoraSnapshot
-from trl_grpo_ext.pytrio.server.errors import ApiError
-from trl_grpo_ext.pytrio.server.registry import CheckpointRecord
+from trl_grpo_ext.pytrio.server.errors import ApiError, EventFailure
+from trl_grpo_ext.pytrio.server.registry import RECORD_FILE, CheckpointRecord
 
 logger = logging.getLogger(__name__)
 
+STAGING_SUFFIX = ".saving"  # a checkpoint being written: `.<name>.saving` beside its final folder
+_FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
+# how the libraries that write a checkpoint word a full disk when they raise no OSError (safetensors: "No space
+# left on device (os error 28)"; torch.save says only "unexpected pos", caught by the free-space check instead)
+_FULL_MESSAGES = ("no space left on device", "disk quota exceeded", "file too large", "os error 28", "os error 122")
+
 
 class CheckpointStore:
+    def _write_checkpoint(self, record: CheckpointRecord, snapshot: LoraSnapshot) -> None:
+        """Write `snapshot` to ``record.path`` and register `record` (its ``size`` set), or leave nothing behind.
+
+        The files go to a staging folder first; only a complete one replaces the final folder (an overwritten
+        checkpoint survives a failed save), and the record, written last, marks it complete. A save the disk cannot
+        hold fails as ``insufficient_storage`` (HTTP's 507 name; an event failure, not a 5xx answer, which the client
+        would retry for 15 minutes), checked before writing when the free space is already short; any other
+        failure as ``checkpoint_save_failed``. Messages name the URI, never a local path.
+        """
+        folder = Path(record.path)
+        staging = folder.with_name(f".{folder.name}{STAGING_SUFFIX}")
+        needed = snapshot_bytes(snapshot)
+        try:
+            folder.parent.mkdir(parents=True, exist_ok=True)
+            if shutil.disk_usage(folder.parent).free < needed:
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+            shutil.rmtree(staging, ignore_errors=True)
+            record.size = snapshot.save(staging, self.model_id, self.engine.peft_config(snapshot.lora))
+            shutil.rmtree(folder, ignore_errors=True)
+            os.replace(staging, folder)
+            self.registry.add_checkpoint(record)
+        except Exception as error:  # noqa: BLE001 - every failure leaves no partial folder and one clear code
+            shutil.rmtree(staging, ignore_errors=True)
+            if not record_complete(folder):  # moved into place without its record, or the old one already gone
+                shutil.rmtree(folder, ignore_errors=True)
+                self.registry.forget_checkpoint(record.uri)
+            if storage_full(error, folder.parent, needed):
+                logger.warning("checkpoint %s not saved: the storage folder is full (%s)", record.uri, error)
+                raise EventFailure(
+                    "insufficient_storage",
+                    f"no space left on the server's checkpoint storage for {record.uri} (about {needed} bytes "
+                    "needed); nothing was kept. Free space or delete old checkpoints, then save again",
+                ) from None
+            logger.exception("checkpoint %s not saved", record.uri)
+            reason = error.strerror if isinstance(error, OSError) and error.strerror else type(error).__name__
+            message = f"could not save {record.uri} ({reason}); nothing was kept"
+            raise EventFailure("checkpoint_save_failed", message) from None
+
     def _snapshot(self, record: CheckpointRecord, with_optimizer: bool) -> LoraSnapshot:
         """The checkpoint's weights, from the in-memory cache of recent snapshots or from disk."""
         with self._cache_lock:
@@ -97,3 +146,34 @@ def loop_state_uris(folder: Path) -> set[str]:
     if state is None:
         return set()
     return {uri for uri in (state.state_path, state.sampler_path) if isinstance(uri, str) and uri}
+
+
+def snapshot_bytes(snapshot: LoraSnapshot) -> int:
+    """Bytes of the tensors `snapshot` writes (adapter weights, optimizer moments): about its checkpoint's size."""
+
+    def size(value) -> int:
+        if isinstance(value, torch.Tensor):
+            return value.numel() * value.element_size()
+        if isinstance(value, dict):
+            return sum(size(v) for v in value.values())
+        if isinstance(value, (list, tuple)):
+            return sum(size(v) for v in value)
+        return 0
+
+    return size(snapshot.weights) + size(snapshot.optimizer)
+
+
+def storage_full(error: BaseException, folder: Path, needed: int) -> bool:
+    """Whether `error`, raised while writing a checkpoint of about `needed` bytes into `folder`, means a full disk."""
+    if isinstance(error, OSError) and error.errno in _FULL_ERRNOS:
+        return True
+    if any(marker in str(error).lower() for marker in _FULL_MESSAGES):
+        return True
+    try:
+        return shutil.disk_usage(folder).free < needed
+    except OSError:
+        return False
+
+
+def record_complete(folder: Path) -> bool:
+    return (folder / RECORD_FILE).is_file()

@@ -23,7 +23,11 @@ class ServerConfig:
     model: str
     host: str = "127.0.0.1"
     port: int = 0  # 0: a free port chosen by the OS
-    api_key: str | None = None  # None: a random key, read it from `server.api_key`
+    api_key: str | None = None  # None (and no api_keys): a random key, read it from `server.api_key`
+    # More clients: every key is one client, owning its sessions, runs and checkpoints (`clients`); an admin key
+    # sees every client's. `api_key` (else the first of `api_keys`) is the one `server.api_key` reports.
+    api_keys: tuple[str, ...] = ()
+    admin_keys: tuple[str, ...] = ()
     # Names a client may pass as ``base_model`` for the served model, besides its path and default alias
     # (e.g. "Qwen/Qwen3-4B-Instruct-2507", so a script written for the hosted service runs unmodified).
     # The first one is the alias the server reports (`models`, run views).
@@ -55,11 +59,15 @@ class ServerConfig:
     # Concurrent sample requests on the same weights share decode steps, up to this many rows in one batch.
     max_sampling_rows: int = 64
     idle_timeout_seconds: float = 300.0  # above a slow CPU step (forward_backward measured up to ~100 s loaded)
+    # A session none of whose runs was heard of (heartbeat, event, sample, Control call) for this long is reclaimed:
+    # closed as EXPIRED, its training runs ended and their adapters freed. 0 keeps sessions forever. The client
+    # heartbeats every `heartbeat_ms` (at least 1 s), so the timeout must allow two missed beats.
+    session_timeout_seconds: float = 900.0
 
     def __post_init__(self):
-        if isinstance(self.served_names, str):
-            self.served_names = (self.served_names,)
-        self.served_names = tuple(self.served_names)
+        for name in ("served_names", "api_keys", "admin_keys"):
+            value = getattr(self, name)
+            setattr(self, name, (value,) if isinstance(value, str) else tuple(value))
         problems = []
         if not str(self.model).strip():
             problems.append("model must be a model folder, a hub id or 'embedded'")
@@ -80,22 +88,42 @@ class ServerConfig:
                 problems.append(f"{name} must be > 0, got {getattr(self, name)!r}")
         if not isinstance(self.port, int) or not 0 <= self.port <= 65535:
             problems.append(f"port must be in [0, 65535], got {self.port!r}")
-        if self.api_key is not None and (not self.api_key.strip() or any(c.isspace() for c in self.api_key)):
+        if self.api_key is not None and not _usable_key(self.api_key):
             problems.append("api_key must be a non-empty string without whitespace")
+        for name in ("api_keys", "admin_keys"):
+            if not all(_usable_key(k) for k in getattr(self, name)):
+                problems.append(f"{name} must be non-empty strings without whitespace")
+        if set(self.admin_keys) & {self.api_key, *self.api_keys}:
+            problems.append("a key cannot be both a client key and an admin key")
+        beat = max(1.0, self.heartbeat_ms / 1000)  # pytrio beats at least once a second
+        if not self.session_timeout_seconds >= 0 or 0 < self.session_timeout_seconds < 2 * beat:
+            problems.append(
+                f"session_timeout_seconds must be 0 (never) or >= {2 * beat:g} (two heartbeats of heartbeat_ms), "
+                f"got {self.session_timeout_seconds!r}"
+            )
         if problems:
             raise ValueError("invalid local PyTRIO server config: " + "; ".join(problems))
 
 
-def read_api_key_file(path: str | os.PathLike) -> str:
-    """The key stored in `path` (surrounding whitespace stripped); a one-line `ValueError` when unusable."""
+def _usable_key(key: object) -> bool:
+    return isinstance(key, str) and bool(key.strip()) and not any(c.isspace() for c in key)
+
+
+def read_api_key_file(path: str | os.PathLike) -> list[str]:
+    """The keys stored in `path`, one per line (one per client; blank lines and ``#`` comments skipped); a one-line
+    `ValueError` when the file is unreadable, holds no key or a line with whitespace inside."""
     file = Path(path).expanduser()
     try:
-        key = file.read_text(encoding="utf-8").strip()
+        lines = file.read_text(encoding="utf-8").splitlines()
     except (OSError, UnicodeDecodeError) as error:
         raise ValueError(f"cannot read the API key file {file}: {error}") from None
-    if not key or any(c.isspace() for c in key):
-        raise ValueError(f"the API key file {file} must hold one key (non-empty, no whitespace inside)")
-    return key
+    entries = [(i, line.strip()) for i, line in enumerate(lines, 1) if line.strip() and not line.strip()[0] == "#"]
+    keys = [key for _, key in entries]
+    bad = [i for i, key in entries if not _usable_key(key)]
+    if not keys or bad:
+        where = f" (line {bad[0]} has whitespace inside)" if bad else ""
+        raise ValueError(f"the API key file {file} must hold one key per line, without whitespace inside{where}")
+    return keys
 
 
 def default_storage_dir() -> Path:

@@ -1,13 +1,16 @@
 """Control API handlers (``<base>/api/...``): sessions, training and sampling runs, checkpoints.
 
 A mixin of `LocalPyTrioServer`. `routes.CONTROL_ROUTES` binds each handler to its route: it is called as
-``handler(query, body, **path_params)`` with ``query`` as `urllib.parse.parse_qs` returns it and ``body`` the request
-already validated with the client's request model (the parsed JSON where the route declares none), and returns the
-JSON answer.
+``handler(query, body, caller, **path_params)`` with ``query`` as `urllib.parse.parse_qs` returns it, ``body`` the
+request already validated with the client's request model (the parsed JSON where the route declares none) and
+``caller`` the `clients.Caller` its API key identifies, and returns the JSON answer. Every lookup passes the caller:
+another client's sessions, runs and checkpoints answer 404 like missing ones, and listings hold the caller's own
+(an admin's: everyone's). Checkpoint views carry the URI, never the folder on the server's disk.
 """
 
 from __future__ import annotations
 
+import logging
 import shutil
 import time
 
@@ -18,6 +21,7 @@ from pytrio.protocol.control.training_run.create import TrainingRunCreateRequest
 from pytrio.protocol.control.training_run.update import TrainingRunUpdateRequest
 
 from trl_grpo_ext.pytrio.server.adapters import LoraSettings
+from trl_grpo_ext.pytrio.server.clients import Caller
 from trl_grpo_ext.pytrio.server.errors import ApiError
 from trl_grpo_ext.pytrio.server.registry import (
     CheckpointRecord,
@@ -29,14 +33,16 @@ from trl_grpo_ext.pytrio.server.registry import (
 )
 from trl_grpo_ext.pytrio.server.wire import USER, WORKSPACE, page, query_int
 
+logger = logging.getLogger(__name__)
+
 
 class ControlHandlers:
-    def verify(self, _q, _b) -> dict:
+    def verify(self, _q, _b, caller: Caller) -> dict:
         return {
-            "api_key_tid": "key_local",
-            "api_key_name": "local",
+            "api_key_tid": f"key_{caller.owner}",
+            "api_key_name": "admin" if caller.admin else caller.owner,
             "user_cuid": USER,
-            "username": "local",
+            "username": caller.owner,
             "display_name": "Local PyTRIO server",
             "workspace_cuid": WORKSPACE,
             "workspace_name": "local",
@@ -44,11 +50,11 @@ class ControlHandlers:
             "expires_at": None,
         }
 
-    def bootstrap(self, query, _b) -> dict:
+    def bootstrap(self, query, _b, _caller) -> dict:
         version = (query.get("sdk_version") or ["unknown"])[0]
         return {"compatibility": {"status": "compatible", "sdk_version": version}, "notices": []}
 
-    def models(self, query, _b) -> dict:
+    def models(self, query, _b, _caller) -> dict:
         """The served model under its path, then once under each served name (what `get_supported_models` lists)."""
         created = iso(self.started)
         items = [
@@ -70,8 +76,8 @@ class ControlHandlers:
         offset = query_int(query, "offset", 0)
         return {"items": items[offset:], "total": len(items), "limit": 100, "offset": offset}
 
-    def create_session(self, _q, request: ServiceSessionCreateRequest) -> dict:
-        session = ServiceSession(new_id("ss"), request.sdk_version)
+    def create_session(self, _q, request: ServiceSessionCreateRequest, caller: Caller) -> dict:
+        session = ServiceSession(new_id("ss"), request.sdk_version, caller)
         with self.registry.lock:
             self.registry.sessions[session.cuid] = session
         return self._session_view(session, brief=True)
@@ -90,28 +96,24 @@ class ControlHandlers:
             view["sampling_run_cuids"] = list(s.sampling_runs)
         return view
 
-    def get_session(self, _q, _b, sid) -> dict:
-        session = self.registry.sessions.get(sid)
-        if session is None:
-            raise ApiError(404, "service_session_not_found", f"service session {sid} not found")
-        return self._session_view(session)
+    def get_session(self, _q, _b, caller: Caller, sid) -> dict:
+        return self._session_view(self.registry.any_session(sid, caller))
 
-    def list_sessions(self, query, _b) -> dict:
+    def list_sessions(self, query, _b, caller: Caller) -> dict:
         with self.registry.lock:
-            items = [self._session_view(s, brief=True) for s in self.registry.sessions.values()]
+            sessions = [s for s in self.registry.sessions.values() if caller.may_see(s.owner)]
+            items = [self._session_view(s, brief=True) for s in sessions]
         return page(items, query, "service_sessions")
 
-    def renew_session(self, _q, _b, sid) -> dict:
-        session = self.registry.session(sid)
-        session.updated = time.time()
+    def renew_session(self, _q, _b, caller: Caller, sid) -> dict:
+        session = self.registry.session(sid, caller)
+        session.updated, session.seen = time.time(), time.monotonic()
         return {"service_session_cuid": sid, "workspace_cuid": WORKSPACE, "status": session.status,
                 "updated_at": iso(session.updated)}  # fmt: skip
 
-    def close_session(self, _q, request: ServiceSessionCloseRequest, sid) -> dict:
+    def close_session(self, _q, request: ServiceSessionCloseRequest, caller: Caller, sid) -> dict:
         with self.registry.lock:
-            session = self.registry.sessions.get(sid)
-            if session is None:
-                raise ApiError(404, "service_session_not_found", f"service session {sid} not found")
+            session = self.registry.any_session(sid, caller)
             session.status, session.updated = request.status, time.time()
             runs = list(session.training_runs)
         for run in runs:
@@ -127,21 +129,43 @@ class ControlHandlers:
             q.close()
         self.engine.drop_run(run_cuid)
 
-    def create_training_run(self, _q, request: TrainingRunCreateRequest, sid) -> dict:
+    def reclaim_idle_sessions(self) -> list[str]:
+        """Close (as EXPIRED) every open session whose client gave no sign of life (`Registry.touch`: heartbeats,
+        events, samples; renewals) for `session_timeout_seconds`, ending its runs; returns their ids."""
+        timeout = self.config.session_timeout_seconds
+        if not timeout:
+            return []
+        cutoff = time.monotonic() - timeout
+        with self.registry.lock:
+            idle = [s for s in self.registry.sessions.values() if s.status == "ACTIVE" and s.seen < cutoff]
+            for session in idle:
+                session.status, session.updated = "EXPIRED", time.time()
+                for rid in session.sampling_runs:
+                    self.registry.sampling_runs[rid].status = "ENDED"
+        for session in idle:
+            for run in session.training_runs:
+                self._end_run(run, "CANCELLED")
+            logger.info(
+                "reclaimed session %s: no sign of life from its client for %.0f s (%d training, %d sampling runs "
+                "ended)", session.cuid, timeout, len(session.training_runs), len(session.sampling_runs),
+            )  # fmt: skip
+        return [s.cuid for s in idle]
+
+    def create_training_run(self, _q, request: TrainingRunCreateRequest, caller: Caller, sid) -> dict:
         if not 1 <= request.lora_rank <= 256:
             raise ApiError(400, "invalid_lora_rank", f"lora_rank must be in [1, 256], got {request.lora_rank}")
         lora = LoraSettings(
             request.lora_rank, request.seed, request.train_mlp, request.train_attn, request.train_unembed
         )
         if request.source_checkpoint_uri:
-            source = self.registry.checkpoint(request.source_checkpoint_uri)
+            source = self.registry.checkpoint(request.source_checkpoint_uri, caller)
             lora = source.lora if not request.base_model else lora
         elif not request.base_model:
             raise ApiError(400, "invalid_request", "base_model is required without source_checkpoint_uri")
         if request.base_model:
             self._resolve_base_model(request.base_model)
         with self.registry.lock:
-            session = self.registry.session(sid)
+            session = self.registry.session(sid, caller)
             run = TrainingRunRecord(
                 new_id("tr"),
                 sid,
@@ -149,6 +173,7 @@ class ControlHandlers:
                 lora,
                 request.source_checkpoint_uri,
                 request.restore_optimizer,
+                owner=session.owner,
             )
             self.registry.training_runs[run.cuid] = run
             session.training_runs.append(run.cuid)
@@ -172,13 +197,13 @@ class ControlHandlers:
             "created_at": iso(run.created),
         }
 
-    def update_training_run(self, _q, request: TrainingRunUpdateRequest, sid, rid) -> dict:
-        run = self.registry.training_run(rid)
+    def update_training_run(self, _q, request: TrainingRunUpdateRequest, caller: Caller, sid, rid) -> dict:
+        run = self.registry.training_run(rid, caller)
         if run.session != sid:
             raise ApiError(404, "training_run_not_found", f"training run {rid} is not in session {sid}")
         if rid in self.engine.runs:
             raise ApiError(409, "run_already_initialized", "the trainer is initialized; load state before training")
-        source = self.registry.checkpoint(request.source_checkpoint_uri)
+        source = self.registry.checkpoint(request.source_checkpoint_uri, caller)
         if source.lora.shape_key != run.lora.shape_key:
             raise ApiError(409, "checkpoint_mismatch", f"checkpoint LoRA {source.lora} does not match {run.lora}")
         run.source_checkpoint_uri, run.restore_optimizer = request.source_checkpoint_uri, request.restore_optimizer
@@ -222,22 +247,22 @@ class ControlHandlers:
             "updated_at": iso(run.updated),
         }
 
-    def get_training_run(self, _q, _b, rid) -> dict:
-        return self._run_view(self.registry.training_run(rid))
+    def get_training_run(self, _q, _b, caller: Caller, rid) -> dict:
+        return self._run_view(self.registry.training_run(rid, caller))
 
-    def list_training_runs(self, query, _b) -> dict:
+    def list_training_runs(self, query, _b, caller: Caller) -> dict:
         with self.registry.lock:
-            items = [self._run_view(r) for r in self.registry.training_runs.values()]
+            items = [self._run_view(r) for r in self.registry.training_runs.values() if caller.may_see(r.owner)]
         return page(items, query, "training_runs")
 
-    def renew_training_run(self, _q, _b, rid) -> dict:
-        run = self.registry.training_run(rid)
+    def renew_training_run(self, _q, _b, caller: Caller, rid) -> dict:
+        run = self.registry.training_run(rid, caller)
         return {"training_run_cuid": rid, "service_session_cuid": run.session, "workspace_cuid": WORKSPACE,
                 "actor": self._actor(), "actor_jwt": self._jwt("training", rid)}  # fmt: skip
 
-    def find_by_checkpoint(self, query, _b) -> dict:
+    def find_by_checkpoint(self, query, _b, caller: Caller) -> dict:
         uri = (query.get("checkpoint_uri") or [""])[0]
-        record = self.registry.checkpoint(uri)
+        record = self.registry.checkpoint(uri, caller)
         lora = record.lora
         return {"base_model": self.model_id, "lora_rank": lora.rank, "seed": lora.seed, "train_mlp": lora.train_mlp,
                 "train_attn": lora.train_attn, "train_unembed": lora.train_unembed}  # fmt: skip
@@ -260,7 +285,7 @@ class ControlHandlers:
             "task_created_at": iso(run.created if run else c.created),
             "task_status": run.status if run else "ENDED",
             "step": c.step,
-            "path": str(c.path),
+            "path": c.uri,  # the protocol's field; the folder on this machine is no client's business
             "created_at": iso(c.created),
             "uploaded_at": None,
             "size_bytes": c.size,
@@ -269,54 +294,59 @@ class ControlHandlers:
             "expired_at": iso(c.expires),
         }
 
-    def list_run_checkpoints(self, query, _b, rid) -> dict:
+    def list_run_checkpoints(self, query, _b, caller: Caller, rid) -> dict:
         with self.registry.lock:
-            items = [self._checkpoint_view(c) for c in self.registry.checkpoints.values() if c.run == rid]
+            records = [c for c in self.registry.checkpoints.values() if c.run == rid and caller.may_see(c.owner)]
+            items = [self._checkpoint_view(c) for c in records]
         if not items:  # a run of an earlier process is known through its checkpoints only
-            self.registry.training_run(rid)
+            self.registry.training_run(rid, caller)
         return page(items, query, "checkpoints")
 
-    def list_checkpoints(self, query, _b) -> dict:
+    def list_checkpoints(self, query, _b, caller: Caller) -> dict:
         with self.registry.lock:
-            items = [self._checkpoint_view(c) for c in self.registry.checkpoints.values()]
+            records = [c for c in self.registry.checkpoints.values() if caller.may_see(c.owner)]
+            items = [self._checkpoint_view(c) for c in records]
         return page(items, query, "checkpoints")
 
-    def delete_checkpoint(self, _q, _b, cid) -> dict:
-        record = self.registry.checkpoint_by_cuid(cid)
+    def delete_checkpoint(self, _q, _b, caller: Caller, cid) -> dict:
+        record = self.registry.checkpoint_by_cuid(cid, caller)
         self.registry.forget_checkpoint(record.uri)
         shutil.rmtree(record.path, ignore_errors=True)
         return {}
 
-    def checkpoint_download(self, _q, _b, cid) -> dict:
-        record = self.registry.checkpoint_by_cuid(cid)
+    def checkpoint_download(self, _q, _b, caller: Caller, cid) -> dict:
+        record = self.registry.checkpoint_by_cuid(cid, caller)
         raise ApiError(
-            501, "not_implemented", f"downloads are not served locally; the checkpoint folder is {record.path}"
+            501, "not_implemented", f"downloads are not served locally; {record.uri} stays on the server's disk"
         )
 
-    def create_sampling_run(self, _q, request: SamplingRunCreateRequest, sid) -> dict:
+    def create_sampling_run(self, _q, request: SamplingRunCreateRequest, caller: Caller, sid) -> dict:
         self._resolve_base_model(request.base_model)
         if request.source_checkpoint_uri:
-            self._snapshot(self.registry.checkpoint(request.source_checkpoint_uri), with_optimizer=False)
+            source = self.registry.checkpoint(request.source_checkpoint_uri, caller)
+            self._snapshot(source, with_optimizer=False)
         with self.registry.lock:
-            session = self.registry.session(sid)
-            run = SamplingRunRecord(new_id("sr"), sid, len(session.sampling_runs), request.source_checkpoint_uri)
+            session = self.registry.session(sid, caller)
+            run = SamplingRunRecord(
+                new_id("sr"), sid, len(session.sampling_runs), request.source_checkpoint_uri, owner=session.owner
+            )
             self.registry.sampling_runs[run.cuid] = run
             session.sampling_runs.append(run.cuid)
         return self._created_reply("sampling", run)
 
-    def get_sampling_run(self, _q, _b, rid) -> dict:
-        run = self.registry.sampling_run(rid)
+    def get_sampling_run(self, _q, _b, caller: Caller, rid) -> dict:
+        run = self.registry.sampling_run(rid, caller)
         return {"sampling_run_cuid": rid, "service_session_cuid": run.session, "workspace_cuid": WORKSPACE,
                 "status": run.status, "base_model": self.model_id, "model_id": self.model_id,
                 "alias": self.model_alias, "source_checkpoint_uri": run.source_checkpoint_uri or None,
                 "created_at": iso(run.created), "updated_at": iso(run.created)}  # fmt: skip
 
-    def renew_sampling_run(self, _q, _b, rid) -> dict:
-        run = self.registry.sampling_run(rid)
+    def renew_sampling_run(self, _q, _b, caller: Caller, rid) -> dict:
+        run = self.registry.sampling_run(rid, caller)
         return {"sampling_run_cuid": rid, "service_session_cuid": run.session, "workspace_cuid": WORKSPACE,
                 "actor": self._actor(), "actor_jwt": self._jwt("sampling", rid)}  # fmt: skip
 
-    def telemetry(self, _q, _b) -> dict:
+    def telemetry(self, _q, _b, _caller) -> dict:
         with self.registry.lock:
             self.registry.telemetry_events += 1
         return {"accepted": True}

@@ -3,6 +3,9 @@
 Sessions, runs and tokens live in memory; one lock guards them. Checkpoint records are also written next to the
 checkpoint files (`RECORD_FILE` in each checkpoint folder), so a new server process on the same storage root
 finds the checkpoints of earlier processes (`load_state` after a restart).
+
+Every session, run and checkpoint has an owner (`clients`): the lookups that take a ``caller`` answer another
+client's object exactly as they answer a missing one.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from datetime import datetime, timedelta, timezone
 from pathlib import Path
 
 from trl_grpo_ext.pytrio.server.adapters import LoraSettings, next_snapshot_uid
+from trl_grpo_ext.pytrio.server.clients import INTERNAL, LOCAL_OWNER, Caller
 from trl_grpo_ext.pytrio.server.errors import ApiError
 from trl_grpo_ext.runs import atomic_write_text
 
@@ -46,11 +50,17 @@ def iso(ts: float | None) -> str | None:
 class ServiceSession:
     cuid: str
     sdk_version: str
+    caller: Caller = INTERNAL  # who opened it; its runs act with its rights
     status: str = "ACTIVE"
     created: float = field(default_factory=time.time)
     updated: float = field(default_factory=time.time)
+    seen: float = field(default_factory=time.monotonic)  # last sign of life of its client (`Registry.touch`)
     training_runs: list[str] = field(default_factory=list)
     sampling_runs: list[str] = field(default_factory=list)
+
+    @property
+    def owner(self) -> str:
+        return self.caller.owner
 
 
 @dataclass
@@ -61,6 +71,7 @@ class TrainingRunRecord:
     lora: LoraSettings
     source_checkpoint_uri: str = ""
     restore_optimizer: bool = False
+    owner: str = LOCAL_OWNER
     status: str = "CREATED"
     created: float = field(default_factory=time.time)
     started: float | None = None
@@ -73,6 +84,7 @@ class SamplingRunRecord:
     session: str
     index: int
     source_checkpoint_uri: str  # "" samples the base model
+    owner: str = LOCAL_OWNER
     status: str = "RUNNING"
     created: float = field(default_factory=time.time)
 
@@ -92,6 +104,7 @@ class CheckpointRecord:
     snapshot_uid: int = 0  # identifies the weights (the in-memory snapshot cache and sampler slots key on it)
     expires: float | None = None  # reported from ttl_seconds; not enforced (see max_temporary_checkpoints)
     created: float = field(default_factory=time.time)
+    owner: str = LOCAL_OWNER
 
 
 @dataclass
@@ -103,8 +116,9 @@ class ActorToken:
 
 
 class Registry:
-    def __init__(self, storage: Path | None = None):
+    def __init__(self, storage: Path | None = None, legacy_owner: str = LOCAL_OWNER):
         self.storage = storage  # where checkpoint records persist; None keeps them in memory only
+        self.legacy_owner = legacy_owner  # owner of persisted records written before records had one
         self.lock = threading.RLock()
         self.sessions: dict[str, ServiceSession] = {}
         self.training_runs: dict[str, TrainingRunRecord] = {}
@@ -115,34 +129,48 @@ class Registry:
         self.rejected_tokens = 0  # actor requests answered 401
 
     # ------------------------------------------------------------------ sessions and runs
-    def session(self, cuid: str) -> ServiceSession:
+    def any_session(self, cuid: str, caller: Caller = INTERNAL) -> ServiceSession:
+        """The session `cuid`, open or closed, if `caller` may see it; else 404."""
         session = self.sessions.get(cuid)
-        if session is None:
+        if session is None or not caller.may_see(session.owner):
             raise ApiError(404, "service_session_not_found", f"service session {cuid} not found")
+        return session
+
+    def session(self, cuid: str, caller: Caller = INTERNAL) -> ServiceSession:
+        """The open session `cuid` (409 when closed), if `caller` may see it; else 404."""
+        session = self.any_session(cuid, caller)
         if session.status != "ACTIVE":
             raise ApiError(409, "service_session_closed", f"service session {cuid} is {session.status}")
         return session
 
-    def training_run(self, cuid: str) -> TrainingRunRecord:
+    def training_run(self, cuid: str, caller: Caller = INTERNAL) -> TrainingRunRecord:
         run = self.training_runs.get(cuid)
-        if run is None:
+        if run is None or not caller.may_see(run.owner):
             raise ApiError(404, "training_run_not_found", f"training run {cuid} not found")
         return run
 
-    def sampling_run(self, cuid: str) -> SamplingRunRecord:
+    def sampling_run(self, cuid: str, caller: Caller = INTERNAL) -> SamplingRunRecord:
         run = self.sampling_runs.get(cuid)
-        if run is None:
+        if run is None or not caller.may_see(run.owner):
             raise ApiError(404, "sampling_run_not_found", f"sampling run {cuid} not found")
         return run
 
-    def checkpoint(self, uri: str) -> CheckpointRecord:
+    def checkpoint(self, uri: str, caller: Caller = INTERNAL) -> CheckpointRecord:
         with self.lock:
             record = self.checkpoints.get(uri)
         if record is None:
             record = self._load_persisted(uri)  # saved by an earlier (or another) server process on this root
-        if record is None:
+        if record is None or not caller.may_see(record.owner):
             raise ApiError(404, "checkpoint_not_found", f"checkpoint {uri!r} not found on this server")
         return record
+
+    def touch(self, run: str) -> None:
+        """A sign of life from the client of `run` (a training or sampling run): its session is not idle."""
+        with self.lock:
+            record = self.training_runs.get(run) or self.sampling_runs.get(run)
+            session = self.sessions.get(record.session) if record is not None else None
+            if session is not None:
+                session.seen = time.monotonic()
 
     # ------------------------------------------------------------------ persisted checkpoint records
     def add_checkpoint(self, record: CheckpointRecord) -> None:
@@ -162,7 +190,7 @@ class Registry:
             return 0
         added = 0
         for path in sorted(self.storage.glob(f"*/*/*/{RECORD_FILE}")):
-            record = read_record(path, self.storage)
+            record = read_record(path, self.storage, self.legacy_owner)
             if record is None:
                 continue
             with self.lock:
@@ -177,17 +205,17 @@ class Registry:
         folder = checkpoint_folder(self.storage, uri)
         if folder is None or not (folder / RECORD_FILE).is_file():
             return None
-        record = read_record(folder / RECORD_FILE, self.storage)
+        record = read_record(folder / RECORD_FILE, self.storage, self.legacy_owner)
         if record is None or record.uri != uri:
             return None
         with self.lock:
             return self.checkpoints.setdefault(uri, record)
 
-    def checkpoint_by_cuid(self, cuid: str) -> CheckpointRecord:
+    def checkpoint_by_cuid(self, cuid: str, caller: Caller = INTERNAL) -> CheckpointRecord:
         with self.lock:
             records = list(self.checkpoints.values())
         for record in records:
-            if record.cuid == cuid:
+            if record.cuid == cuid and caller.may_see(record.owner):
                 return record
         raise ApiError(404, "checkpoint_not_found", f"checkpoint {cuid} not found")
 
@@ -236,12 +264,14 @@ def write_record(record: CheckpointRecord, storage: Path) -> None:
         "cuid": record.cuid, "uri": record.uri, "run": record.run, "name": record.name, "kind": record.kind,
         "path": os.path.relpath(record.path, storage), "lora": asdict(record.lora), "size": record.size,
         "visibility": record.visibility, "step": record.step, "expires": record.expires, "created": record.created,
+        "owner": record.owner,
     }  # fmt: skip
     atomic_write_text(Path(record.path) / RECORD_FILE, json.dumps(data, indent=1))
 
 
-def read_record(path: Path, storage: Path) -> CheckpointRecord | None:
-    """The record persisted at `path`, or None (logged) when it is unreadable or points outside `storage`."""
+def read_record(path: Path, storage: Path, legacy_owner: str = LOCAL_OWNER) -> CheckpointRecord | None:
+    """The record persisted at `path`, or None (logged) when it is unreadable or points outside `storage`.
+    A record without an owner (written before records had one) is `legacy_owner`'s."""
     try:
         data = json.loads(path.read_text())
         folder = (storage / data["path"]).resolve()
@@ -251,6 +281,7 @@ def read_record(path: Path, storage: Path) -> CheckpointRecord | None:
             str(data["cuid"]), str(data["uri"]), str(data["run"]), str(data["name"]), data["kind"], folder,
             LoraSettings(**data["lora"]), int(data["size"]), str(data["visibility"]), int(data["step"]),
             snapshot_uid=next_snapshot_uid(), expires=data.get("expires"), created=float(data["created"]),
+            owner=str(data.get("owner") or legacy_owner),
         )  # fmt: skip
     except (OSError, ValueError, KeyError, TypeError) as error:
         logger.warning("ignoring unreadable checkpoint record %s: %s", path, error)

@@ -69,7 +69,7 @@ _WAIT = re.compile(r"wait=(\d+(?:\.\d+)?)")
 
 @dataclass(frozen=True)
 class ControlRoute:
-    """A Control API route: ``handler(server, query, body, **path_params)`` answers ``method`` ``/api{path}``."""
+    """A Control API route: ``handler(server, query, body, caller, **path_params)`` answers ``method`` ``/api{path}``."""
 
     method: str
     path: str
@@ -159,8 +159,9 @@ def too_large(size: str, limit: int) -> ApiError:
 class RequestGuard:
     """ASGI middleware: checks a request's credentials, then its declared body size, before anything reads the body.
 
-    Control requests (``/api/``) need the server's API key (``Authorization: Bearer`` or ``X-API-Key``); actor
-    requests (``/actor/``) an actor token, which it puts in ``request.state.actor_token`` for the handler.
+    Control requests (``/api/``) need one of the server's API keys (``Authorization: Bearer`` or ``X-API-Key``),
+    whose client (`clients.Caller`) it puts in ``request.state.caller``; actor requests (``/actor/``) an actor token,
+    which it puts in ``request.state.actor_token`` (and counts as a sign of life of the run's session).
     """
 
     def __init__(self, app: ASGIApp, server):
@@ -190,11 +191,14 @@ class RequestGuard:
         headers = Headers(scope=scope)
         path = scope["path"]
         if path.startswith("/api/"):
-            key = _bearer(headers) or headers.get("x-api-key")
-            if not key or not secrets.compare_digest(key.encode(), self.server.api_key.encode()):
+            caller = self.server.keys.identify(_bearer(headers) or headers.get("x-api-key"))
+            if caller is None:
                 raise ApiError(401, "unauthorized", "invalid API key for this local PyTRIO server")
+            scope.setdefault("state", {})["caller"] = caller
         elif path.startswith("/actor/"):
-            scope.setdefault("state", {})["actor_token"] = self.server.registry.check_token(_bearer(headers))
+            token = self.server.registry.check_token(_bearer(headers))
+            self.server.registry.touch(token.run)
+            scope.setdefault("state", {})["actor_token"] = token
         length = headers.get("content-length", "").strip()
         limit = self.server.config.max_request_bytes
         if length.isdigit() and int(length) > limit:  # h11 has already refused a malformed Content-Length
@@ -254,16 +258,17 @@ def _control_endpoint(route: ControlRoute) -> Callable:
         body = _json_body(raw) if raw and route.json_body else {}
         query = parse_qs(request.url.query)
         server = request.app.state.server
-        return respond(200, await server._in_thread(_call_control, route, server, query, body, request.path_params))
+        call = (route, server, query, body, request.state.caller, request.path_params)
+        return respond(200, await server._in_thread(_call_control, *call))
 
     return endpoint
 
 
-def _call_control(route: ControlRoute, server, query: dict, body: object, params: dict) -> dict:
+def _call_control(route: ControlRoute, server, query: dict, body: object, caller, params: dict) -> dict:
     """The handler's answer to a Control request (in a request thread): body and answer through the client's models."""
     if route.request is not None:
         body = validate(route.request, body, "invalid_request")
-    answer = route.handler(server, query, body, **params)
+    answer = route.handler(server, query, body, caller, **params)
     if route.reply is not None:
         try:
             route.reply.model_validate(answer)

@@ -5,7 +5,7 @@ A mixin of `LocalPyTrioServer`; every handler takes the `EventRecord` and return
 
 from __future__ import annotations
 
-import shutil
+import logging
 import time
 from collections.abc import Callable
 
@@ -20,8 +20,10 @@ from trl_grpo_ext.pytrio.server.errors import ApiError, EngineError, EventFailur
 from trl_grpo_ext.pytrio.server.events import EventRecord
 from trl_grpo_ext.pytrio.server.forward import ForwardDatum
 from trl_grpo_ext.pytrio.server.losses import LossConfigError, parse_loss
-from trl_grpo_ext.pytrio.server.registry import CheckpointRecord, checkpoint_uri, new_id, safe_name
+from trl_grpo_ext.pytrio.server.registry import KIND_FOLDERS, CheckpointRecord, checkpoint_uri, new_id, safe_name
 from trl_grpo_ext.pytrio.server.wire import prompt_tokens, validation_message, wire_tensor
+
+logger = logging.getLogger(__name__)
 
 
 class TrainingHandlers:
@@ -41,6 +43,11 @@ class TrainingHandlers:
             raise EventFailure(error.code, error.message) from None
         except ApiError as error:
             raise EventFailure(error.code, error.message) from None
+        except OSError as error:  # its text would name a file of the server's disk: no client's business
+            logger.warning("%s of run %s failed on the storage: %s", record.type, record.run, error)
+            raise EventFailure(
+                "storage_error", f"{error.strerror or type(error).__name__} on the server's storage"
+            ) from None
 
     def _payload(self, model, record: EventRecord):
         try:
@@ -56,8 +63,10 @@ class TrainingHandlers:
         c = payload.lora_config
         lora = LoraSettings(c.rank, c.seed, c.train_mlp, c.train_attn, c.train_unembed)
         source = None
-        if payload.checkpoint_uri:
-            source = self._snapshot(self.registry.checkpoint(payload.checkpoint_uri), payload.load_optimizer)
+        if payload.checkpoint_uri:  # with the rights of the client that opened the run's session
+            caller = self.registry.sessions[run.session].caller
+            checkpoint = self.registry.checkpoint(payload.checkpoint_uri, caller)
+            source = self._snapshot(checkpoint, payload.load_optimizer)
         self.engine.create_run(record.run, lora, source, load_optimizer=payload.load_optimizer)
         run.status, run.started, run.updated = "RUNNING", time.time(), time.time()
         return {"training_run_cuid": record.run, "step": self.engine.runs[record.run].step}
@@ -126,15 +135,14 @@ class TrainingHandlers:
         if existing is not None and not payload.overwrite:
             raise EventFailure("checkpoint_exists", f"{uri} exists; pass overwrite=True or choose another name")
         snapshot = self.engine.snapshot(record.run, with_optimizer=kind == "state")
-        folder = self.storage / record.run / ("weights" if kind == "state" else "sampler_weights") / payload.name
-        shutil.rmtree(folder, ignore_errors=True)
-        size = snapshot.save(folder, self.model_id, self.engine.peft_config(snapshot.lora))
+        folder = self.storage / record.run / KIND_FOLDERS[kind] / payload.name
         checkpoint = CheckpointRecord(
-            new_id("ckpt"), uri, record.run, payload.name, kind, folder, snapshot.lora, size, payload.visibility,
+            new_id("ckpt"), uri, record.run, payload.name, kind, folder, snapshot.lora, 0, payload.visibility,
             snapshot.step, snapshot_uid=snapshot.uid,
             expires=time.time() + payload.ttl_seconds if payload.ttl_seconds else None,
+            owner=self.registry.training_run(record.run).owner,
         )  # fmt: skip
-        self.registry.add_checkpoint(checkpoint)
+        self._write_checkpoint(checkpoint, snapshot)  # EventFailure (insufficient_storage, ...): nothing left behind
         self._remember(uri, snapshot)
         if payload.visibility == "TEMPORARY":
             self._prune_temporary(record.run)
@@ -144,11 +152,10 @@ class TrainingHandlers:
             "checkpoint": {
                 "uri": uri,
                 "model_id": self.model_id,
-                "size_bytes": size,
+                "size_bytes": checkpoint.size,
                 "checkpoint_cuid": checkpoint.cuid,
                 "name": payload.name,
-                "path": str(folder),
-            }
+            }  # no "path": the folder on the server's disk is no client's business
         }
 
     def _ev_end(self, record: EventRecord) -> dict:
