@@ -17,11 +17,12 @@ from pytrio.protocol.actor.events.event import EventEnvelope
 from pytrio.protocol.actor.sampling_run.sample import SampleRequest
 
 from trl_grpo_ext.pytrio.server.adapters import LoraSnapshot
-from trl_grpo_ext.pytrio.server.decoding import SampleResult, SampleSpec
+from trl_grpo_ext.pytrio.server.decoding import SampleResult
 from trl_grpo_ext.pytrio.server.errors import ApiError, EngineError
 from trl_grpo_ext.pytrio.server.events import EventRecord, RunEventQueue
 from trl_grpo_ext.pytrio.server.registry import ActorToken
-from trl_grpo_ext.pytrio.server.wire import prompt_tokens, validate
+from trl_grpo_ext.pytrio.server.sample_params import check_topk, sample_spec
+from trl_grpo_ext.pytrio.server.wire import prompt_tokens, require_finite, validate
 
 KNOWN_EVENTS = (
     "trainer.init_run",
@@ -32,7 +33,6 @@ KNOWN_EVENTS = (
     "trainer.save_weights",
     "trainer.end_run",
 )
-SAMPLING_PARAM_KEYS = {"max_tokens", "temperature", "top_k", "top_p", "seed", "stop", "stop_token_ids"}
 
 
 @dataclass
@@ -65,6 +65,7 @@ class ActorHandlers:
             raise ApiError(400, "invalid_envelope", f"event body is not valid MessagePack: {error}") from None
         if not isinstance(data, dict):
             raise ApiError(400, "invalid_envelope", "event body must be a MessagePack map")
+        require_finite(data, "non_finite_number")  # a NaN learning rate would poison the run's weights
         event_type = data.get("type")
         if event_type not in KNOWN_EVENTS:
             raise ApiError(
@@ -112,36 +113,15 @@ class ActorHandlers:
             raise ApiError(403, "run_mismatch", f"this actor token does not grant access to sampling run {rid}")
         run = self.registry.sampling_run(rid)
         request = validate(SampleRequest, body, "invalid_sample_request")
-        if request.num_samples > self.config.max_num_samples:
-            raise ApiError(
-                400,
-                "too_many_samples",
-                f"num_samples {request.num_samples} exceeds this server's limit of {self.config.max_num_samples} "
-                "(ServerConfig.max_num_samples, pytrio-serve --max-num-samples); split the request",
-            )
-        params = dict(request.sampling_params)
-        unknown = sorted(set(params) - SAMPLING_PARAM_KEYS)
-        if unknown:
-            raise ApiError(400, "invalid_sampling_params", f"unsupported sampling params {unknown}")
         prompt = prompt_tokens(request.prompt)
+        limits = self.engine.sample_limits(self.config.max_num_samples)
+        with _sampling_errors():  # every value checked here, before the request can join a decode batch
+            spec = sample_spec(prompt, request.num_samples, request.sampling_params, limits, request.return_text)
+            check_topk(request.topk_prompt_logprobs, self.config.max_topk_logprobs)
         snapshot = None
         if run.source_checkpoint_uri:
             snapshot = self._snapshot(self.registry.checkpoint(run.source_checkpoint_uri), with_optimizer=False)
-        stop = params.get("stop")
-        stop = [stop] if isinstance(stop, str) else stop
         with _sampling_errors():
-            spec = SampleSpec(
-                prompt,
-                request.num_samples,
-                max_tokens=int(params["max_tokens"]),
-                temperature=float(params.get("temperature", 1.0)),
-                top_k=int(params.get("top_k", -1)),
-                top_p=float(params.get("top_p", 1.0)),
-                seed=params.get("seed"),
-                stop=list(stop or []),
-                stop_token_ids=[int(t) for t in params.get("stop_token_ids") or []],
-                return_text=request.return_text,
-            )
             return SampleJob(request, rid, prompt, snapshot, self.sampler.submit(snapshot, spec))
 
     def _sample_answer(self, job: SampleJob, results: list[SampleResult]) -> dict:

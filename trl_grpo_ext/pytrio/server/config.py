@@ -52,6 +52,8 @@ class ServerConfig:
     # `max_num_samples` sequences; a connection that sends nothing for `idle_timeout_seconds` is closed.
     max_request_bytes: int = 64 * MIB
     max_num_samples: int = 128
+    # top-k prompt log-probs per position: the answer holds k (token, logprob) pairs per prompt token
+    max_topk_logprobs: int = 20
     # Concurrent sample requests on the same weights share decode steps, up to this many rows in one batch.
     max_sampling_rows: int = 64
     idle_timeout_seconds: float = 300.0  # above a slow CPU step (forward_backward measured up to ~100 s loaded)
@@ -66,7 +68,7 @@ class ServerConfig:
         if any(not isinstance(n, str) or not n.strip() for n in self.served_names):
             problems.append(f"served_names must be non-empty strings, got {list(self.served_names)}")
         for name in ("max_batch_tokens", "snapshot_cache_size", "max_temporary_checkpoints", "max_request_bytes",
-                     "max_num_samples", "max_sampling_rows"):  # fmt: skip
+                     "max_num_samples", "max_sampling_rows", "max_topk_logprobs"):  # fmt: skip
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
                 problems.append(f"{name} must be an integer >= 1, got {getattr(self, name)!r}")
         for name in ("max_batch_size", "max_tokens_per_request"):

@@ -19,9 +19,10 @@ from trl_grpo_ext.compat import cache_keyword
 from trl_grpo_ext.cpu_threads import govern_cpu_threads
 from trl_grpo_ext.prefix import sharing_unsupported_reason
 from trl_grpo_ext.pytrio.server.adapters import LoraAdapters, LoraSettings, LoraSnapshot, TrainingRun
-from trl_grpo_ext.pytrio.server.decoding import Sampling, default_stop_ids
+from trl_grpo_ext.pytrio.server.decoding import SampleSpec, Sampling, default_stop_ids
 from trl_grpo_ext.pytrio.server.errors import EngineError
 from trl_grpo_ext.pytrio.server.forward import MIN_SHARED_PREFIX, ForwardBackward
+from trl_grpo_ext.pytrio.server.sample_params import SampleLimits, check_spec
 
 
 class ModelEngine(LoraAdapters, ForwardBackward, Sampling):
@@ -69,6 +70,14 @@ class ModelEngine(LoraAdapters, ForwardBackward, Sampling):
         self.min_shared_prefix = max(1, int(min_shared_prefix))
         self.prefix_sharing_reason = sharing_unsupported_reason(model)  # None where the shared forward is exact
         self.cache_kw = cache_keyword(model)
+
+    def sample_limits(self, max_num_samples: int = 2**31) -> SampleLimits:
+        """What a sample request may ask of this model (the server adds its `max_num_samples`)."""
+        return SampleLimits(self.vocab_size, self.max_seq_len, max_num_samples)
+
+    def check_sample(self, spec: SampleSpec) -> SampleSpec:
+        """`spec`, or `EngineError` for a request this engine cannot sample (before it joins a batch)."""
+        return check_spec(spec, self.sample_limits())
 
     # ---------------------------------------------------------------- training runs
     def create_run(self, run_id: str, lora: LoraSettings, source: LoraSnapshot | None = None, load_optimizer=False):

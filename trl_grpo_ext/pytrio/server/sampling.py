@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from trl_grpo_ext.pytrio.server.adapters import LoraSnapshot
 from trl_grpo_ext.pytrio.server.decoding import DecodeBatch, SampleSpec
 from trl_grpo_ext.pytrio.server.engine import ModelEngine
+from trl_grpo_ext.pytrio.server.errors import EngineError
 
 logger = logging.getLogger(__name__)
 
@@ -51,8 +52,7 @@ class SamplingBatcher:
 
         Cancelling the future before its batch admits it withdraws the request (its client is gone).
         """
-        self.engine.check_sample(spec)  # a bad request fails alone, before it joins a batch
-        job = _Job(snapshot, spec)
+        job = _Job(snapshot, self.engine.check_sample(spec))  # a bad request fails alone, before it joins a batch
         with self._cv:
             if self._stopped:
                 raise RuntimeError("the sampling worker is stopped")
@@ -101,19 +101,39 @@ class SamplingBatcher:
         jobs: dict[int, _Job] = {}  # id(RequestRows) -> job
         self.batches += 1
         try:
-            jobs[id(batch.admit(first.spec))] = first
+            self._admit(batch, first, jobs)
             while batch.requests:
                 if self._stopped:  # its clients wait for nothing now: fail them at once instead of decoding on
                     _fail(jobs.values(), RuntimeError("the local server stopped"))
                     return
                 for job in self._take_joiners(batch):  # requests that arrived meanwhile join before the next step
-                    jobs[id(batch.admit(job.spec))] = job
+                    self._admit(batch, job, jobs)
                 self.max_requests_in_batch = max(self.max_requests_in_batch, len(batch.requests))
                 for rows in batch.step():
-                    jobs.pop(id(rows)).future.set_result(rows.results(self.engine.tokenizer))
-        except Exception as error:  # noqa: BLE001 - every request of the failed batch gets the error
+                    job = jobs.pop(id(rows))
+                    if rows.error is not None:  # drawing failed for this request only: it alone gets the error
+                        _fail([job], _request_failed(rows.error))
+                    else:
+                        job.future.set_result(rows.results(self.engine.tokenizer))
+        except Exception as error:  # noqa: BLE001 - a failed model call fails every request of the batch
             logger.exception("sampling batch failed")
             _fail([first, *jobs.values()], error)
+
+
+    def _admit(self, batch: DecodeBatch, job: _Job, jobs: dict[int, _Job]) -> None:
+        """`job` joins `batch`; if its prefill fails it alone gets the error and the batch goes on without it."""
+        try:
+            jobs[id(batch.admit(job.spec))] = job
+        except Exception as error:  # noqa: BLE001 - the request's own failure, answered to it alone
+            logger.warning("sample request failed to join its decode batch: %r", error)
+            _fail([job], _request_failed(error))
+
+
+def _request_failed(error: Exception) -> EngineError:
+    """A request that failed inside a batch (its checks at admission missed something): a 400 for it alone."""
+    if isinstance(error, EngineError):
+        return error
+    return EngineError("sampling_failed", f"this request failed while decoding: {type(error).__name__}: {error}")
 
 
 def _fail(jobs, error: BaseException) -> None:

@@ -5,6 +5,7 @@ A mixin of `LocalPyTrioServer`; every handler takes the `EventRecord` and return
 
 from __future__ import annotations
 
+import math
 import shutil
 import time
 from collections.abc import Callable
@@ -109,8 +110,22 @@ class TrainingHandlers:
     def _ev_optim(self, record: EventRecord) -> dict:
         payload = self._payload(TrainerOptimizeStepPayload, record)
         adam = payload.adam_params.model_dump()
-        if adam["learning_rate"] < 0 or not (0 <= adam["beta1"] < 1 and 0 <= adam["beta2"] < 1) or adam["eps"] <= 0:
-            raise EventFailure("invalid_adam_params", f"invalid AdamW parameters {adam}")
+        # written so that NaN fails every test (a NaN comparison is False)
+        valid = {
+            "learning_rate": adam["learning_rate"] >= 0,
+            "beta1": 0 <= adam["beta1"] < 1,
+            "beta2": 0 <= adam["beta2"] < 1,
+            "eps": adam["eps"] > 0,
+            "weight_decay": adam["weight_decay"] >= 0,
+            "grad_clip_norm": adam["grad_clip_norm"] >= 0,
+        }
+        bad = [f"{k}={adam[k]!r}" for k, ok in valid.items() if not (ok and math.isfinite(adam[k]))]
+        if bad:
+            raise EventFailure(
+                "invalid_adam_params",
+                f"invalid AdamW parameters {', '.join(bad)}: each must be finite, learning_rate, weight_decay and "
+                "grad_clip_norm >= 0, beta1 and beta2 in [0, 1), eps > 0",
+            )
         return {"metrics": self.engine.optim_step(record.run, adam)}
 
     def _ev_save(self, record: EventRecord) -> dict:
