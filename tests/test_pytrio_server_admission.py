@@ -43,8 +43,10 @@ BAD = {  # name: (changes to a good request body, the code answered)
     "top_k -5": ({"sampling_params": {**BASE, "top_k": -5}}, "invalid_sampling_params"),
     "top_k 2.5": ({"sampling_params": {**BASE, "top_k": 2.5}}, "invalid_sampling_params"),
     "unknown param": ({"sampling_params": {**BASE, "min_p": 0.1}}, "invalid_sampling_params"),
-    "prompt out of vocab": ({"prompt": {"chunks": [{"type": "encoded_text", "tokens": [1, 10**6]}]}},
-                            "token_out_of_range"),  # fmt: skip
+    "prompt out of vocab": (
+        {"prompt": {"chunks": [{"type": "encoded_text", "tokens": [1, 10**6]}]}},
+        "token_out_of_range",
+    ),  # fmt: skip
     "prompt negative": ({"prompt": {"chunks": [{"type": "encoded_text", "tokens": [-1, 2]}]}}, "token_out_of_range"),
     "longer than the context": ({"sampling_params": {**BASE, "max_tokens": 10**9}}, "sequence_too_long"),
     "num_samples": ({"num_samples": 10**6}, "too_many_samples"),

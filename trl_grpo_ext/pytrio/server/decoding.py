@@ -15,7 +15,6 @@ import torch
 
 from trl_grpo_ext.compat import output_cache
 from trl_grpo_ext.pytrio.server.adapters import LoraSnapshot
-from trl_grpo_ext.pytrio.server.errors import EngineError
 
 
 @dataclass

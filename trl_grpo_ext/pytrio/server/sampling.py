@@ -119,7 +119,6 @@ class SamplingBatcher:
             logger.exception("sampling batch failed")
             _fail([first, *jobs.values()], error)
 
-
     def _admit(self, batch: DecodeBatch, job: _Job, jobs: dict[int, _Job]) -> None:
         """`job` joins `batch`; if its prefill fails it alone gets the error and the batch goes on without it."""
         try:
