@@ -67,6 +67,31 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=defaults.idle_timeout_seconds,
         help=f"seconds a connection may stay silent before it is closed (default {defaults.idle_timeout_seconds:g})",
     )
+    parser.add_argument(
+        "--request-timeout",
+        type=float,
+        default=defaults.request_timeout_seconds,
+        help="seconds a request's head and body may take to arrive from its first byte; later bytes do not extend "
+        f"it (default {defaults.request_timeout_seconds:g})",
+    )
+    parser.add_argument(
+        "--max-connections",
+        type=int,
+        default=defaults.max_connections,
+        help=f"open connections in all; one more is refused with 503 at once (default {defaults.max_connections})",
+    )
+    parser.add_argument(
+        "--max-connections-per-peer",
+        type=int,
+        default=defaults.max_connections_per_peer,
+        help=f"open connections from one address (default {defaults.max_connections_per_peer})",
+    )
+    parser.add_argument(
+        "--max-topk-logprobs",
+        type=int,
+        default=defaults.max_topk_logprobs,
+        help=f"largest topk_prompt_logprobs a sample request may ask (default {defaults.max_topk_logprobs})",
+    )
     parser.add_argument("--log-level", default="INFO", help="logging level")
 
 
@@ -90,6 +115,10 @@ def _config(args: argparse.Namespace) -> tuple[ServerConfig, bool]:
         max_request_bytes=int(args.max_request_mb * MIB),
         max_num_samples=args.max_num_samples,
         idle_timeout_seconds=args.idle_timeout,
+        request_timeout_seconds=args.request_timeout,
+        max_connections=args.max_connections,
+        max_connections_per_peer=args.max_connections_per_peer,
+        max_topk_logprobs=args.max_topk_logprobs,
     )
     return config, api_key is not None
 

@@ -99,7 +99,11 @@ class LocalPyTrioServer(ControlHandlers, ActorHandlers, TrainingHandlers, Checkp
             raise RuntimeError("a stopped local PyTRIO server cannot start again; create a new one")
         self._pool = ThreadPoolExecutor(REQUEST_THREADS, thread_name_prefix="pytrio-request")
         config = self.config
-        http = BackgroundServer(self.app, host=config.host, port=config.port, idle_timeout=config.idle_timeout_seconds)
+        http = BackgroundServer(
+            self.app, host=config.host, port=config.port, idle_timeout=config.idle_timeout_seconds,
+            request_timeout=config.request_timeout_seconds, max_connections=config.max_connections,
+            max_connections_per_peer=config.max_connections_per_peer,
+        )  # fmt: skip
         self._http = http.start()
         logger.info("PyTRIO local server on %s serving %s (%s)", self.base_url, self.model_alias, self.model_id)
         return self

@@ -57,6 +57,12 @@ class ServerConfig:
     # Concurrent sample requests on the same weights share decode steps, up to this many rows in one batch.
     max_sampling_rows: int = 64
     idle_timeout_seconds: float = 300.0  # above a slow CPU step (forward_backward measured up to ~100 s loaded)
+    # A request's head and body must arrive within this of its first byte (a deadline later bytes do not move);
+    # 64 MiB in 120 s is 0.5 MB/s, far below any local link.
+    request_timeout_seconds: float = 120.0
+    # Open connections, in all and from one address; one more is answered 503 and closed before anything is read.
+    max_connections: int = 1024
+    max_connections_per_peer: int = 256
 
     def __post_init__(self):
         if isinstance(self.served_names, str):
@@ -68,7 +74,8 @@ class ServerConfig:
         if any(not isinstance(n, str) or not n.strip() for n in self.served_names):
             problems.append(f"served_names must be non-empty strings, got {list(self.served_names)}")
         for name in ("max_batch_tokens", "snapshot_cache_size", "max_temporary_checkpoints", "max_request_bytes",
-                     "max_num_samples", "max_sampling_rows", "max_topk_logprobs"):  # fmt: skip
+                     "max_num_samples", "max_sampling_rows", "max_topk_logprobs", "max_connections",
+                     "max_connections_per_peer"):  # fmt: skip
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
                 problems.append(f"{name} must be an integer >= 1, got {getattr(self, name)!r}")
         for name in ("max_batch_size", "max_tokens_per_request"):
@@ -77,8 +84,8 @@ class ServerConfig:
                 problems.append(f"{name} must be None or an integer >= 1, got {value!r}")
         if not isinstance(self.keep_checkpoints, int) or self.keep_checkpoints == 1 or self.keep_checkpoints < 0:
             problems.append(f"keep_checkpoints must be 0 (keep all) or >= 2, got {self.keep_checkpoints!r}")
-        for name in ("long_poll_seconds", "idle_timeout_seconds"):
-            if not getattr(self, name) > 0:
+        for name in ("long_poll_seconds", "idle_timeout_seconds", "request_timeout_seconds"):
+            if not getattr(self, name) > 0 or getattr(self, name) == float("inf"):
                 problems.append(f"{name} must be > 0, got {getattr(self, name)!r}")
         if not isinstance(self.port, int) or not 0 <= self.port <= 65535:
             problems.append(f"port must be in [0, 65535], got {self.port!r}")
