@@ -80,7 +80,7 @@ def ends_with_stop(tokenizer, tokens: list[int], stop: list[str]) -> bool:
 
 class Sampling:
     """The sampling side of `ModelEngine` (uses its ``lock``, ``device``, ``tokenizer``, ``stop_ids``, ``cache_kw``,
-    `check_sample` and `use_snapshot`)."""
+    `check_sample`, `use_snapshot` and, for prompt log-probs, ``decode`` / ``token_logprobs`` / ``token_topk``)."""
 
     def sample(self, snapshot: LoraSnapshot | None, prompt: list[int], *, num_samples: int, **params):
         """Sample `num_samples` continuations of `prompt` (`SampleSpec` fields as keywords), on its own.
@@ -97,16 +97,17 @@ class Sampling:
     def prompt_logprobs(self, snapshot: LoraSnapshot | None, prompt: list[int], topk: int = 0):
         """``[None, log p(x_1 | x_0), ...]`` and, with ``topk``, the top-k (token, logprob) per position."""
         with self.lock:
-            model, ctx = self.use_snapshot(snapshot)
+            _model, ctx = self.use_snapshot(snapshot)
             with ctx, torch.no_grad():
-                logits = model(input_ids=torch.tensor([prompt], device=self.device)).logits[0].float()
-            logp = torch.log_softmax(logits, dim=-1)
-        targets = torch.tensor(prompt[1:], device=logp.device)
-        values = logp[:-1].gather(-1, targets.unsqueeze(-1)).squeeze(-1).tolist() if len(prompt) > 1 else []
-        top = None
-        if topk > 0:
-            top_v, top_i = torch.topk(logp[:-1], min(topk, logp.shape[-1]), dim=-1)
-            top = [None] + [list(zip(i.tolist(), v.tolist(), strict=True)) for i, v in zip(top_i, top_v, strict=True)]
+                features, _ = self.decode(input_ids=torch.tensor([prompt], device=self.device))
+                features = features[0, :-1]  # position i scores token i + 1
+                targets = torch.tensor(prompt[1:], device=self.device)
+                values = self.token_logprobs(features, targets).tolist() if len(prompt) > 1 else []
+                top = None
+                if topk > 0:
+                    top_v, top_i = self.token_topk(features, topk)
+                    pairs = zip(top_i.tolist(), top_v.tolist(), strict=True)
+                    top = [None] + [list(zip(i, v, strict=True)) for i, v in pairs]
         return [None, *values], top
 
 

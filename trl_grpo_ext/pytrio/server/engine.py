@@ -22,10 +22,11 @@ from trl_grpo_ext.pytrio.server.adapters import LoraAdapters, LoraSettings, Lora
 from trl_grpo_ext.pytrio.server.decoding import SampleSpec, Sampling, default_stop_ids
 from trl_grpo_ext.pytrio.server.errors import EngineError
 from trl_grpo_ext.pytrio.server.forward import MIN_SHARED_PREFIX, ForwardBackward
+from trl_grpo_ext.pytrio.server.logprobs import TokenLogprobs, split_head_exact
 from trl_grpo_ext.pytrio.server.sample_params import SampleLimits, check_spec
 
 
-class ModelEngine(LoraAdapters, ForwardBackward, Sampling):
+class ModelEngine(LoraAdapters, ForwardBackward, Sampling, TokenLogprobs):
     """Loads `model_path` once and serves training runs and samplers on it."""
 
     def __init__(
@@ -70,6 +71,8 @@ class ModelEngine(LoraAdapters, ForwardBackward, Sampling):
         self.min_shared_prefix = max(1, int(min_shared_prefix))
         self.prefix_sharing_reason = sharing_unsupported_reason(model)  # None where the shared forward is exact
         self.cache_kw = cache_keyword(model)
+        # log-probs from hidden states, the output layer a chunk of positions at a time (`logprobs`), where exact
+        self.split_head = split_head_exact(model, self.vocab_size)
 
     def sample_limits(self, max_num_samples: int = 2**31) -> SampleLimits:
         """What a sample request may ask of this model (the server adds its `max_num_samples`)."""

@@ -15,7 +15,6 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from trl_grpo_ext.compat import output_cache
 from trl_grpo_ext.prefix import log_fallback_once
 from trl_grpo_ext.pytrio.server.errors import EngineError
 from trl_grpo_ext.pytrio.server.losses import LossSpec, per_token_loss
@@ -35,9 +34,9 @@ class ForwardDatum:
 
 
 class ForwardBackward:
-    """The forward/backward side of `ModelEngine` (uses its ``peft`` model, ``device``, ``lock``, ``vocab_size``,
-    ``cache_kw``, ``prefix_sharing_reason``, its runs (``_run``, ``_activate``) and the ``max_batch_tokens`` /
-    ``share_prefix`` / ``min_shared_prefix`` settings)."""
+    """The forward/backward side of `ModelEngine` (uses its ``decode`` / ``token_logprobs`` (`logprobs`),
+    ``device``, ``lock``, ``vocab_size``, ``cache_kw``, ``prefix_sharing_reason``, its runs (``_run``,
+    ``_activate``) and the ``max_batch_tokens`` / ``share_prefix`` / ``min_shared_prefix`` settings)."""
 
     def _check_tokens(self, datum: ForwardDatum) -> None:
         if max(datum.tokens, default=0) >= self.vocab_size or min(datum.tokens, default=0) < 0:
@@ -59,14 +58,14 @@ class ForwardBackward:
         mask = None
         if min(lengths) < width:
             mask = (torch.arange(width) < torch.tensor(lengths).unsqueeze(1)).long().to(self.device)
-        logits = self.peft(input_ids=ids, attention_mask=mask).logits.float()
+        hidden, _ = self.decode(input_ids=ids, attention_mask=mask)
         if auto_shift:
-            # position i predicts target i + 1; the first label has no predicting position
-            logits = torch.cat([logits.new_zeros(logits.shape[0], 1, logits.shape[-1]), logits[:, :-1]], dim=1)
+            # position i predicts target i + 1; the first label has no predicting position (masked below)
+            hidden = torch.cat([hidden.new_zeros(hidden.shape[0], 1, hidden.shape[-1]), hidden[:, :-1]], dim=1)
         valid = targets != -100
         if auto_shift:
             valid[:, 0] = False
-        gathered = torch.log_softmax(logits, dim=-1).gather(-1, targets.clamp(min=0).unsqueeze(-1)).squeeze(-1)
+        gathered = self.token_logprobs(hidden, targets.clamp(min=0))
         return torch.where(valid, gathered, torch.zeros_like(gathered)), valid
 
     def _padded(self, rows: list[list[float]], width: int, dtype: torch.dtype, fill: float = 0) -> torch.Tensor:
@@ -169,29 +168,30 @@ class ForwardBackward:
         into the one prefix encoding) and the rows' suffixes run on top, right-padded, with their own positions.
         Log-probs at prefix positions come from the prefix's logits, gathered with each row's own targets.
         """
-        head_cache = head_logits = None
+        head_cache = head_hidden = None
         if head:
-            out = self.peft(input_ids=torch.tensor([groups[0][0].tokens[:head]], device=self.device), use_cache=True)
-            head_cache, head_logits = output_cache(out), out.logits.float()
+            ids = torch.tensor([groups[0][0].tokens[:head]], device=self.device)
+            head_hidden, head_cache = self.decode(input_ids=ids, use_cache=True)
         results = []
         for data, length in zip(groups, shared, strict=True):
             tokens = data[0].tokens
             if head:
-                cache, prefix_logits = _copy_cache(head_cache), head_logits
+                cache, prefix_hidden = _copy_cache(head_cache), head_hidden
                 if length > head:
                     ids = torch.tensor([tokens[head:length]], device=self.device)
-                    out = self.peft(input_ids=ids, attention_mask=torch.ones(1, length, dtype=torch.long, device=self.device),
-                                    position_ids=torch.arange(head, length, device=self.device)[None], use_cache=True,
-                                    **{self.cache_kw: cache})  # fmt: skip
-                    cache, prefix_logits = output_cache(out), torch.cat([head_logits, out.logits.float()], dim=1)
+                    hidden, cache = self.decode(input_ids=ids, attention_mask=torch.ones(1, length, dtype=torch.long, device=self.device),
+                                                position_ids=torch.arange(head, length, device=self.device)[None],
+                                                use_cache=True, **{self.cache_kw: cache})  # fmt: skip
+                    prefix_hidden = torch.cat([head_hidden, hidden], dim=1)
             else:
-                out = self.peft(input_ids=torch.tensor([tokens[:length]], device=self.device), use_cache=True)
-                cache, prefix_logits = output_cache(out), out.logits.float()  # (1, length, V)
-            results.append(self._suffix_target_logprobs(data, length, cache, prefix_logits, auto_shift))
+                ids = torch.tensor([tokens[:length]], device=self.device)
+                prefix_hidden, cache = self.decode(input_ids=ids, use_cache=True)  # (1, length, H)
+            results.append(self._suffix_target_logprobs(data, length, cache, prefix_hidden, auto_shift))
         return results
 
-    def _suffix_target_logprobs(self, data, shared: int, cache, prefix_logits: torch.Tensor, auto_shift: bool):
-        """Rows `data` continuing a cached one-row prefix of `shared` tokens whose logits are `prefix_logits`."""
+    def _suffix_target_logprobs(self, data, shared: int, cache, prefix_hidden: torch.Tensor, auto_shift: bool):
+        """Rows `data` continuing a cached one-row prefix of `shared` tokens whose last hidden states are
+        `prefix_hidden`."""
         n_rows = len(data)
         lengths = [len(d.tokens) for d in data]
         width = max(lengths)
@@ -200,16 +200,17 @@ class ForwardBackward:
         ids = self._padded([d.tokens[shared:] for d in data], suffix_width, torch.long)
         mask = (torch.arange(width) < torch.tensor(lengths).unsqueeze(1)).long().to(self.device)
         positions = (shared + torch.arange(suffix_width, device=self.device)).expand(n_rows, -1)
-        out = self.peft(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True,
-                        **{self.cache_kw: cache})  # fmt: skip
-        suffix_logits = out.logits.float()  # (rows, width - shared, V)
+        suffix_hidden, _ = self.decode(
+            input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True, **{self.cache_kw: cache}
+        )  # fmt: skip  (rows, width - shared, H)
         targets = self._padded([d.targets for d in data], width, torch.long, fill=-100)
         # the target each position's logits score: its own (no shift) or the next position's (auto_shift)
         scored = torch.cat([targets[:, 1:], targets.new_full((n_rows, 1), -100)], 1) if auto_shift else targets
         index = scored.clamp(min=0).unsqueeze(-1)
-        head = torch.log_softmax(prefix_logits, dim=-1).expand(n_rows, -1, -1).gather(-1, index[:, :shared])
-        tail = torch.log_softmax(suffix_logits, dim=-1).gather(-1, index[:, shared:])
-        gathered = torch.cat([head, tail], dim=1).squeeze(-1)
+        # prefix positions: their logits once, each row's own target gathered from them ((shared, rows) -> (rows, shared))
+        head = self.token_logprobs(prefix_hidden[0], index[:, :shared, 0].T).T
+        tail = self.token_logprobs(suffix_hidden, index[:, shared:, 0])
+        gathered = torch.cat([head, tail], dim=1)
         if auto_shift:  # position i reports the logits of position i - 1 scoring target i
             gathered = torch.cat([gathered.new_zeros(n_rows, 1), gathered[:, :-1]], dim=1)
         valid = targets != -100
