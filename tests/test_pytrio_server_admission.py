@@ -203,13 +203,41 @@ def test_non_finite_numbers_are_refused_in_every_request(served, engine):
             "grad_clip_norm": 0.0}  # fmt: skip
     for field, value in (("learning_rate", math.nan), ("weight_decay", math.nan), ("eps", math.inf),
                          ("beta1", -math.inf)):  # fmt: skip
+        # refused before it is queued, as a failed event: pytrio's training client would stop the whole run on a
+        # refused submission, while a failed event fails this call only
         answer, _ = event(EventType.TRAINER_OPTIMIZE_STEP, {"adam_params": {**adam, field: value}}, 2)
-        assert answer.status_code == 400, (field, answer.content)
         body = msgpack.unpackb(answer.content)
-        assert body["code"] == "non_finite_number" and field in body["message"], body
+        assert answer.status_code == 202 and body["status"] == "failed", (field, body)
+        assert body["error"]["code"] == "non_finite_number" and field in body["error"]["message"], body
     # a finite but invalid value fails the event with the reason (the run's weights untouched)
     answer, event_id = event(EventType.TRAINER_OPTIMIZE_STEP, {"adam_params": {**adam, "beta2": 1.5}}, 2)
     assert answer.status_code == 202
     status = client.get(f"/actor/v1/events/{event_id}", headers={**token, "Prefer": "wait=30"})
     result = msgpack.unpackb(status.content)
     assert result["status"] == "failed" and "beta2=1.5" in str(result), result
+    answer, event_id = event(EventType.TRAINER_OPTIMIZE_STEP, {"adam_params": adam}, 2)  # the run goes on
+    status = client.get(f"/actor/v1/events/{event_id}", headers={**token, "Prefer": "wait=30"})
+    assert msgpack.unpackb(status.content)["status"] == "succeeded"
+
+
+def test_a_nan_learning_rate_from_the_real_client_fails_that_call_only(served):
+    import pytrio as trio
+    from pytrio.errors.event import EventFailedError
+
+    server = served[0]
+    server.configure_client(retry_initial_delay_seconds=0.05)
+    service = trio.ServiceClient()
+    try:
+        tc = service.create_lora_training_client(base_model=server.model_alias, rank=4, seed=0)
+        tokens = [1, 5, 9, 14, 3, 7]
+        datum = trio.Datum(model_input=trio.ModelInput.from_ints(tokens[:-1]),
+                           loss_fn_inputs={"target_tokens": tokens[1:]})  # fmt: skip
+        tc.forward_backward([datum], "cross_entropy").result()
+        with pytest.raises(EventFailedError) as error:
+            tc.optim_step(trio.AdamParams(learning_rate=math.nan)).result()
+        assert error.value.code == "non_finite_number" and "learning_rate" in str(error.value)
+        tc.optim_step(trio.AdamParams(learning_rate=1e-3)).result()
+        loss = tc.forward([datum], "cross_entropy").result().metrics["loss_sum"]
+        assert math.isfinite(loss)
+    finally:
+        service._runtime.shutdown()

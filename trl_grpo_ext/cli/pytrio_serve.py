@@ -92,6 +92,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=defaults.max_topk_logprobs,
         help=f"largest topk_prompt_logprobs a sample request may ask (default {defaults.max_topk_logprobs})",
     )
+    parser.add_argument(
+        "--memory-budget-gb",
+        type=float,
+        default=None,
+        help="working memory admitted at once, GiB (activations, sampling caches; estimated per request from the "
+        "model's shape): larger requests get 413, others wait their turn (default: 60%% of the memory available "
+        "at start)",
+    )
     parser.add_argument("--log-level", default="INFO", help="logging level")
 
 
@@ -119,6 +127,7 @@ def _config(args: argparse.Namespace) -> tuple[ServerConfig, bool]:
         max_connections=args.max_connections,
         max_connections_per_peer=args.max_connections_per_peer,
         max_topk_logprobs=args.max_topk_logprobs,
+        memory_budget_bytes=None if args.memory_budget_gb is None else int(args.memory_budget_gb * 1024**3),
     )
     return config, api_key is not None
 

@@ -31,6 +31,7 @@ from trl_grpo_ext.pytrio.server.control import ControlHandlers
 from trl_grpo_ext.pytrio.server.engine import ModelEngine
 from trl_grpo_ext.pytrio.server.errors import ApiError
 from trl_grpo_ext.pytrio.server.events import RunEventQueue, started_future
+from trl_grpo_ext.pytrio.server.memory import MemoryGate, default_budget, gib, tune_allocator
 from trl_grpo_ext.pytrio.server.registry import Registry
 from trl_grpo_ext.pytrio.server.routes import create_app
 from trl_grpo_ext.pytrio.server.sampling import SamplingBatcher
@@ -57,6 +58,7 @@ class LocalPyTrioServer(ControlHandlers, ActorHandlers, TrainingHandlers, Checkp
 
     def __init__(self, config: ServerConfig, engine: ModelEngine | None = None):
         self.config = config
+        tune_allocator()  # before the model loads: freed activations go back to the system
         self.api_key = config.api_key or "trio-local-" + secrets.token_urlsafe(18)
         self.engine = engine or ModelEngine(
             _resolve_model(config.model),
@@ -70,7 +72,9 @@ class LocalPyTrioServer(ControlHandlers, ActorHandlers, TrainingHandlers, Checkp
         self.served_names = tuple(dict.fromkeys(config.served_names))
         self.model_alias = self.served_names[0] if self.served_names else _default_alias(config.model, self.model_id)
         self.aliases = {self.model_id, self.model_alias, str(config.model), *self.served_names}
-        self.sampler = SamplingBatcher(self.engine, config.max_sampling_rows)
+        self.memory = MemoryGate(config.memory_budget_bytes or default_budget())
+        logger.info("PyTRIO local server: working memory budget %s", gib(self.memory.budget))
+        self.sampler = SamplingBatcher(self.engine, config.max_sampling_rows, self.memory)
         self._queues: dict[str, RunEventQueue] = {}
         self._snapshot_cache: OrderedDict[str, LoraSnapshot] = OrderedDict()
         self._cache_lock = threading.Lock()

@@ -57,6 +57,10 @@ class ServerConfig:
     # Concurrent sample requests on the same weights share decode steps, up to this many rows in one batch.
     max_sampling_rows: int = 64
     idle_timeout_seconds: float = 300.0  # above a slow CPU step (forward_backward measured up to ~100 s loaded)
+    # Working memory admitted at once (forward/backward activations, sampling KV caches, prompt log-probs), estimated
+    # per request from the model's shape; None: 60% of the memory available when the server starts. A request that
+    # can never fit is refused (413); one that does not fit now waits for running work to finish.
+    memory_budget_bytes: int | None = None
     # A request's head and body must arrive within this of its first byte (a deadline later bytes do not move);
     # 64 MiB in 120 s is 0.5 MB/s, far below any local link.
     request_timeout_seconds: float = 120.0
@@ -78,7 +82,7 @@ class ServerConfig:
                      "max_connections_per_peer"):  # fmt: skip
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
                 problems.append(f"{name} must be an integer >= 1, got {getattr(self, name)!r}")
-        for name in ("max_batch_size", "max_tokens_per_request"):
+        for name in ("max_batch_size", "max_tokens_per_request", "memory_budget_bytes"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or value < 1):
                 problems.append(f"{name} must be None or an integer >= 1, got {value!r}")

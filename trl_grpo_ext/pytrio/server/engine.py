@@ -22,7 +22,8 @@ from trl_grpo_ext.pytrio.server.adapters import LoraAdapters, LoraSettings, Lora
 from trl_grpo_ext.pytrio.server.decoding import SampleSpec, Sampling, default_stop_ids
 from trl_grpo_ext.pytrio.server.errors import EngineError
 from trl_grpo_ext.pytrio.server.forward import MIN_SHARED_PREFIX, ForwardBackward
-from trl_grpo_ext.pytrio.server.logprobs import TokenLogprobs, split_head_exact
+from trl_grpo_ext.pytrio.server.logprobs import LOGIT_CHUNK, TokenLogprobs, checkpointing_exact, split_head_exact
+from trl_grpo_ext.pytrio.server.memory import MemoryModel
 from trl_grpo_ext.pytrio.server.sample_params import SampleLimits, check_spec
 
 
@@ -38,6 +39,7 @@ class ModelEngine(LoraAdapters, ForwardBackward, Sampling, TokenLogprobs):
         max_batch_tokens: int = 4096,
         share_prefix: bool = True,
         min_shared_prefix: int = MIN_SHARED_PREFIX,
+        checkpoint_tokens: int = 1024,
     ):
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -73,6 +75,10 @@ class ModelEngine(LoraAdapters, ForwardBackward, Sampling, TokenLogprobs):
         self.cache_kw = cache_keyword(model)
         # log-probs from hidden states, the output layer a chunk of positions at a time (`logprobs`), where exact
         self.split_head = split_head_exact(model, self.vocab_size)
+        # plain forward/backward chunks above `checkpoint_tokens` padded tokens recompute the layers in backward
+        self.can_checkpoint = checkpointing_exact(model)
+        self.checkpoint_tokens = max(1, int(checkpoint_tokens))
+        self.memory_model = MemoryModel.from_model(model, LOGIT_CHUNK)  # bytes of a request, for admission
 
     def sample_limits(self, max_num_samples: int = 2**31) -> SampleLimits:
         """What a sample request may ask of this model (the server adds its `max_num_samples`)."""
@@ -81,6 +87,14 @@ class ModelEngine(LoraAdapters, ForwardBackward, Sampling, TokenLogprobs):
     def check_sample(self, spec: SampleSpec) -> SampleSpec:
         """`spec`, or `EngineError` for a request this engine cannot sample (before it joins a batch)."""
         return check_spec(spec, self.sample_limits())
+
+    def check_lengths(self, lengths: list[int]) -> None:
+        """`EngineError` for an item longer than the model's context (its positions have no embedding)."""
+        longest = max(lengths, default=0)
+        if self.max_seq_len and longest > self.max_seq_len:
+            raise EngineError(
+                "sequence_too_long", f"an item of {longest} tokens exceeds the model's context of {self.max_seq_len}"
+            )
 
     # ---------------------------------------------------------------- training runs
     def create_run(self, run_id: str, lora: LoraSettings, source: LoraSnapshot | None = None, load_optimizer=False):

@@ -58,7 +58,8 @@ class ForwardBackward:
         mask = None
         if min(lengths) < width:
             mask = (torch.arange(width) < torch.tensor(lengths).unsqueeze(1)).long().to(self.device)
-        hidden, _ = self.decode(input_ids=ids, attention_mask=mask)
+        with self.layer_checkpointing(torch.is_grad_enabled() and ids.numel() > self.checkpoint_tokens):
+            hidden, _ = self.decode(input_ids=ids, attention_mask=mask, use_cache=False)
         if auto_shift:
             # position i predicts target i + 1; the first label has no predicting position (masked below)
             hidden = torch.cat([hidden.new_zeros(hidden.shape[0], 1, hidden.shape[-1]), hidden[:, :-1]], dim=1)
@@ -77,19 +78,22 @@ class ForwardBackward:
 
     def _chunks(self, data: list[ForwardDatum]) -> list[list[ForwardDatum]]:
         """Consecutive groups whose padded size stays within `max_batch_tokens` (bounds the logits' memory)."""
-        chunks: list[list[ForwardDatum]] = []
-        current: list[ForwardDatum] = []
-        width = 0
-        for datum in data:
-            grown = max(width, len(datum.tokens))
-            if current and grown * (len(current) + 1) > self.max_batch_tokens:
-                chunks.append(current)
-                current, grown = [], len(datum.tokens)
-            current.append(datum)
-            width = grown
-        if current:
-            chunks.append(current)
+        chunks, start = [], 0
+        for rows, _width in chunk_shapes([len(d.tokens) for d in data], self.max_batch_tokens):
+            chunks.append(data[start : start + rows])
+            start += rows
         return chunks
+
+    def forward_bytes(self, lengths: list[int], backward: bool) -> int:
+        """Working memory of a forward (and backward) over data of these token counts: its largest chunk's."""
+        worst = 0
+        for rows, width in chunk_shapes([n for n in lengths if n], self.max_batch_tokens):
+            tokens = rows * width
+            # rows sharing a prefix run on its KV cache: their layers cannot be recomputed (upper bound: all shared)
+            shared = self.share_prefix and rows > 1 and self.prefix_sharing_reason is None
+            recomputed = not shared and self.can_checkpoint and tokens > self.checkpoint_tokens
+            worst = max(worst, self.memory_model.chunk_bytes(tokens, backward, recomputed))
+        return worst
 
     def _piece_loss(self, piece: list[ForwardDatum], spec: LossSpec, logprobs: torch.Tensor, valid: torch.Tensor):
         """(summed loss, per-token loss, counted-token mask) of right-padded rows `logprobs` (B, T)."""
@@ -226,6 +230,7 @@ class ForwardBackward:
         """
         with self.lock:
             run = self._run(run_id)
+            self.check_lengths([len(d.tokens) for d in data])
             for datum in data:  # before any backward: a bad datum must not leave half a batch of gradients
                 self._check_tokens(datum)
             self._activate(run.adapter, trainable=backward)
@@ -270,6 +275,23 @@ class ForwardBackward:
             if backward:
                 run.pending_tokens += token_count
             return outputs, {"loss_sum": loss_sum, "token_count": token_count}
+
+
+def chunk_shapes(lengths: list[int], max_tokens: int) -> list[tuple[int, int]]:
+    """(rows, padded width) of each chunk of consecutive data whose padded size stays within `max_tokens` (a datum
+    longer than that is a chunk of its own)."""
+    shapes: list[tuple[int, int]] = []
+    rows = width = 0
+    for length in lengths:
+        grown = max(width, length)
+        if rows and grown * (rows + 1) > max_tokens:
+            shapes.append((rows, width))
+            rows, grown = 0, length
+        rows += 1
+        width = grown
+    if rows:
+        shapes.append((rows, width))
+    return shapes
 
 
 def _common_prefix(a: list[int], b: list[int]) -> int:

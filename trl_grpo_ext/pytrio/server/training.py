@@ -89,9 +89,13 @@ class TrainingHandlers:
                 )
             )
         backward = record.type == "trainer.forward_backward"
-        outputs, metrics = self.engine.forward(
-            record.run, data, spec, backward=backward, auto_shift=payload.auto_shift
-        )
+        self.engine.check_lengths([len(d.tokens) for d in data])
+        cost = self.engine.forward_bytes([len(d.tokens) for d in data], backward)
+        self.memory.refuse_beyond(cost, f"this {record.type.split('.')[1]}")
+        with self.memory.reserve(cost):  # waits while running work holds the budget
+            outputs, metrics = self.engine.forward(
+                record.run, data, spec, backward=backward, auto_shift=payload.auto_shift
+            )
         count = metrics["token_count"]
         record.usage = {
             "input_tokens": sum(len(d.tokens) for d in data),

@@ -94,3 +94,12 @@ def require_finite(value: object, code: str) -> None:
     where = non_finite_path(value)
     if where is not None:
         raise ApiError(400, code, f"{where} is not a finite number; every number of a request must be finite")
+
+
+def item_lengths(payload: object) -> list[int] | None:
+    """Token count of each datum of a raw ``trainer.forward(_backward)`` payload; None when it is not shaped like one
+    (its validation then says what is wrong)."""
+    try:
+        return [sum(len(chunk["tokens"]) for chunk in datum["model_input"]["chunks"]) for datum in payload["data"]]
+    except (TypeError, KeyError):
+        return None
