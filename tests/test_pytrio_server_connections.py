@@ -146,3 +146,23 @@ def test_accept_errors_are_logged_at_most_once_per_interval(caplog):
     with caplog.at_level(logging.ERROR):
         handler(Loop(), context)
     assert "4999 more" in caplog.records[-1].getMessage()
+
+
+def test_cli_flags_set_the_limits():
+    import argparse
+
+    from trl_grpo_ext.cli import pytrio_serve
+
+    parser = argparse.ArgumentParser()
+    pytrio_serve.add_arguments(parser)
+    args = parser.parse_args(["--model", "embedded", "--request-timeout", "5", "--max-connections", "10",
+                              "--max-connections-per-peer", "4", "--max-topk-logprobs", "3", "--idle-timeout", "7",
+                              "--memory-budget-gb", "1.5"])  # fmt: skip
+    config, _ = pytrio_serve._config(args)
+    assert (config.request_timeout_seconds, config.max_connections, config.max_connections_per_peer) == (5, 10, 4)
+    assert (config.max_topk_logprobs, config.idle_timeout_seconds) == (3, 7)
+    assert config.memory_budget_bytes == int(1.5 * 1024**3)
+    defaults = pytrio_serve._config(parser.parse_args(["--model", "embedded"]))[0]
+    assert defaults.memory_budget_bytes is None and defaults.max_connections == 1024
+    with pytest.raises(ValueError, match="max_connections_per_peer"):
+        pytrio_serve._config(parser.parse_args(["--model", "embedded", "--max-connections-per-peer", "0"]))
