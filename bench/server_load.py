@@ -83,7 +83,7 @@ def sampling_run(base_url: str) -> tuple[str, dict]:
 
 
 def good_body(client: int, i: int, args) -> dict:
-    prompt = [(31 * client + 7 * i + 5 * j) % 400 + 10 for j in range(args.prompt_tokens)]
+    prompt = [(31 * client + 7 * i + 5 * j) % 390 + 10 for j in range(args.prompt_tokens)]  # any vocabulary
     return {"request_id": f"c{client}-{i}", "prompt": {"chunks": [{"type": "encoded_text", "tokens": prompt}]},
             "sampling_params": {"max_tokens": args.max_tokens, "seed": client * 1000 + i}, "num_samples": 1}  # fmt: skip
 
@@ -129,8 +129,11 @@ def run_level(url: str, headers: dict, clients: int, hostile: bool, args) -> dic
 
     threads = [threading.Thread(target=good, args=(c,)) for c in range(clients)]
     attacker = threading.Thread(target=bad) if hostile else None
-    if attacker:
+    if attacker:  # already sending when the others start
         attacker.start()
+        deadline = time.monotonic() + 30
+        while not hostile_answers and time.monotonic() < deadline:
+            time.sleep(0.01)
     start = time.perf_counter()
     for t in threads:
         t.start()
