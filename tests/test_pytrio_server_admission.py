@@ -196,6 +196,12 @@ def test_non_finite_numbers_are_refused_in_every_request(served, engine):
         data["payload"] = payload
         return client.post("/actor/v1/events", content=msgpack.packb(data), headers=token), envelope.event_id
 
+    for bad_lora in ({"rank": 10**6}, {"rank": 0}):  # the event's own copy of the LoRA settings
+        submitted, event_id = event(EventType.TRAINER_INIT_RUN, {"base_model": server.model_alias,
+                                                                 "lora_config": {**lora, **bad_lora}}, 1)  # fmt: skip
+        status = client.get(f"/actor/v1/events/{event_id}", headers={**token, "Prefer": "wait=30"})
+        result = msgpack.unpackb(status.content)
+        assert result["status"] == "failed" and result["error"]["code"] == "invalid_payload", result
     submitted, init = event(EventType.TRAINER_INIT_RUN, {"base_model": server.model_alias,
                                                          "lora_config": {"rank": 4, **lora}}, 1)  # fmt: skip
     assert submitted.status_code == 202

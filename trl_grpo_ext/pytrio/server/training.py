@@ -55,6 +55,10 @@ class TrainingHandlers:
             raise EventFailure("model_not_found", self.not_served_message(payload.base_model))
         run = self.registry.training_run(record.run)
         c = payload.lora_config
+        # the bounds of run creation: the event carries its own copy (a huge rank is gigabytes of adapter); a seed
+        # outside torch's range cannot travel in msgpack
+        if not 1 <= c.rank <= 256:
+            raise EventFailure("invalid_payload", f"lora_config.rank must be in [1, 256], got {c.rank}")
         lora = LoraSettings(c.rank, c.seed, c.train_mlp, c.train_attn, c.train_unembed)
         source = None
         if payload.checkpoint_uri:
