@@ -163,6 +163,25 @@ def test_a_training_event_waits_for_the_budget_in_its_run(make_server, engine):
         service._runtime.shutdown()
 
 
+def test_a_batch_larger_than_the_budget_runs_in_smaller_chunks(make_server, engine):
+    """Only an item alone above the budget is refused: a batch of many runs in chunks cut to fit, same results."""
+    data = [_datum(100 + i) for i in range(6)]
+    budget = engine.forward_bytes([106, 106], True) * 11 // 10  # two items per chunk at most
+    assert engine.forward_bytes([100 + i for i in range(6)], True) > budget  # as one chunk it would not fit
+    results = []
+    for options in ({}, {"memory_budget_bytes": budget}):
+        server = make_server(**options)
+        service = trio.ServiceClient()
+        try:
+            tc = service.create_lora_training_client(base_model=server.model_alias, rank=4, seed=0)
+            results.append(tc.forward_backward(data, "cross_entropy").result())
+            assert server.memory.peak <= server.memory.budget
+        finally:
+            service._runtime.shutdown()
+    assert results[1].metrics["token_count"] == sum(100 + i for i in range(6))
+    assert results[1].metrics["loss_sum"] == pytest.approx(results[0].metrics["loss_sum"], rel=1e-5)
+
+
 def _reference_logprobs(engine, tokens, targets):
     """log_softmax over the model's full logits, gathered: what the chunked computation must equal."""
     logits = engine.peft(input_ids=torch.tensor([tokens])).logits.float()

@@ -106,7 +106,7 @@ class ActorHandlers:
                 if lengths is not None:
                     self.engine.check_lengths(lengths)
                     backward = event_type == "trainer.forward_backward"
-                    cost = self.engine.forward_bytes(lengths, backward)
+                    cost = self.engine.forward_bytes(lengths, backward, self.memory.budget)
                     self.memory.refuse_beyond(cost, f"this {event_type.split('.')[1]} ({sum(lengths)} tokens)")
         except (ApiError, EngineError) as error:
             return EventFailure(error.code, error.message)

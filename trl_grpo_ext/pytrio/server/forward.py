@@ -76,24 +76,34 @@ class ForwardBackward:
             out[i, : len(row)] = torch.tensor(row, dtype=dtype)
         return out.to(self.device)
 
-    def _chunks(self, data: list[ForwardDatum]) -> list[list[ForwardDatum]]:
-        """Consecutive groups whose padded size stays within `max_batch_tokens` (bounds the logits' memory)."""
+    def _chunks(self, data: list[ForwardDatum], backward: bool, budget: int | None) -> list[list[ForwardDatum]]:
+        """Consecutive groups whose padded size stays within `max_batch_tokens` (bounds the logits' memory) and
+        whose working memory within `budget` bytes (None: no such bound)."""
         chunks, start = [], 0
-        for rows, _width in chunk_shapes([len(d.tokens) for d in data], self.max_batch_tokens):
+        for rows, _width in self._chunk_shapes([len(d.tokens) for d in data], backward, budget):
             chunks.append(data[start : start + rows])
             start += rows
         return chunks
 
-    def forward_bytes(self, lengths: list[int], backward: bool) -> int:
-        """Working memory of a forward (and backward) over data of these token counts: its largest chunk's."""
-        worst = 0
-        for rows, width in chunk_shapes([n for n in lengths if n], self.max_batch_tokens):
-            tokens = rows * width
-            # rows sharing a prefix run on its KV cache: their layers cannot be recomputed (upper bound: all shared)
-            shared = self.share_prefix and rows > 1 and self.prefix_sharing_reason is None
-            recomputed = not shared and self.can_checkpoint and tokens > self.checkpoint_tokens
-            worst = max(worst, self.memory_model.chunk_bytes(tokens, backward, recomputed))
-        return worst
+    def _chunk_shapes(self, lengths: list[int], backward: bool, budget: int | None) -> list[tuple[int, int]]:
+        def fits(rows: int, width: int) -> bool:
+            tokens_fit = rows * width <= self.max_batch_tokens
+            return tokens_fit and (budget is None or self._chunk_bytes(rows, width, backward) <= budget)
+
+        return chunk_shapes(lengths, fits)
+
+    def _chunk_bytes(self, rows: int, width: int, backward: bool) -> int:
+        tokens = rows * width
+        # rows sharing a prefix run on its KV cache: their layers cannot be recomputed (upper bound: all shared)
+        shared = self.share_prefix and rows > 1 and self.prefix_sharing_reason is None
+        recomputed = not shared and self.can_checkpoint and tokens > self.checkpoint_tokens
+        return self.memory_model.chunk_bytes(tokens, backward, recomputed)
+
+    def forward_bytes(self, lengths: list[int], backward: bool, budget: int | None = None) -> int:
+        """Working memory of a forward (and backward) over data of these token counts, chunked as `forward` chunks
+        them under `budget`: its largest chunk's (above `budget` only when one item alone is)."""
+        shapes = self._chunk_shapes([n for n in lengths if n], backward, budget)
+        return max((self._chunk_bytes(rows, width, backward) for rows, width in shapes), default=0)
 
     def _piece_loss(self, piece: list[ForwardDatum], spec: LossSpec, logprobs: torch.Tensor, valid: torch.Tensor):
         """(summed loss, per-token loss, counted-token mask) of right-padded rows `logprobs` (B, T)."""
@@ -222,11 +232,21 @@ class ForwardBackward:
             valid[:, 0] = False
         return torch.where(valid, gathered, torch.zeros_like(gathered)), valid
 
-    def forward(self, run_id: str, data: list[ForwardDatum], spec: LossSpec, *, backward: bool, auto_shift: bool):
+    def forward(
+        self,
+        run_id: str,
+        data: list[ForwardDatum],
+        spec: LossSpec,
+        *,
+        backward: bool,
+        auto_shift: bool,
+        budget: int | None = None,
+    ):
         """Per-datum outputs (``logprobs``, ``elementwise_loss`` as float arrays) and summed metrics.
 
         The loss of the call is the sum over data and counted tokens; gradients accumulate into the run's
-        adapter until `optim_step`. Data run as right-padded batches (`_chunks`), which leaves the sum unchanged.
+        adapter until `optim_step`. Data run as right-padded batches (`_chunks`, each within `budget` bytes of
+        working memory where one item alone is not above it), which leaves the sum unchanged.
         """
         with self.lock:
             run = self._run(run_id)
@@ -235,7 +255,7 @@ class ForwardBackward:
                 self._check_tokens(datum)
             self._activate(run.adapter, trainable=backward)
             outputs, loss_sum, token_count = [], 0.0, 0
-            for chunk in self._chunks([d for d in data if d.tokens]):
+            for chunk in self._chunks([d for d in data if d.tokens], backward, budget):
                 chunk_outputs: list[dict | None] = [None] * len(chunk)
                 pieces = self._pieces(chunk)
                 groups = [(rows, shared) for rows, shared in pieces if shared]
@@ -277,14 +297,14 @@ class ForwardBackward:
             return outputs, {"loss_sum": loss_sum, "token_count": token_count}
 
 
-def chunk_shapes(lengths: list[int], max_tokens: int) -> list[tuple[int, int]]:
-    """(rows, padded width) of each chunk of consecutive data whose padded size stays within `max_tokens` (a datum
-    longer than that is a chunk of its own)."""
+def chunk_shapes(lengths: list[int], fits) -> list[tuple[int, int]]:
+    """(rows, padded width) of each chunk of consecutive data, a chunk growing while ``fits(rows, width)`` (a datum
+    that fits nowhere is a chunk of its own)."""
     shapes: list[tuple[int, int]] = []
     rows = width = 0
     for length in lengths:
         grown = max(width, length)
-        if rows and grown * (rows + 1) > max_tokens:
+        if rows and not fits(rows + 1, grown):
             shapes.append((rows, width))
             rows, grown = 0, length
         rows += 1

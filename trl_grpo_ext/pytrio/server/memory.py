@@ -100,9 +100,11 @@ class MemoryModel:
 
     def sample_bytes(self, prompt: int, num_samples: int, max_tokens: int) -> int:
         """A sample request: its rows' KV cache at full length (twice: a batch join concatenates copies), its
-        prompt's prefill, and the per-step vocabulary-wide tensors of its rows (logits, the sampling distribution)."""
+        prompt's prefill (one layer at a time, logits of the last position only), and the per-step
+        vocabulary-wide tensors of its rows (logits, the sampling distribution)."""
         cache = 2 * self.kv_token_bytes * num_samples * (prompt + max_tokens)
-        return cache + self.chunk_bytes(prompt, backward=False, recomputed=False) + 8 * num_samples * self.vocab * 4
+        prefill = prompt * (2 * self.layer_token_bytes + self.kv_token_bytes)
+        return cache + prefill + 8 * num_samples * self.vocab * 4
 
     def prompt_logprobs_bytes(self, prompt: int, topk: int) -> int:
         return self.chunk_bytes(prompt, backward=False, recomputed=False) + prompt * max(topk, 1) * 64

@@ -94,11 +94,12 @@ class TrainingHandlers:
             )
         backward = record.type == "trainer.forward_backward"
         self.engine.check_lengths([len(d.tokens) for d in data])
-        cost = self.engine.forward_bytes([len(d.tokens) for d in data], backward)
+        budget = self.memory.budget  # chunks are cut to fit it: only an item alone above it is refused
+        cost = self.engine.forward_bytes([len(d.tokens) for d in data], backward, budget)
         self.memory.refuse_beyond(cost, f"this {record.type.split('.')[1]}")
         with self.memory.reserve(cost):  # waits while running work holds the budget
             outputs, metrics = self.engine.forward(
-                record.run, data, spec, backward=backward, auto_shift=payload.auto_shift
+                record.run, data, spec, backward=backward, auto_shift=payload.auto_shift, budget=budget
             )
         count = metrics["token_count"]
         record.usage = {
