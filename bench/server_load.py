@@ -58,7 +58,7 @@ def _status(pid: int, key: str) -> float:
 
 def start_server(model: str, budget_gb: float | None) -> tuple[subprocess.Popen, str]:
     command = [sys.executable, "-m", "trl_grpo_ext.cli", "pytrio-serve", "--model", model, "--port", "0",
-               "--log-level", "WARNING", "--max-connections-per-peer", "512"]  # fmt: skip
+               "--log-level", "WARNING"]  # fmt: skip
     if budget_gb is not None:
         command += ["--memory-budget-gb", str(budget_gb)]
     env = {**os.environ, "TRL_GRPO_EXT_PYTRIO_API_KEY": KEY, "PYTHONPATH": str(ROOT)}
