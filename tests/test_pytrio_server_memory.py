@@ -233,3 +233,27 @@ def test_estimates_follow_the_model_shape(engine):
     assert 0.35 * GIB < smol.chunk_bytes(2048, True, recomputed=True) < 1 * GIB
     assert smol.chunk_bytes(2048, True, recomputed=False) > 2.9 * GIB
     assert json.dumps(engine.forward_bytes([], True)) == "0"
+
+
+def test_freed_memory_is_handed_back_once_the_server_is_idle(monkeypatch):
+    """When admitted work drops to 0 and stays there a moment, gc + malloc_trim run (once per idle spell)."""
+    from trl_grpo_ext.pytrio.server import memory
+
+    real, calls = memory.release_freed_memory, []
+    monkeypatch.setattr(memory, "release_freed_memory", lambda: calls.append(time.monotonic()))
+    gate = memory.MemoryGate(100)
+    gate.acquire(60)
+    assert gate.try_acquire(40) and not gate.try_acquire(1)  # the budget is full
+    gate.release(40)
+    time.sleep(memory.IDLE_TRIM_SECONDS * 2)
+    assert calls == []  # work still admitted: nothing trimmed
+    gate.release(60)
+    gate.acquire(10)  # new work and its end within the idle delay: one trim, when the delay is over
+    gate.release(10)
+    deadline = time.monotonic() + 10
+    while not calls and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert len(calls) == 1 and gate.used == 0 and gate.peak == 100
+    real()  # the real one (gc, then malloc_trim where glibc) runs without error
+    with pytest.raises(Exception, match="exceeds_memory_budget|needs about"):
+        gate.refuse_beyond(101, "this request")
