@@ -17,10 +17,12 @@ import pytest
 httpx = pytest.importorskip("httpx")
 pytest.importorskip("pytrio")
 
+import pytrio_servers  # noqa: E402
+
 from trl_grpo_ext.pytrio.server import LocalPyTrioServer, ServerConfig  # noqa: E402
-from trl_grpo_ext.pytrio.server.engine import ModelEngine  # noqa: E402
 
 KEY = {"Authorization": "Bearer k"}
+engine = pytrio_servers.engine  # fixture
 GOOD = [  # (prompt, sampling params, num_samples)
     ([1, 5, 9, 14, 3, 7, 8], {"max_tokens": 10, "seed": 3}, 3),
     ([2, 3], {"max_tokens": 8, "seed": 4, "temperature": 0.7, "top_k": 20}, 2),
@@ -57,11 +59,6 @@ BAD = {  # name: (changes to a good request body, the code answered)
 def _body(prompt, params, n, rid="r"):
     return {"request_id": rid, "prompt": {"chunks": [{"type": "encoded_text", "tokens": prompt}]},
             "sampling_params": params, "num_samples": n}  # fmt: skip
-
-
-@pytest.fixture(scope="module")
-def engine(tiny_model_path):
-    return ModelEngine(tiny_model_path)
 
 
 @pytest.fixture(scope="module")

@@ -10,31 +10,13 @@ import pytest
 
 pytest.importorskip("pytrio")
 
-from trl_grpo_ext.pytrio.server import LocalPyTrioServer, ServerConfig  # noqa: E402
-from trl_grpo_ext.pytrio.server.engine import ModelEngine  # noqa: E402
+import pytrio_servers  # noqa: E402
+
 from trl_grpo_ext.pytrio.server.serving import ThrottledAcceptErrors  # noqa: E402
 
 VERIFY = b"GET /api/openapi/v1/api-key/verify HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer k\r\n\r\n"
 
-
-@pytest.fixture(scope="module")
-def engine(tiny_model_path):
-    return ModelEngine(tiny_model_path)
-
-
-@pytest.fixture
-def make_server(engine, tiny_model_path):
-    started = []
-
-    def make(**options) -> LocalPyTrioServer:
-        config = ServerConfig(model=tiny_model_path, api_key="k", ephemeral_storage=True, **options)
-        server = LocalPyTrioServer(config, engine=engine).start()
-        started.append(server)
-        return server
-
-    yield make
-    for server in started:
-        server.stop()
+engine, make_server = pytrio_servers.engine, pytrio_servers.make_server  # fixtures
 
 
 def _answer(sock: socket.socket) -> bytes:

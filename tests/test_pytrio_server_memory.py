@@ -14,38 +14,18 @@ trio = pytest.importorskip("pytrio")
 httpx = pytest.importorskip("httpx")
 
 import msgpack  # noqa: E402
+import pytrio_servers  # noqa: E402
 import torch  # noqa: E402
 from pytrio.errors.actor import ActorAPIError  # noqa: E402
 from pytrio.errors.event import EventFailedError  # noqa: E402
 
-from trl_grpo_ext.pytrio.server import LocalPyTrioServer, ServerConfig  # noqa: E402
 from trl_grpo_ext.pytrio.server.adapters import LoraSettings  # noqa: E402
-from trl_grpo_ext.pytrio.server.engine import ModelEngine  # noqa: E402
 from trl_grpo_ext.pytrio.server.forward import ForwardDatum  # noqa: E402
 from trl_grpo_ext.pytrio.server.losses import parse_loss  # noqa: E402
 
 KEY = {"Authorization": "Bearer k"}
 
-
-@pytest.fixture(scope="module")
-def engine(tiny_model_path):
-    return ModelEngine(tiny_model_path)
-
-
-@pytest.fixture
-def make_server(engine, tiny_model_path, tmp_path):
-    started = []
-
-    def make(**options) -> LocalPyTrioServer:
-        config = ServerConfig(model=tiny_model_path, api_key="k", ephemeral_storage=True, **options)
-        server = LocalPyTrioServer(config, engine=engine).start()
-        server.configure_client(home=str(tmp_path / "trio-home"), retry_initial_delay_seconds=0.05)
-        started.append(server)
-        return server
-
-    yield make
-    for server in started:
-        server.stop()
+engine, make_server = pytrio_servers.engine, pytrio_servers.make_server  # fixtures
 
 
 def _datum(n: int):
