@@ -12,6 +12,17 @@ import threading
 from trl_grpo_ext.models import EMBEDDED_NAME
 from trl_grpo_ext.pytrio.server.config import API_KEY_ENV, MIB, ServerConfig, read_api_key_file
 
+# (flag, ServerConfig field, type, help) of the server's limits that map one to one onto a field
+LIMIT_FLAGS = [
+    ("--max-num-samples", "max_num_samples", int, "most sequences one sample request may ask for"),
+    ("--max-topk-logprobs", "max_topk_logprobs", int, "largest topk_prompt_logprobs a sample request may ask"),
+    ("--idle-timeout", "idle_timeout_seconds", float, "seconds a connection may stay silent before it is closed"),
+    ("--request-timeout", "request_timeout_seconds", float,
+     "seconds a request's head and body may take to arrive from its first byte; later bytes do not extend it"),
+    ("--max-connections", "max_connections", int, "open connections in all; one more is refused with 503 at once"),
+    ("--max-connections-per-peer", "max_connections_per_peer", int, "open connections from one address"),
+]  # fmt: skip
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     defaults = ServerConfig(model=EMBEDDED_NAME)
@@ -69,17 +80,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=defaults.max_request_bytes / MIB,
         help=f"largest request body accepted, MiB (default {defaults.max_request_bytes // MIB}); larger ones get 413",
     )
+    for flag, field, kind, what in LIMIT_FLAGS:  # each a `ServerConfig` field, its default shown
+        default = getattr(defaults, field)
+        metavar = flag[2:].upper().replace("-", "_")
+        parser.add_argument(
+            flag, type=kind, default=default, dest=field, metavar=metavar, help=f"{what} (default {default:g})"
+        )
     parser.add_argument(
-        "--max-num-samples",
-        type=int,
-        default=defaults.max_num_samples,
-        help=f"most sequences one sample request may ask for (default {defaults.max_num_samples})",
-    )
-    parser.add_argument(
-        "--idle-timeout",
+        "--memory-budget-gb",
         type=float,
-        default=defaults.idle_timeout_seconds,
-        help=f"seconds a connection may stay silent before it is closed (default {defaults.idle_timeout_seconds:g})",
+        default=None,
+        help="working memory admitted at once, GiB (activations, sampling caches; estimated per request from the "
+        "model's shape): larger requests get 413, others wait their turn (default: 60%% of the memory available "
+        "at start)",
     )
     parser.add_argument("--log-level", default="INFO", help="logging level")
 
@@ -105,8 +118,8 @@ def _config(args: argparse.Namespace) -> tuple[ServerConfig, bool]:
         dtype=args.dtype,
         max_batch_size=args.max_batch_size,
         max_request_bytes=int(args.max_request_mb * MIB),
-        max_num_samples=args.max_num_samples,
-        idle_timeout_seconds=args.idle_timeout,
+        **{field: getattr(args, field) for _flag, field, _kind, _what in LIMIT_FLAGS},
+        memory_budget_bytes=None if args.memory_budget_gb is None else int(args.memory_budget_gb * 1024**3),
     )
     return config, bool(keys)
 

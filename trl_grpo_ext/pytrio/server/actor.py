@@ -17,11 +17,12 @@ from pytrio.protocol.actor.events.event import EventEnvelope
 from pytrio.protocol.actor.sampling_run.sample import SampleRequest
 
 from trl_grpo_ext.pytrio.server.adapters import LoraSnapshot
-from trl_grpo_ext.pytrio.server.decoding import SampleResult, SampleSpec
-from trl_grpo_ext.pytrio.server.errors import ApiError, EngineError
+from trl_grpo_ext.pytrio.server.decoding import SampleResult
+from trl_grpo_ext.pytrio.server.errors import ApiError, EngineError, EventFailure
 from trl_grpo_ext.pytrio.server.events import EventRecord, RunEventQueue
 from trl_grpo_ext.pytrio.server.registry import ActorToken
-from trl_grpo_ext.pytrio.server.wire import prompt_tokens, validate
+from trl_grpo_ext.pytrio.server.sample_params import check_topk, sample_spec
+from trl_grpo_ext.pytrio.server.wire import item_lengths, prompt_tokens, require_finite, validate
 
 KNOWN_EVENTS = (
     "trainer.init_run",
@@ -32,7 +33,6 @@ KNOWN_EVENTS = (
     "trainer.save_weights",
     "trainer.end_run",
 )
-SAMPLING_PARAM_KEYS = {"max_tokens", "temperature", "top_k", "top_p", "seed", "stop", "stop_token_ids"}
 
 
 @dataclass
@@ -65,6 +65,7 @@ class ActorHandlers:
             raise ApiError(400, "invalid_envelope", f"event body is not valid MessagePack: {error}") from None
         if not isinstance(data, dict):
             raise ApiError(400, "invalid_envelope", "event body must be a MessagePack map")
+        require_finite({k: v for k, v in data.items() if k != "payload"}, "non_finite_number")
         event_type = data.get("type")
         if event_type not in KNOWN_EVENTS:
             raise ApiError(
@@ -86,9 +87,30 @@ class ActorHandlers:
             q = self._queues.get(run_id)
             if q is None:
                 q = self._queues[run_id] = RunEventQueue(run_id, self._handle_event)
-        if q.submit(record) is not None:
+        refusal = self._admission_refusal(event_type, envelope.payload)
+        if (q.refuse(record, refusal) if refusal else q.submit(record)) is not None:
             raise ApiError(409, "event_exists", f"event {envelope.event_id} was already submitted")
         return 202, record.wire()
+
+    def _admission_refusal(self, event_type: str, payload: object) -> EventFailure | None:
+        """Why an event is refused before it is queued: a NaN or infinite number (a NaN learning rate would poison
+        the run's weights), a forward item longer than the model's context, or working memory that could never be
+        admitted. None when it may queue (a payload of the wrong shape is left to the event's own validation).
+
+        The refusal is a failed event, not an HTTP error: pytrio's training client treats a refused submission as
+        uncertain and stops the whole run, while a failed event fails that call only."""
+        try:
+            require_finite(payload, "non_finite_number")
+            if event_type in ("trainer.forward", "trainer.forward_backward"):
+                lengths = item_lengths(payload)
+                if lengths is not None:
+                    self.engine.check_lengths(lengths)
+                    backward = event_type == "trainer.forward_backward"
+                    cost = self.engine.forward_bytes(lengths, backward, self.memory.budget)
+                    self.memory.refuse_beyond(cost, f"this {event_type.split('.')[1]} ({sum(lengths)} tokens)")
+        except (ApiError, EngineError) as error:
+            return EventFailure(error.code, error.message)
+        return None
 
     async def get_event(self, token: ActorToken, event_id: str, wait: float) -> dict:
         """The event's status once it finished, or after ``min(wait, long_poll_seconds)`` (or when the server stops)."""
@@ -112,43 +134,29 @@ class ActorHandlers:
             raise ApiError(404, "sampling_run_not_found", f"sampling run {rid} not found")
         run = self.registry.sampling_run(rid)
         request = validate(SampleRequest, body, "invalid_sample_request")
-        if request.num_samples > self.config.max_num_samples:
-            raise ApiError(
-                400,
-                "too_many_samples",
-                f"num_samples {request.num_samples} exceeds this server's limit of {self.config.max_num_samples} "
-                "(ServerConfig.max_num_samples, pytrio-serve --max-num-samples); split the request",
-            )
-        params = dict(request.sampling_params)
-        unknown = sorted(set(params) - SAMPLING_PARAM_KEYS)
-        if unknown:
-            raise ApiError(400, "invalid_sampling_params", f"unsupported sampling params {unknown}")
         prompt = prompt_tokens(request.prompt)
+        limits = self.engine.sample_limits(self.config.max_num_samples)
+        with _sampling_errors():  # every value checked here, before the request can join a decode batch
+            spec = sample_spec(prompt, request.num_samples, request.sampling_params, limits, request.return_text)
+            check_topk(request.topk_prompt_logprobs, self.config.max_topk_logprobs)
+        model = self.engine.memory_model
+        cost = model.sample_bytes(len(prompt), spec.num_samples, spec.max_tokens)
+        self.memory.refuse_beyond(cost, f"this sample request ({spec.num_samples} x {spec.max_tokens} tokens)")
+        if request.return_prompt_logprobs or request.topk_prompt_logprobs:
+            scoring = model.prompt_logprobs_bytes(len(prompt), request.topk_prompt_logprobs)
+            self.memory.refuse_beyond(scoring, f"prompt log-probs of {len(prompt)} tokens")
         snapshot = None
         if run.source_checkpoint_uri:
             snapshot = self._snapshot(self.registry.checkpoint(run.source_checkpoint_uri), with_optimizer=False)
-        stop = params.get("stop")
-        stop = [stop] if isinstance(stop, str) else stop
         with _sampling_errors():
-            spec = SampleSpec(
-                prompt,
-                request.num_samples,
-                max_tokens=int(params["max_tokens"]),
-                temperature=float(params.get("temperature", 1.0)),
-                top_k=int(params.get("top_k", -1)),
-                top_p=float(params.get("top_p", 1.0)),
-                seed=params.get("seed"),
-                stop=list(stop or []),
-                stop_token_ids=[int(t) for t in params.get("stop_token_ids") or []],
-                return_text=request.return_text,
-            )
-            return SampleJob(request, rid, prompt, snapshot, self.sampler.submit(snapshot, spec))
+            return SampleJob(request, rid, prompt, snapshot, self.sampler.submit(snapshot, spec, cost))
 
     def _sample_answer(self, job: SampleJob, results: list[SampleResult]) -> dict:
         request, prompt = job.request, job.prompt
         prompt_logprobs, topk = None, None
         if request.return_prompt_logprobs or request.topk_prompt_logprobs:
-            with _sampling_errors():
+            cost = self.engine.memory_model.prompt_logprobs_bytes(len(prompt), request.topk_prompt_logprobs)
+            with _sampling_errors(), self.memory.reserve(cost):
                 prompt_logprobs, topk = self.engine.prompt_logprobs(job.snapshot, prompt, request.topk_prompt_logprobs)
         return {
             "request_id": request.request_id,

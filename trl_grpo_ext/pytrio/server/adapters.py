@@ -172,7 +172,9 @@ class LoraAdapters:
         Returns the model to call and a context to call it in; the caller holds the engine's lock.
         """
         if snapshot is None:
-            if self.peft is None:
+            # no adapter, or the active one was dropped (PEFT keeps its name): the LoRA layers skip it, and PEFT's
+            # `disable_adapter` would fail looking it up
+            if self.peft is None or self.peft.active_adapter not in self.peft.peft_config:
                 return self.base, contextlib.nullcontext()
             return self.peft, self.peft.disable_adapter()
         key = snapshot.lora.shape_key

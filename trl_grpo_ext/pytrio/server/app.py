@@ -32,6 +32,7 @@ from trl_grpo_ext.pytrio.server.control import ControlHandlers
 from trl_grpo_ext.pytrio.server.engine import ModelEngine
 from trl_grpo_ext.pytrio.server.errors import ApiError
 from trl_grpo_ext.pytrio.server.events import RunEventQueue, started_future
+from trl_grpo_ext.pytrio.server.memory import MemoryGate, default_budget, gib, tune_allocator
 from trl_grpo_ext.pytrio.server.registry import Registry
 from trl_grpo_ext.pytrio.server.routes import create_app
 from trl_grpo_ext.pytrio.server.sampling import SamplingBatcher
@@ -58,6 +59,7 @@ class LocalPyTrioServer(ControlHandlers, ActorHandlers, TrainingHandlers, Checkp
 
     def __init__(self, config: ServerConfig, engine: ModelEngine | None = None):
         self.config = config
+        tune_allocator()  # before the model loads: freed activations go back to the system
         client_keys = [k for k in (config.api_key, *config.api_keys) if k]
         self.keys = KeyRing(client_keys, config.admin_keys) if client_keys else KeyRing.generate()
         self.api_key = self.keys.primary
@@ -73,7 +75,9 @@ class LocalPyTrioServer(ControlHandlers, ActorHandlers, TrainingHandlers, Checkp
         self.served_names = tuple(dict.fromkeys(config.served_names))
         self.model_alias = self.served_names[0] if self.served_names else _default_alias(config.model, self.model_id)
         self.aliases = {self.model_id, self.model_alias, str(config.model), *self.served_names}
-        self.sampler = SamplingBatcher(self.engine, config.max_sampling_rows)
+        self.memory = MemoryGate(config.memory_budget_bytes or default_budget())
+        logger.info("PyTRIO local server: working memory budget %s", gib(self.memory.budget))
+        self.sampler = SamplingBatcher(self.engine, config.max_sampling_rows, self.memory)
         self._queues: dict[str, RunEventQueue] = {}
         self._snapshot_cache: OrderedDict[str, LoraSnapshot] = OrderedDict()
         self._cache_lock = threading.Lock()
@@ -103,7 +107,11 @@ class LocalPyTrioServer(ControlHandlers, ActorHandlers, TrainingHandlers, Checkp
             raise RuntimeError("a stopped local PyTRIO server cannot start again; create a new one")
         self._pool = ThreadPoolExecutor(REQUEST_THREADS, thread_name_prefix="pytrio-request")
         config = self.config
-        http = BackgroundServer(self.app, host=config.host, port=config.port, idle_timeout=config.idle_timeout_seconds)
+        http = BackgroundServer(
+            self.app, host=config.host, port=config.port, idle_timeout=config.idle_timeout_seconds,
+            request_timeout=config.request_timeout_seconds, max_connections=config.max_connections,
+            max_connections_per_peer=config.max_connections_per_peer,
+        )  # fmt: skip
         self._http = http.start()
         if config.session_timeout_seconds:
             self._reaper = threading.Thread(target=self._reap_idle_sessions, name="pytrio-sessions", daemon=True)

@@ -56,6 +56,8 @@ class ServerConfig:
     # `max_num_samples` sequences; a connection that sends nothing for `idle_timeout_seconds` is closed.
     max_request_bytes: int = 64 * MIB
     max_num_samples: int = 128
+    # top-k prompt log-probs per position: the answer holds k (token, logprob) pairs per prompt token
+    max_topk_logprobs: int = 20
     # Concurrent sample requests on the same weights share decode steps, up to this many rows in one batch.
     max_sampling_rows: int = 64
     idle_timeout_seconds: float = 300.0  # above a slow CPU step (forward_backward measured up to ~100 s loaded)
@@ -63,6 +65,16 @@ class ServerConfig:
     # closed as EXPIRED, its training runs ended and their adapters freed. 0 keeps sessions forever. The client
     # heartbeats every `heartbeat_ms` (at least 1 s), so the timeout must allow two missed beats.
     session_timeout_seconds: float = 900.0
+    # Working memory admitted at once (forward/backward activations, sampling KV caches, prompt log-probs), estimated
+    # per request from the model's shape; None: 60% of the memory available when the server starts. A request that
+    # can never fit is refused (413); one that does not fit now waits for running work to finish.
+    memory_budget_bytes: int | None = None
+    # A request's head and body must arrive within this of its first byte (a deadline later bytes do not move);
+    # 64 MiB in 120 s is 0.5 MB/s, far below any local link.
+    request_timeout_seconds: float = 120.0
+    # Open connections, in all and from one address; one more is answered 503 and closed before anything is read.
+    max_connections: int = 1024
+    max_connections_per_peer: int = 256
 
     def __post_init__(self):
         for name in ("served_names", "api_keys", "admin_keys"):
@@ -74,17 +86,18 @@ class ServerConfig:
         if any(not isinstance(n, str) or not n.strip() for n in self.served_names):
             problems.append(f"served_names must be non-empty strings, got {list(self.served_names)}")
         for name in ("max_batch_tokens", "snapshot_cache_size", "max_temporary_checkpoints", "max_request_bytes",
-                     "max_num_samples", "max_sampling_rows"):  # fmt: skip
+                     "max_num_samples", "max_sampling_rows", "max_topk_logprobs", "max_connections",
+                     "max_connections_per_peer"):  # fmt: skip
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
                 problems.append(f"{name} must be an integer >= 1, got {getattr(self, name)!r}")
-        for name in ("max_batch_size", "max_tokens_per_request"):
+        for name in ("max_batch_size", "max_tokens_per_request", "memory_budget_bytes"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or value < 1):
                 problems.append(f"{name} must be None or an integer >= 1, got {value!r}")
         if not isinstance(self.keep_checkpoints, int) or self.keep_checkpoints == 1 or self.keep_checkpoints < 0:
             problems.append(f"keep_checkpoints must be 0 (keep all) or >= 2, got {self.keep_checkpoints!r}")
-        for name in ("long_poll_seconds", "idle_timeout_seconds"):
-            if not getattr(self, name) > 0:
+        for name in ("long_poll_seconds", "idle_timeout_seconds", "request_timeout_seconds"):
+            if not getattr(self, name) > 0 or getattr(self, name) == float("inf"):
                 problems.append(f"{name} must be > 0, got {getattr(self, name)!r}")
         if not isinstance(self.port, int) or not 0 <= self.port <= 65535:
             problems.append(f"port must be in [0, 65535], got {self.port!r}")

@@ -15,7 +15,6 @@ import torch
 
 from trl_grpo_ext.compat import output_cache
 from trl_grpo_ext.pytrio.server.adapters import LoraSnapshot
-from trl_grpo_ext.pytrio.server.errors import EngineError
 
 
 @dataclass
@@ -81,27 +80,14 @@ def ends_with_stop(tokenizer, tokens: list[int], stop: list[str]) -> bool:
 
 class Sampling:
     """The sampling side of `ModelEngine` (uses its ``lock``, ``device``, ``tokenizer``, ``stop_ids``, ``cache_kw``,
-    ``vocab_size``, ``max_seq_len`` and `use_snapshot`)."""
-
-    def check_sample(self, spec: SampleSpec) -> None:
-        """Raise `EngineError` for a request this engine cannot sample (before it joins a batch)."""
-        prompt = spec.prompt
-        if not prompt or max(prompt) >= self.vocab_size or min(prompt) < 0:
-            raise EngineError("token_out_of_range", f"prompt token ids must lie in [0, {self.vocab_size})")
-        if self.max_seq_len and len(prompt) + spec.max_tokens > self.max_seq_len:
-            raise EngineError(
-                "sequence_too_long", f"prompt {len(prompt)} + max_tokens {spec.max_tokens} exceeds {self.max_seq_len}"
-            )
-        if spec.num_samples < 1 or spec.max_tokens < 0:
-            raise EngineError("invalid_sampling_params", "num_samples must be >= 1 and max_tokens >= 0")
+    `check_sample`, `use_snapshot` and, for prompt log-probs, ``decode`` / ``token_logprobs`` / ``token_topk``)."""
 
     def sample(self, snapshot: LoraSnapshot | None, prompt: list[int], *, num_samples: int, **params):
         """Sample `num_samples` continuations of `prompt` (`SampleSpec` fields as keywords), on its own.
 
         The same computation as the request inside a `DecodeBatch` shared with others.
         """
-        spec = SampleSpec(list(prompt), num_samples, **params)
-        self.check_sample(spec)
+        spec = self.check_sample(SampleSpec(list(prompt), num_samples, **params))
         batch = DecodeBatch(self, snapshot)
         rows = batch.admit(spec)
         while batch.requests:
@@ -111,16 +97,17 @@ class Sampling:
     def prompt_logprobs(self, snapshot: LoraSnapshot | None, prompt: list[int], topk: int = 0):
         """``[None, log p(x_1 | x_0), ...]`` and, with ``topk``, the top-k (token, logprob) per position."""
         with self.lock:
-            model, ctx = self.use_snapshot(snapshot)
+            _model, ctx = self.use_snapshot(snapshot)
             with ctx, torch.no_grad():
-                logits = model(input_ids=torch.tensor([prompt], device=self.device)).logits[0].float()
-            logp = torch.log_softmax(logits, dim=-1)
-        targets = torch.tensor(prompt[1:], device=logp.device)
-        values = logp[:-1].gather(-1, targets.unsqueeze(-1)).squeeze(-1).tolist() if len(prompt) > 1 else []
-        top = None
-        if topk > 0:
-            top_v, top_i = torch.topk(logp[:-1], min(topk, logp.shape[-1]), dim=-1)
-            top = [None] + [list(zip(i.tolist(), v.tolist(), strict=True)) for i, v in zip(top_i, top_v, strict=True)]
+                features, _ = self.decode(input_ids=torch.tensor([prompt], device=self.device))
+                features = features[0, :-1]  # position i scores token i + 1
+                targets = torch.tensor(prompt[1:], device=self.device)
+                values = self.token_logprobs(features, targets).tolist() if len(prompt) > 1 else []
+                top = None
+                if topk > 0:
+                    top_v, top_i = self.token_topk(features, topk)
+                    pairs = zip(top_i.tolist(), top_v.tolist(), strict=True)
+                    top = [None] + [list(zip(i, v, strict=True)) for i, v in pairs]
         return [None, *values], top
 
 
@@ -146,10 +133,11 @@ class RequestRows:
         self.done = [False] * n
         self.last = torch.zeros(n, dtype=torch.long, device=device)  # the token each row feeds next
         self.steps = 0
+        self.error: Exception | None = None  # set when drawing failed: the request leaves the batch with it
 
     @property
     def finished(self) -> bool:
-        return all(self.done) or self.steps >= self.spec.max_tokens
+        return self.error is not None or all(self.done) or self.steps >= self.spec.max_tokens
 
     def draw(self, tokenizer) -> None:
         spec = self.spec
@@ -218,13 +206,18 @@ class DecodeBatch:
         positions = torch.full((n,), length, dtype=torch.long, device=engine.device)
         if self.cache is None:
             self.cache, self.mask, self.positions = cache, mask, positions
-        else:
+        else:  # joined tensors built first, then swapped in: a request failing here leaves the batch as it was
             width = max(self.mask.shape[1], length)
-            for mine, theirs in zip(self.cache.layers, cache.layers, strict=True):
-                mine.keys = torch.cat([_left_pad(mine.keys, width), _left_pad(theirs.keys, width)])
-                mine.values = torch.cat([_left_pad(mine.values, width), _left_pad(theirs.values, width)])
-            self.mask = torch.cat([_left_pad(self.mask, width, dim=1), _left_pad(mask, width, dim=1)])
-            self.positions = torch.cat([self.positions, positions])
+            joined = [
+                (torch.cat([_left_pad(mine.keys, width), _left_pad(theirs.keys, width)]),
+                 torch.cat([_left_pad(mine.values, width), _left_pad(theirs.values, width)]))
+                for mine, theirs in zip(self.cache.layers, cache.layers, strict=True)
+            ]  # fmt: skip
+            mask = torch.cat([_left_pad(self.mask, width, dim=1), _left_pad(mask, width, dim=1)])
+            positions = torch.cat([self.positions, positions])
+            for layer, (keys, values) in zip(self.cache.layers, joined, strict=True):
+                layer.keys, layer.values = keys, values
+            self.mask, self.positions = mask, positions
         self.requests.append(rows)
         return rows
 
@@ -233,7 +226,10 @@ class DecodeBatch:
         engine = self.engine
         for rows in self.requests:
             if not rows.finished:  # max_tokens 0: nothing to draw
-                rows.draw(engine.tokenizer)
+                try:
+                    rows.draw(engine.tokenizer)
+                except Exception as error:  # noqa: BLE001 - this request fails alone; its batch-mates go on
+                    rows.error = error
         finished = [r for r in self.requests if r.finished]
         if finished:
             keep, start = [], 0

@@ -19,12 +19,15 @@ from trl_grpo_ext.compat import cache_keyword
 from trl_grpo_ext.cpu_threads import govern_cpu_threads
 from trl_grpo_ext.prefix import sharing_unsupported_reason
 from trl_grpo_ext.pytrio.server.adapters import LoraAdapters, LoraSettings, LoraSnapshot, TrainingRun
-from trl_grpo_ext.pytrio.server.decoding import Sampling, default_stop_ids
+from trl_grpo_ext.pytrio.server.decoding import SampleSpec, Sampling, default_stop_ids
 from trl_grpo_ext.pytrio.server.errors import EngineError
 from trl_grpo_ext.pytrio.server.forward import MIN_SHARED_PREFIX, ForwardBackward
+from trl_grpo_ext.pytrio.server.logprobs import LOGIT_CHUNK, TokenLogprobs, checkpointing_exact, split_head_exact
+from trl_grpo_ext.pytrio.server.memory import MemoryModel
+from trl_grpo_ext.pytrio.server.sample_params import SampleLimits, check_spec
 
 
-class ModelEngine(LoraAdapters, ForwardBackward, Sampling):
+class ModelEngine(LoraAdapters, ForwardBackward, Sampling, TokenLogprobs):
     """Loads `model_path` once and serves training runs and samplers on it."""
 
     def __init__(
@@ -36,6 +39,7 @@ class ModelEngine(LoraAdapters, ForwardBackward, Sampling):
         max_batch_tokens: int = 4096,
         share_prefix: bool = True,
         min_shared_prefix: int = MIN_SHARED_PREFIX,
+        checkpoint_tokens: int = 1024,
     ):
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -69,6 +73,28 @@ class ModelEngine(LoraAdapters, ForwardBackward, Sampling):
         self.min_shared_prefix = max(1, int(min_shared_prefix))
         self.prefix_sharing_reason = sharing_unsupported_reason(model)  # None where the shared forward is exact
         self.cache_kw = cache_keyword(model)
+        # log-probs from hidden states, the output layer a chunk of positions at a time (`logprobs`), where exact
+        self.split_head = split_head_exact(model, self.vocab_size)
+        # plain forward/backward chunks above `checkpoint_tokens` padded tokens recompute the layers in backward
+        self.can_checkpoint = checkpointing_exact(model)
+        self.checkpoint_tokens = max(1, int(checkpoint_tokens))
+        self.memory_model = MemoryModel.from_model(model, LOGIT_CHUNK)  # bytes of a request, for admission
+
+    def sample_limits(self, max_num_samples: int = 2**31) -> SampleLimits:
+        """What a sample request may ask of this model (the server adds its `max_num_samples`)."""
+        return SampleLimits(self.vocab_size, self.max_seq_len, max_num_samples)
+
+    def check_sample(self, spec: SampleSpec) -> SampleSpec:
+        """`spec`, or `EngineError` for a request this engine cannot sample (before it joins a batch)."""
+        return check_spec(spec, self.sample_limits())
+
+    def check_lengths(self, lengths: list[int]) -> None:
+        """`EngineError` for an item longer than the model's context (its positions have no embedding)."""
+        longest = max(lengths, default=0)
+        if self.max_seq_len and longest > self.max_seq_len:
+            raise EngineError(
+                "sequence_too_long", f"an item of {longest} tokens exceeds the model's context of {self.max_seq_len}"
+            )
 
     # ---------------------------------------------------------------- training runs
     def create_run(self, run_id: str, lora: LoraSettings, source: LoraSnapshot | None = None, load_optimizer=False):

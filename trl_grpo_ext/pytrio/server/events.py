@@ -90,6 +90,19 @@ class RunEventQueue:
         self._queue.put(record)
         return None
 
+    def refuse(self, record: EventRecord, failure: EventFailure) -> EventRecord | None:
+        """Record `record` as failed with `failure`, unexecuted (refused at admission: the client reads a failed
+        event, as if it had run, and its run stays usable); the existing record when the id was submitted before."""
+        record.error = {"code": failure.code, "message": failure.message}
+        record.status, record.payload = "failed", {}
+        record.finished.set_result(None)
+        with self._lock:
+            existing = self.events.get(record.event_id)
+            if existing is not None:
+                return existing
+            self.events[record.event_id] = record
+        return None
+
     def get(self, event_id: str) -> EventRecord | None:
         with self._lock:
             return self.events.get(event_id)

@@ -15,7 +15,6 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from trl_grpo_ext.compat import output_cache
 from trl_grpo_ext.prefix import log_fallback_once
 from trl_grpo_ext.pytrio.server.errors import EngineError
 from trl_grpo_ext.pytrio.server.losses import LossSpec, per_token_loss
@@ -35,9 +34,9 @@ class ForwardDatum:
 
 
 class ForwardBackward:
-    """The forward/backward side of `ModelEngine` (uses its ``peft`` model, ``device``, ``lock``, ``vocab_size``,
-    ``cache_kw``, ``prefix_sharing_reason``, its runs (``_run``, ``_activate``) and the ``max_batch_tokens`` /
-    ``share_prefix`` / ``min_shared_prefix`` settings)."""
+    """The forward/backward side of `ModelEngine` (uses its ``decode`` / ``token_logprobs`` (`logprobs`),
+    ``device``, ``lock``, ``vocab_size``, ``cache_kw``, ``prefix_sharing_reason``, its runs (``_run``,
+    ``_activate``) and the ``max_batch_tokens`` / ``share_prefix`` / ``min_shared_prefix`` settings)."""
 
     def _check_tokens(self, datum: ForwardDatum) -> None:
         if max(datum.tokens, default=0) >= self.vocab_size or min(datum.tokens, default=0) < 0:
@@ -59,14 +58,15 @@ class ForwardBackward:
         mask = None
         if min(lengths) < width:
             mask = (torch.arange(width) < torch.tensor(lengths).unsqueeze(1)).long().to(self.device)
-        logits = self.peft(input_ids=ids, attention_mask=mask).logits.float()
+        with self.layer_checkpointing(torch.is_grad_enabled() and ids.numel() > self.checkpoint_tokens):
+            hidden, _ = self.decode(input_ids=ids, attention_mask=mask, use_cache=False)
         if auto_shift:
-            # position i predicts target i + 1; the first label has no predicting position
-            logits = torch.cat([logits.new_zeros(logits.shape[0], 1, logits.shape[-1]), logits[:, :-1]], dim=1)
+            # position i predicts target i + 1; the first label has no predicting position (masked below)
+            hidden = torch.cat([hidden.new_zeros(hidden.shape[0], 1, hidden.shape[-1]), hidden[:, :-1]], dim=1)
         valid = targets != -100
         if auto_shift:
             valid[:, 0] = False
-        gathered = torch.log_softmax(logits, dim=-1).gather(-1, targets.clamp(min=0).unsqueeze(-1)).squeeze(-1)
+        gathered = self.token_logprobs(hidden, targets.clamp(min=0))
         return torch.where(valid, gathered, torch.zeros_like(gathered)), valid
 
     def _padded(self, rows: list[list[float]], width: int, dtype: torch.dtype, fill: float = 0) -> torch.Tensor:
@@ -76,21 +76,34 @@ class ForwardBackward:
             out[i, : len(row)] = torch.tensor(row, dtype=dtype)
         return out.to(self.device)
 
-    def _chunks(self, data: list[ForwardDatum]) -> list[list[ForwardDatum]]:
-        """Consecutive groups whose padded size stays within `max_batch_tokens` (bounds the logits' memory)."""
-        chunks: list[list[ForwardDatum]] = []
-        current: list[ForwardDatum] = []
-        width = 0
-        for datum in data:
-            grown = max(width, len(datum.tokens))
-            if current and grown * (len(current) + 1) > self.max_batch_tokens:
-                chunks.append(current)
-                current, grown = [], len(datum.tokens)
-            current.append(datum)
-            width = grown
-        if current:
-            chunks.append(current)
+    def _chunks(self, data: list[ForwardDatum], backward: bool, budget: int | None) -> list[list[ForwardDatum]]:
+        """Consecutive groups whose padded size stays within `max_batch_tokens` (bounds the logits' memory) and
+        whose working memory within `budget` bytes (None: no such bound)."""
+        chunks, start = [], 0
+        for rows, _width in self._chunk_shapes([len(d.tokens) for d in data], backward, budget):
+            chunks.append(data[start : start + rows])
+            start += rows
         return chunks
+
+    def _chunk_shapes(self, lengths: list[int], backward: bool, budget: int | None) -> list[tuple[int, int]]:
+        def fits(rows: int, width: int) -> bool:
+            tokens_fit = rows * width <= self.max_batch_tokens
+            return tokens_fit and (budget is None or self._chunk_bytes(rows, width, backward) <= budget)
+
+        return chunk_shapes(lengths, fits)
+
+    def _chunk_bytes(self, rows: int, width: int, backward: bool) -> int:
+        tokens = rows * width
+        # rows sharing a prefix run on its KV cache: their layers cannot be recomputed (upper bound: all shared)
+        shared = self.share_prefix and rows > 1 and self.prefix_sharing_reason is None
+        recomputed = not shared and self.can_checkpoint and tokens > self.checkpoint_tokens
+        return self.memory_model.chunk_bytes(tokens, backward, recomputed)
+
+    def forward_bytes(self, lengths: list[int], backward: bool, budget: int | None = None) -> int:
+        """Working memory of a forward (and backward) over data of these token counts, chunked as `forward` chunks
+        them under `budget`: its largest chunk's (above `budget` only when one item alone is)."""
+        shapes = self._chunk_shapes([n for n in lengths if n], backward, budget)
+        return max((self._chunk_bytes(rows, width, backward) for rows, width in shapes), default=0)
 
     def _piece_loss(self, piece: list[ForwardDatum], spec: LossSpec, logprobs: torch.Tensor, valid: torch.Tensor):
         """(summed loss, per-token loss, counted-token mask) of right-padded rows `logprobs` (B, T)."""
@@ -169,29 +182,30 @@ class ForwardBackward:
         into the one prefix encoding) and the rows' suffixes run on top, right-padded, with their own positions.
         Log-probs at prefix positions come from the prefix's logits, gathered with each row's own targets.
         """
-        head_cache = head_logits = None
+        head_cache = head_hidden = None
         if head:
-            out = self.peft(input_ids=torch.tensor([groups[0][0].tokens[:head]], device=self.device), use_cache=True)
-            head_cache, head_logits = output_cache(out), out.logits.float()
+            ids = torch.tensor([groups[0][0].tokens[:head]], device=self.device)
+            head_hidden, head_cache = self.decode(input_ids=ids, use_cache=True)
         results = []
         for data, length in zip(groups, shared, strict=True):
             tokens = data[0].tokens
             if head:
-                cache, prefix_logits = _copy_cache(head_cache), head_logits
+                cache, prefix_hidden = _copy_cache(head_cache), head_hidden
                 if length > head:
                     ids = torch.tensor([tokens[head:length]], device=self.device)
-                    out = self.peft(input_ids=ids, attention_mask=torch.ones(1, length, dtype=torch.long, device=self.device),
-                                    position_ids=torch.arange(head, length, device=self.device)[None], use_cache=True,
-                                    **{self.cache_kw: cache})  # fmt: skip
-                    cache, prefix_logits = output_cache(out), torch.cat([head_logits, out.logits.float()], dim=1)
+                    hidden, cache = self.decode(input_ids=ids, attention_mask=torch.ones(1, length, dtype=torch.long, device=self.device),
+                                                position_ids=torch.arange(head, length, device=self.device)[None],
+                                                use_cache=True, **{self.cache_kw: cache})  # fmt: skip
+                    prefix_hidden = torch.cat([head_hidden, hidden], dim=1)
             else:
-                out = self.peft(input_ids=torch.tensor([tokens[:length]], device=self.device), use_cache=True)
-                cache, prefix_logits = output_cache(out), out.logits.float()  # (1, length, V)
-            results.append(self._suffix_target_logprobs(data, length, cache, prefix_logits, auto_shift))
+                ids = torch.tensor([tokens[:length]], device=self.device)
+                prefix_hidden, cache = self.decode(input_ids=ids, use_cache=True)  # (1, length, H)
+            results.append(self._suffix_target_logprobs(data, length, cache, prefix_hidden, auto_shift))
         return results
 
-    def _suffix_target_logprobs(self, data, shared: int, cache, prefix_logits: torch.Tensor, auto_shift: bool):
-        """Rows `data` continuing a cached one-row prefix of `shared` tokens whose logits are `prefix_logits`."""
+    def _suffix_target_logprobs(self, data, shared: int, cache, prefix_hidden: torch.Tensor, auto_shift: bool):
+        """Rows `data` continuing a cached one-row prefix of `shared` tokens whose last hidden states are
+        `prefix_hidden`."""
         n_rows = len(data)
         lengths = [len(d.tokens) for d in data]
         width = max(lengths)
@@ -200,16 +214,17 @@ class ForwardBackward:
         ids = self._padded([d.tokens[shared:] for d in data], suffix_width, torch.long)
         mask = (torch.arange(width) < torch.tensor(lengths).unsqueeze(1)).long().to(self.device)
         positions = (shared + torch.arange(suffix_width, device=self.device)).expand(n_rows, -1)
-        out = self.peft(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True,
-                        **{self.cache_kw: cache})  # fmt: skip
-        suffix_logits = out.logits.float()  # (rows, width - shared, V)
+        suffix_hidden, _ = self.decode(
+            input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True, **{self.cache_kw: cache}
+        )  # fmt: skip  (rows, width - shared, H)
         targets = self._padded([d.targets for d in data], width, torch.long, fill=-100)
         # the target each position's logits score: its own (no shift) or the next position's (auto_shift)
         scored = torch.cat([targets[:, 1:], targets.new_full((n_rows, 1), -100)], 1) if auto_shift else targets
         index = scored.clamp(min=0).unsqueeze(-1)
-        head = torch.log_softmax(prefix_logits, dim=-1).expand(n_rows, -1, -1).gather(-1, index[:, :shared])
-        tail = torch.log_softmax(suffix_logits, dim=-1).gather(-1, index[:, shared:])
-        gathered = torch.cat([head, tail], dim=1).squeeze(-1)
+        # prefix positions: their logits once, each row's own target gathered from them ((shared, rows) -> (rows, shared))
+        head = self.token_logprobs(prefix_hidden[0], index[:, :shared, 0].T).T
+        tail = self.token_logprobs(suffix_hidden, index[:, shared:, 0])
+        gathered = torch.cat([head, tail], dim=1)
         if auto_shift:  # position i reports the logits of position i - 1 scoring target i
             gathered = torch.cat([gathered.new_zeros(n_rows, 1), gathered[:, :-1]], dim=1)
         valid = targets != -100
@@ -217,19 +232,30 @@ class ForwardBackward:
             valid[:, 0] = False
         return torch.where(valid, gathered, torch.zeros_like(gathered)), valid
 
-    def forward(self, run_id: str, data: list[ForwardDatum], spec: LossSpec, *, backward: bool, auto_shift: bool):
+    def forward(
+        self,
+        run_id: str,
+        data: list[ForwardDatum],
+        spec: LossSpec,
+        *,
+        backward: bool,
+        auto_shift: bool,
+        budget: int | None = None,
+    ):
         """Per-datum outputs (``logprobs``, ``elementwise_loss`` as float arrays) and summed metrics.
 
         The loss of the call is the sum over data and counted tokens; gradients accumulate into the run's
-        adapter until `optim_step`. Data run as right-padded batches (`_chunks`), which leaves the sum unchanged.
+        adapter until `optim_step`. Data run as right-padded batches (`_chunks`, each within `budget` bytes of
+        working memory where one item alone is not above it), which leaves the sum unchanged.
         """
         with self.lock:
             run = self._run(run_id)
+            self.check_lengths([len(d.tokens) for d in data])
             for datum in data:  # before any backward: a bad datum must not leave half a batch of gradients
                 self._check_tokens(datum)
             self._activate(run.adapter, trainable=backward)
             outputs, loss_sum, token_count = [], 0.0, 0
-            for chunk in self._chunks([d for d in data if d.tokens]):
+            for chunk in self._chunks([d for d in data if d.tokens], backward, budget):
                 chunk_outputs: list[dict | None] = [None] * len(chunk)
                 pieces = self._pieces(chunk)
                 groups = [(rows, shared) for rows, shared in pieces if shared]
@@ -269,6 +295,23 @@ class ForwardBackward:
             if backward:
                 run.pending_tokens += token_count
             return outputs, {"loss_sum": loss_sum, "token_count": token_count}
+
+
+def chunk_shapes(lengths: list[int], fits) -> list[tuple[int, int]]:
+    """(rows, padded width) of each chunk of consecutive data, a chunk growing while ``fits(rows, width)`` (a datum
+    that fits nowhere is a chunk of its own)."""
+    shapes: list[tuple[int, int]] = []
+    rows = width = 0
+    for length in lengths:
+        grown = max(width, length)
+        if rows and not fits(rows + 1, grown):
+            shapes.append((rows, width))
+            rows, grown = 0, length
+        rows += 1
+        width = grown
+    if rows:
+        shapes.append((rows, width))
+    return shapes
 
 
 def _common_prefix(a: list[int], b: list[int]) -> int:

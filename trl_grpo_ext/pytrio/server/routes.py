@@ -56,7 +56,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from trl_grpo_ext.pytrio.server.control import ControlHandlers as C
 from trl_grpo_ext.pytrio.server.errors import ApiError
-from trl_grpo_ext.pytrio.server.wire import validate, validation_message
+from trl_grpo_ext.pytrio.server.wire import require_finite, validate, validation_message
 
 logger = logging.getLogger(__name__)
 
@@ -246,9 +246,11 @@ def answers_errors(endpoint: Callable) -> Callable:
 
 def _json_body(raw: bytes) -> object:
     try:
-        return json.loads(raw)
+        body = json.loads(raw)
     except ValueError as error:
         raise ApiError(400, "invalid_json", f"request body is not JSON: {error}") from None
+    require_finite(body, "non_finite_number")  # Python's JSON reads NaN and Infinity
+    return body
 
 
 def _control_endpoint(route: ControlRoute) -> Callable:

@@ -22,6 +22,8 @@ from dataclasses import dataclass, field
 from trl_grpo_ext.pytrio.server.adapters import LoraSnapshot
 from trl_grpo_ext.pytrio.server.decoding import DecodeBatch, SampleSpec
 from trl_grpo_ext.pytrio.server.engine import ModelEngine
+from trl_grpo_ext.pytrio.server.errors import EngineError
+from trl_grpo_ext.pytrio.server.memory import MemoryGate
 
 logger = logging.getLogger(__name__)
 
@@ -30,14 +32,16 @@ logger = logging.getLogger(__name__)
 class _Job:
     snapshot: LoraSnapshot | None
     spec: SampleSpec
+    cost: int = 0  # working memory admitted while it decodes (`MemoryGate`)
     future: Future = field(default_factory=Future)
 
 
 class SamplingBatcher:
     """Queue of sample requests and the worker that decodes them in shared batches."""
 
-    def __init__(self, engine: ModelEngine, max_rows: int = 64):
+    def __init__(self, engine: ModelEngine, max_rows: int = 64, memory: MemoryGate | None = None):
         self.engine = engine
+        self.memory = memory if memory is not None else MemoryGate(2**62)
         self.max_rows = max(1, int(max_rows))
         self._pending: deque[_Job] = deque()
         self._cv = threading.Condition()
@@ -46,13 +50,13 @@ class SamplingBatcher:
         self.batches = 0  # decode batches started (tests and logs)
         self.max_requests_in_batch = 0
 
-    def submit(self, snapshot: LoraSnapshot | None, spec: SampleSpec) -> Future:
+    def submit(self, snapshot: LoraSnapshot | None, spec: SampleSpec, cost: int = 0) -> Future:
         """Queue `spec` on `snapshot` (None: the base model); the future's result is its `SampleResult` list.
 
-        Cancelling the future before its batch admits it withdraws the request (its client is gone).
+        It decodes once `cost` bytes of working memory are admitted. Cancelling the future before its batch admits it
+        withdraws the request (its client is gone).
         """
-        self.engine.check_sample(spec)  # a bad request fails alone, before it joins a batch
-        job = _Job(snapshot, spec)
+        job = _Job(snapshot, self.engine.check_sample(spec), cost)  # a bad request fails alone, before any batch
         with self._cv:
             if self._stopped:
                 raise RuntimeError("the sampling worker is stopped")
@@ -76,11 +80,19 @@ class SamplingBatcher:
         taken, rows = [], batch.rows
         with self._cv:
             for job in list(self._pending):
-                if batch.can_join(job.snapshot) and rows + job.spec.num_samples <= self.max_rows:
+                if job.future.cancelled():  # withdrawn, nothing to decode
                     self._pending.remove(job)
-                    if job.future.set_running_or_notify_cancel():  # False: withdrawn, nothing to decode
+                    continue
+                if batch.can_join(job.snapshot) and rows + job.spec.num_samples <= self.max_rows:
+                    if not self.memory.try_acquire(job.cost):  # waits in the queue until running work releases
+                        break  # in order: a later, smaller request does not overtake it
+                    self._pending.remove(job)
+                    if job.future.set_running_or_notify_cancel():
+                        self._release_when_done(job)
                         taken.append(job)
                         rows += job.spec.num_samples
+                    else:
+                        self.memory.release(job.cost)
         return taken
 
     def _work(self) -> None:
@@ -93,27 +105,55 @@ class SamplingBatcher:
                     self._pending.clear()
                     return
                 first = self._pending.popleft()
-            if first.future.set_running_or_notify_cancel():  # False: withdrawn, nothing to decode
+            if first.future.cancelled():  # withdrawn, nothing to decode
+                continue
+            self.memory.acquire(first.cost)  # waits while running work (a training event, ...) holds the budget
+            if first.future.set_running_or_notify_cancel():
+                self._release_when_done(first)
                 self._run_batch(first)
+            else:
+                self.memory.release(first.cost)
+
+    def _release_when_done(self, job: _Job) -> None:
+        job.future.add_done_callback(lambda _future: self.memory.release(job.cost))
 
     def _run_batch(self, first: _Job) -> None:
         batch = DecodeBatch(self.engine, first.snapshot)
         jobs: dict[int, _Job] = {}  # id(RequestRows) -> job
         self.batches += 1
         try:
-            jobs[id(batch.admit(first.spec))] = first
+            self._admit(batch, first, jobs)
             while batch.requests:
                 if self._stopped:  # its clients wait for nothing now: fail them at once instead of decoding on
                     _fail(jobs.values(), RuntimeError("the local server stopped"))
                     return
                 for job in self._take_joiners(batch):  # requests that arrived meanwhile join before the next step
-                    jobs[id(batch.admit(job.spec))] = job
+                    self._admit(batch, job, jobs)
                 self.max_requests_in_batch = max(self.max_requests_in_batch, len(batch.requests))
                 for rows in batch.step():
-                    jobs.pop(id(rows)).future.set_result(rows.results(self.engine.tokenizer))
-        except Exception as error:  # noqa: BLE001 - every request of the failed batch gets the error
+                    job = jobs.pop(id(rows))
+                    if rows.error is not None:  # drawing failed for this request only: it alone gets the error
+                        _fail([job], _request_failed(rows.error))
+                    else:
+                        job.future.set_result(rows.results(self.engine.tokenizer))
+        except Exception as error:  # noqa: BLE001 - a failed model call fails every request of the batch
             logger.exception("sampling batch failed")
             _fail([first, *jobs.values()], error)
+
+    def _admit(self, batch: DecodeBatch, job: _Job, jobs: dict[int, _Job]) -> None:
+        """`job` joins `batch`; if its prefill fails it alone gets the error and the batch goes on without it."""
+        try:
+            jobs[id(batch.admit(job.spec))] = job
+        except Exception as error:  # noqa: BLE001 - the request's own failure, answered to it alone
+            logger.warning("sample request failed to join its decode batch: %r", error)
+            _fail([job], _request_failed(error))
+
+
+def _request_failed(error: Exception) -> EngineError:
+    """A request that failed inside a batch (its checks at admission missed something): a 400 for it alone."""
+    if isinstance(error, EngineError):
+        return error
+    return EngineError("sampling_failed", f"this request failed while decoding: {type(error).__name__}: {error}")
 
 
 def _fail(jobs, error: BaseException) -> None:

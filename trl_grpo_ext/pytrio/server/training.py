@@ -6,6 +6,7 @@ A mixin of `LocalPyTrioServer`; every handler takes the `EventRecord` and return
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections.abc import Callable
 
@@ -61,6 +62,10 @@ class TrainingHandlers:
             raise EventFailure("model_not_found", self.not_served_message(payload.base_model))
         run = self.registry.training_run(record.run)
         c = payload.lora_config
+        # the bounds of run creation: the event carries its own copy (a huge rank is gigabytes of adapter); a seed
+        # outside torch's range cannot travel in msgpack
+        if not 1 <= c.rank <= 256:
+            raise EventFailure("invalid_payload", f"lora_config.rank must be in [1, 256], got {c.rank}")
         lora = LoraSettings(c.rank, c.seed, c.train_mlp, c.train_attn, c.train_unembed)
         source = None
         if payload.checkpoint_uri:  # with the rights of the client that opened the run's session
@@ -97,9 +102,14 @@ class TrainingHandlers:
                 )
             )
         backward = record.type == "trainer.forward_backward"
-        outputs, metrics = self.engine.forward(
-            record.run, data, spec, backward=backward, auto_shift=payload.auto_shift
-        )
+        self.engine.check_lengths([len(d.tokens) for d in data])
+        budget = self.memory.budget  # chunks are cut to fit it: only an item alone above it is refused
+        cost = self.engine.forward_bytes([len(d.tokens) for d in data], backward, budget)
+        self.memory.refuse_beyond(cost, f"this {record.type.split('.')[1]}")
+        with self.memory.reserve(cost):  # waits while running work holds the budget
+            outputs, metrics = self.engine.forward(
+                record.run, data, spec, backward=backward, auto_shift=payload.auto_shift, budget=budget
+            )
         count = metrics["token_count"]
         record.usage = {
             "input_tokens": sum(len(d.tokens) for d in data),
@@ -118,8 +128,22 @@ class TrainingHandlers:
     def _ev_optim(self, record: EventRecord) -> dict:
         payload = self._payload(TrainerOptimizeStepPayload, record)
         adam = payload.adam_params.model_dump()
-        if adam["learning_rate"] < 0 or not (0 <= adam["beta1"] < 1 and 0 <= adam["beta2"] < 1) or adam["eps"] <= 0:
-            raise EventFailure("invalid_adam_params", f"invalid AdamW parameters {adam}")
+        # written so that NaN fails every test (a NaN comparison is False)
+        valid = {
+            "learning_rate": adam["learning_rate"] >= 0,
+            "beta1": 0 <= adam["beta1"] < 1,
+            "beta2": 0 <= adam["beta2"] < 1,
+            "eps": adam["eps"] > 0,
+            "weight_decay": adam["weight_decay"] >= 0,
+            "grad_clip_norm": adam["grad_clip_norm"] >= 0,
+        }
+        bad = [f"{k}={adam[k]!r}" for k, ok in valid.items() if not (ok and math.isfinite(adam[k]))]
+        if bad:
+            raise EventFailure(
+                "invalid_adam_params",
+                f"invalid AdamW parameters {', '.join(bad)}: each must be finite, learning_rate, weight_decay and "
+                "grad_clip_norm >= 0, beta1 and beta2 in [0, 1), eps > 0",
+            )
         return {"metrics": self.engine.optim_step(record.run, adam)}
 
     def _ev_save(self, record: EventRecord) -> dict:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
 from trl_grpo_ext.pytrio.server.errors import ApiError, EventFailure
@@ -59,3 +61,45 @@ def query_int(query: dict, key: str, default: int) -> int:
     if not value.isdigit():
         raise ApiError(400, "invalid_query", f"query parameter {key} must be a non-negative integer, got {value!r}")
     return int(value)
+
+
+def non_finite_path(value: object, path: str = "") -> str | None:
+    """Where `value` (decoded JSON or msgpack) holds a NaN or infinite number (``"a.b[3]"``), or None.
+
+    No request field of the protocol takes one (learning rates, weights, advantages, sampling parameters, TTLs):
+    a NaN that got through would fail later, far from the request, or poison a run's weights.
+    """
+    if isinstance(value, float):
+        return None if math.isfinite(value) else path or "(body)"
+    if isinstance(value, dict):
+        for key, item in value.items():
+            found = non_finite_path(item, f"{path}.{key}" if path else str(key))
+            if found is not None:
+                return found
+    elif isinstance(value, list):
+        try:  # fast path for the long number lists of forward data: fsum is exact, finite iff every item is
+            if math.isfinite(math.fsum(value)):
+                return None
+        except (TypeError, OverflowError, ValueError):
+            pass
+        for i, item in enumerate(value):
+            found = non_finite_path(item, f"{path}[{i}]")
+            if found is not None:
+                return found
+    return None
+
+
+def require_finite(value: object, code: str) -> None:
+    """400 `code` naming the first NaN or infinite number in a request body."""
+    where = non_finite_path(value)
+    if where is not None:
+        raise ApiError(400, code, f"{where} is not a finite number; every number of a request must be finite")
+
+
+def item_lengths(payload: object) -> list[int] | None:
+    """Token count of each datum of a raw ``trainer.forward(_backward)`` payload; None when it is not shaped like one
+    (its validation then says what is wrong)."""
+    try:
+        return [sum(len(chunk["tokens"]) for chunk in datum["model_input"]["chunks"]) for datum in payload["data"]]
+    except (TypeError, KeyError):
+        return None
