@@ -17,12 +17,10 @@ import pytest
 httpx = pytest.importorskip("httpx")
 pytest.importorskip("pytrio")
 
-import pytrio_servers  # noqa: E402
 
 from trl_grpo_ext.pytrio.server import LocalPyTrioServer, ServerConfig  # noqa: E402
 
 KEY = {"Authorization": "Bearer k"}
-engine = pytrio_servers.engine  # fixture
 GOOD = [  # (prompt, sampling params, num_samples)
     ([1, 5, 9, 14, 3, 7, 8], {"max_tokens": 10, "seed": 3}, 3),
     ([2, 3], {"max_tokens": 8, "seed": 4, "temperature": 0.7, "top_k": 20}, 2),

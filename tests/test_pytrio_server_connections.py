@@ -10,13 +10,10 @@ import pytest
 
 pytest.importorskip("pytrio")
 
-import pytrio_servers  # noqa: E402
 
 from trl_grpo_ext.pytrio.server.serving import ThrottledAcceptErrors  # noqa: E402
 
 VERIFY = b"GET /api/openapi/v1/api-key/verify HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer k\r\n\r\n"
-
-engine, make_server = pytrio_servers.engine, pytrio_servers.make_server  # fixtures
 
 
 def _answer(sock: socket.socket) -> bytes:
@@ -32,7 +29,7 @@ def _answer(sock: socket.socket) -> bytes:
 
 def test_a_slow_sender_cannot_extend_the_read_deadline(make_server):
     """One header line every 0.2 s: the idle timer (1 s) never fires, the request's deadline (1.5 s) does."""
-    server = make_server(idle_timeout_seconds=1.0, request_timeout_seconds=1.5)
+    server = make_server(api_key="k", idle_timeout_seconds=1.0, request_timeout_seconds=1.5)
     with socket.create_connection(("127.0.0.1", server.port), timeout=30) as sock:
         start = time.monotonic()
         sock.sendall(b"GET /api/openapi/v1/api-key/verify HTTP/1.1\r\n")
@@ -64,7 +61,7 @@ def test_a_slow_sender_cannot_extend_the_read_deadline(make_server):
 
 
 def test_connections_are_capped_per_peer_and_in_all_with_a_fast_refusal(make_server):
-    server = make_server(max_connections=6, max_connections_per_peer=3)
+    server = make_server(api_key="k", max_connections=6, max_connections_per_peer=3)
     held = [socket.create_connection(("127.0.0.1", server.port), timeout=30) for _ in range(3)]
     try:
         start = time.monotonic()

@@ -14,7 +14,6 @@ trio = pytest.importorskip("pytrio")
 httpx = pytest.importorskip("httpx")
 
 import msgpack  # noqa: E402
-import pytrio_servers  # noqa: E402
 import torch  # noqa: E402
 from pytrio.errors.actor import ActorAPIError  # noqa: E402
 from pytrio.errors.event import EventFailedError  # noqa: E402
@@ -25,8 +24,6 @@ from trl_grpo_ext.pytrio.server.losses import parse_loss  # noqa: E402
 
 KEY = {"Authorization": "Bearer k"}
 
-engine, make_server = pytrio_servers.engine, pytrio_servers.make_server  # fixtures
-
 
 def _datum(n: int):
     tokens = [(7 * i) % 390 + 3 for i in range(n + 1)]
@@ -36,7 +33,7 @@ def _datum(n: int):
 def test_items_longer_than_the_context_and_work_beyond_the_budget_are_refused(make_server, engine):
     # the tiny model's context is 512 tokens; the budget admits a 100-token forward_backward, not a 400-token one
     budget = (engine.forward_bytes([100], True) + engine.forward_bytes([400], True)) // 2
-    server = make_server(memory_budget_bytes=budget)
+    server = make_server(api_key="k", memory_budget_bytes=budget)
     service = trio.ServiceClient()
     try:
         tc = service.create_lora_training_client(base_model=server.model_alias, rank=4, seed=0)
@@ -103,7 +100,7 @@ def test_work_that_does_not_fit_now_waits_for_running_work(make_server, engine):
     """The budget fits one request at a time: concurrent ones decode one after another (never together), each
     answer the same as alone; a request waits while other work holds the budget, and runs once it is released."""
     cost = engine.memory_model.sample_bytes(4, 2, 12)
-    server = make_server(memory_budget_bytes=cost * 3 // 2)
+    server = make_server(api_key="k", memory_budget_bytes=cost * 3 // 2)
     with httpx.Client(base_url=server.base_url, timeout=60) as client, ThreadPoolExecutor(4) as pool:
         url, token = _sampling_run(server, client)
         alone = [client.post(url, json=_request(s), headers=token).json()["sequences"] for s in range(3)]
@@ -129,7 +126,7 @@ def test_work_that_does_not_fit_now_waits_for_running_work(make_server, engine):
 
 
 def test_a_training_event_waits_for_the_budget_in_its_run(make_server, engine):
-    server = make_server()
+    server = make_server(api_key="k")
     service = trio.ServiceClient()
     try:
         tc = service.create_lora_training_client(base_model=server.model_alias, rank=4, seed=0)
@@ -150,7 +147,7 @@ def test_a_batch_larger_than_the_budget_runs_in_smaller_chunks(make_server, engi
     assert engine.forward_bytes([100 + i for i in range(6)], True) > budget  # as one chunk it would not fit
     results = []
     for options in ({}, {"memory_budget_bytes": budget}):
-        server = make_server(**options)
+        server = make_server(api_key="k", **options)
         service = trio.ServiceClient()
         try:
             tc = service.create_lora_training_client(base_model=server.model_alias, rank=4, seed=0)
