@@ -83,6 +83,12 @@ def main(argv=None) -> int:
     parser.add_argument("--model", default="embedded", help="judge and policy model: 'embedded' or a folder")
     parser.add_argument("--completions", type=int, default=48, help="completions per throughput measurement")
     parser.add_argument("--quick", action="store_true", help="smoke run: tiny model, 8 completions, short steps")
+    parser.add_argument(
+        "--serve-arg",
+        action="append",
+        default=[],
+        help="a `transformers serve` flag, e.g. --serve-arg=--continuous-batching",
+    )
     args = parser.parse_args(argv)
 
     from judge_servers import TransformersServe
@@ -102,7 +108,9 @@ def main(argv=None) -> int:
     rows = list(load_dataset_split("synthetic", "train", num_samples=max(6, args.completions // 4), chat=True, seed=0))
     options = dict(model="auto", rubric_file=str(ROOT / "recipes/gsm8k/judge_rubric.md"), max_tokens=4, retries=1)
 
-    with TransformersServe(model, timeout=300, log_path=str(Path(tmp.name) / "serve.log")) as server:
+    with TransformersServe(
+        model, timeout=300, log_path=str(Path(tmp.name) / "serve.log"), extra_args=args.serve_arg
+    ) as server:
 
         def judge(concurrency: int, cache: bool):
             j = make_judge_reward({**options, "base_url": server.base_url, "max_concurrency": concurrency})

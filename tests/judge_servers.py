@@ -105,8 +105,9 @@ class TransformersServe:
     """`transformers serve MODEL_DIR` on 127.0.0.1 in its own process group, waited for (``/health``) at most
     `timeout` seconds, stopped on exit."""
 
-    def __init__(self, model_dir: str, timeout: float = 120.0, log_path: str | None = None):
+    def __init__(self, model_dir: str, timeout: float = 120.0, log_path: str | None = None, extra_args=()):
         self.model_dir = str(model_dir)
+        self.extra_args = list(extra_args)  # more `transformers serve` flags (e.g. --continuous-batching)
         self.port = free_port()
         self.timeout = timeout
         self.log_path = log_path or os.devnull
@@ -121,7 +122,18 @@ class TransformersServe:
         env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "TRANSFORMERS_NO_ADVISORY_WARNINGS": "1"}
         self._log = open(self.log_path, "w")  # noqa: SIM115 - closed in __exit__
         self.process = subprocess.Popen(
-            [exe, "serve", self.model_dir, "--host", "127.0.0.1", "--port", str(self.port), "--device", "cpu"],
+            [
+                exe,
+                "serve",
+                self.model_dir,
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(self.port),
+                "--device",
+                "cpu",
+                *self.extra_args,
+            ],
             stdout=self._log,
             stderr=subprocess.STDOUT,
             env=env,

@@ -114,6 +114,21 @@ def test_500_429_and_dropped_connections_are_retried():
     assert metrics["judge/retries"] == 3 and metrics["judge/failures"] == 0 and metrics["judge/requests"] == 6
 
 
+def test_a_reply_without_a_score_is_cached_and_a_failed_request_is_asked_again():
+    def plan(index, body):
+        return ("status", 503) if "broken" in body["messages"][-1]["content"] else ("ok", "I cannot grade this.")
+
+    with ScriptedServer(plan) as server:
+        judge = judge_for(server, retries=0)
+        first, m1 = score(judge, ["chatty", "broken"])
+        assert len(server.bodies) == 2 and m1["judge/parse_errors"] == 1 and m1["judge/failures"] == 1
+        again, m2 = score(judge, ["chatty", "broken"])
+        # the deterministic request's reply comes from the cache; the request that got no reply is sent again
+        assert len(server.bodies) == 3 and "broken" in server.bodies[-1]["messages"][-1]["content"]
+        assert m2["judge/cache_hits"] == 1 and m2["judge/parse_errors"] == 0 and m2["judge/failures"] == 1
+    assert first == again == [None, None]
+
+
 def test_failed_and_unparseable_completions_score_none_and_the_step_goes_on(caplog):
     def plan(index, body):
         text = body["messages"][-1]["content"]

@@ -336,9 +336,9 @@ class JudgeReward:
         if c.seed is not None:
             extra["seed"] = c.seed
         for attempt in range(c.retries + 1):
-            started = time.perf_counter()
             try:
                 async with state.semaphore:
+                    started = time.perf_counter()  # the server's time: waiting for a slot is not latency
                     sent[0] += 1
                     stats.requests += 1
                     response = await state.client.chat.completions.create(
@@ -393,7 +393,9 @@ class JudgeReward:
         try:
             response = await self._ask(state, messages, stats, sent)
             value = None if response is None else self._parse(response, stats)
-            if value is not None and self.config.cache:
+            # A reply is cached even when it has no score: the request is deterministic, so asking again would get
+            # the same reply. A request that got no reply (failures after retries) is not: it may succeed next step.
+            if response is not None and self.config.cache:
                 self.cache[key] = value
         finally:
             state.inflight.pop(key, None)
