@@ -224,6 +224,27 @@ def test_accelerate_launcher_command(fake_sweep, tmp_path):
     assert cmd[cmd.index("--num_processes") + 2] == str(tmp_path / "fake_recipe.py")
 
 
+def test_a_job_the_sweep_stopped_before_its_handler_was_in_place_is_interrupted_not_failed(tmp_path):
+    """A job still starting up (no signal handler, no record yet) dies of the sweep's SIGTERM: on a loaded machine
+    that window is wide (the CI run where test_sigterm_stops_trainers_and_records_interruption[2] saw 'failed')."""
+    import signal
+    import subprocess
+
+    from trl_grpo_ext.launch.job import Job
+    from trl_grpo_ext.launch.local import _ended
+
+    def job(name):
+        (tmp_path / name).mkdir()
+        return Job(name, "s", "trl", {}, {}, str(tmp_path / name), ["true"])
+
+    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    proc.send_signal(signal.SIGTERM)
+    proc.wait()
+    stopped = _ended(job("stopped"), proc.returncode, stopped=True)
+    assert stopped.status == "interrupted" and "stopped by the sweep" in stopped.reason
+    assert _ended(job("crashed"), proc.returncode).status == "failed"  # a death the sweep did not cause
+
+
 @pytest.mark.parametrize("parallel", [1, 2])
 def test_sigterm_stops_trainers_and_records_interruption(fake_sweep, tmp_path, parallel):
     import signal

@@ -34,10 +34,16 @@ def _start(job: Job) -> subprocess.Popen:
         )
 
 
-def _ended(job: Job, returncode: int) -> RunResult:
-    """The job's own record of how it ended; one made here when it died before writing it (killed, crashed)."""
+def _ended(job: Job, returncode: int, stopped: bool = False) -> RunResult:
+    """The job's own record of how it ended; one made here when it died before writing it (killed, crashed).
+    `stopped`: the sweep itself stopped the job (Ctrl-C, SIGTERM); a job that died of it before its own handler was
+    in place (still starting up: the window widens on a loaded machine) was interrupted, not failed."""
     record = read_attempt(Path(job.run_dir))
-    if record is None or record.status in IN_FLIGHT:
+    if (record is None or record.status in IN_FLIGHT) and stopped:
+        record = RunResult(job.name, "interrupted", job.run_dir, returncode=returncode, launcher="local")
+        record.reason, record.finished_at = "stopped by the sweep before the job could record it", now_iso()
+        write_attempt(record)
+    elif record is None or record.status in IN_FLIGHT:
         tail = log_tail(Path(job.run_dir) / TRAIN_LOG_FILENAME)
         record = RunResult(job.name, "failed", job.run_dir, returncode=returncode, log_tail=tail, launcher="local")
         record.reason, record.finished_at = f"the job exited ({failure_reason(tail, returncode)})", now_iso()
@@ -75,7 +81,7 @@ def run_jobs(jobs: list[Job], parallel: int, on_done: Callable[[RunResult], None
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
-            on_done(_ended(job, proc.returncode))
+            on_done(_ended(job, proc.returncode, stopped=True))
         for job in waiting:
             on_done(never_started(job))
         raise
