@@ -43,7 +43,7 @@ TARGET = 1.5
 
 
 def rows(n: int = 32) -> list[dict]:
-    from trl_grpo_ext.data.prompts import build_prompt
+    from trl_grpo_ext.task.data.prompts import build_prompt
 
     return [
         {"prompt": build_prompt(f"What is {i} + {i % 7 + 3}?"), "answer": f"#### {i + i % 7 + 3}"} for i in range(n)
@@ -121,13 +121,13 @@ def main(argv=None) -> int:
     hf_logging.set_verbosity_error()
     hf_logging.disable_progress_bar()
 
-    from trl_grpo_ext.config import GRPOConfig
     from trl_grpo_ext.models import resolve_model
     from trl_grpo_ext.pytrio.config import PyTrioGRPOConfig
     from trl_grpo_ext.pytrio.loop import GRPOLoop
     from trl_grpo_ext.pytrio.server import running_server
     from trl_grpo_ext.pytrio.server.engine import LoraSettings
-    from trl_grpo_ext.trainer import GRPOTrainer
+    from trl_grpo_ext.trl.config import GRPOConfig
+    from trl_grpo_ext.trl.trainer import GRPOTrainer
 
     with tempfile.TemporaryDirectory() as tmp:
         if args.model == "tiny":
@@ -196,7 +196,7 @@ def main(argv=None) -> int:
                 seed=0,
             )
             peft_config = server.engine.peft_config(LoraSettings(rank=args.rank, train_unembed=False))
-            from trl_grpo_ext.rewards import get_reward_funcs
+            from trl_grpo_ext.task.rewards import get_reward_funcs
 
             trainer = GRPOTrainer(
                 model_path,

@@ -82,8 +82,8 @@ def eval_command(args) -> list[str]:
 
 def preflight(args) -> list[str]:
     """Everything checkable without a GPU; raises ValueError with a one-line reason. Returns notes to print."""
-    from trl_grpo_ext.data import load_problems
-    from trl_grpo_ext.script_args import parse_recipe_args
+    from trl_grpo_ext.task.data import load_problems
+    from trl_grpo_ext.trl.script_args import parse_recipe_args
 
     notes = []
     data = Path(args.data)

@@ -273,7 +273,7 @@ def agreement(model_path: Path, args, out: Path) -> list[dict]:
     """One row per loss type: TRL's loss/grad change from a padding column (the tolerance) and ours' difference."""
     import torch
 
-    from trl_grpo_ext.config import TRL_LOSS_TYPES
+    from trl_grpo_ext.trl.config import TRL_LOSS_TYPES
 
     eps = torch.finfo(getattr(torch, args.dtype)).eps
     cases = []

@@ -38,7 +38,7 @@ apply_cpu_thread_defaults()
 def completions_for(rows, per_prompt: int, seed: int) -> tuple[list, list]:
     """(prompts, completions): `per_prompt` answers per row in the one-shot format, some right, some off by a
     little, repeats included."""
-    from trl_grpo_ext.answers import parse_ground_truth
+    from trl_grpo_ext.task.answers import parse_ground_truth
 
     rng = random.Random(seed)
     prompts, completions = [], []
@@ -55,7 +55,7 @@ LOOP = asyncio.new_event_loop()  # one loop for every call, as a training run ha
 
 
 def judged(judge, prompts, completions) -> tuple[float, dict]:
-    from trl_grpo_ext.reward_aggregation import RewardMetricLog
+    from trl_grpo_ext.grpo.reward_aggregation import RewardMetricLog
 
     log = RewardMetricLog()
     start = time.perf_counter()
@@ -93,9 +93,9 @@ def main(argv=None) -> int:
 
     from judge_servers import TransformersServe
 
-    from trl_grpo_ext.data import load_dataset_split
     from trl_grpo_ext.models import resolve_model
-    from trl_grpo_ext.rewards import make_judge_reward
+    from trl_grpo_ext.task.data import load_dataset_split
+    from trl_grpo_ext.task.rewards import make_judge_reward
 
     tmp = tempfile.TemporaryDirectory()
     if args.quick:

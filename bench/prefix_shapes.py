@@ -96,7 +96,7 @@ def build_trainers(model, tokenizer, attn: str, group: int, dtype, device: str, 
     from datasets import Dataset
 
     import trl_grpo_ext
-    from trl_grpo_ext.config import GRPOConfig
+    from trl_grpo_ext.trl.config import GRPOConfig
 
     common = dict(
         report_to="none",

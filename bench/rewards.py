@@ -24,8 +24,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from trl_grpo_ext import answers  # noqa: E402
-from trl_grpo_ext.answers.verifier import VERIFIER  # noqa: E402
-from trl_grpo_ext.rewards import boxed_reward  # noqa: E402
+from trl_grpo_ext.task.answers.verifier import VERIFIER  # noqa: E402
+from trl_grpo_ext.task.rewards import boxed_reward  # noqa: E402
 
 DATA = ROOT.parent / "shared" / "data" / "gsm8k" / "train.jsonl"
 SEED_REGEX = re.compile(r"\\boxed\{([^}]+)\}")

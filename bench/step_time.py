@@ -167,13 +167,13 @@ class StepClock(TrainerCallback):
 
 
 def recipe_args(overrides: list[str]):
-    from trl_grpo_ext.script_args import parse_recipe_args
+    from trl_grpo_ext.trl.script_args import parse_recipe_args
 
     return parse_recipe_args(["--config", str(ROOT / "recipes/gsm8k/embedded.yaml"), *overrides])
 
 
 def build_trainer(cls, overrides, out_dir):
-    import trl_grpo_ext.recipe as recipe
+    import trl_grpo_ext.trl.recipe as recipe
 
     script_args, training_args, model_args = recipe_args([*overrides, "--output_dir", str(out_dir)])
     script_args.eval_num_samples = 0

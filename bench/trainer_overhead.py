@@ -45,8 +45,8 @@ from conftest import build_tiny_model  # noqa: E402
 from datasets import Dataset  # noqa: E402
 from transformers import PrinterCallback, TrainerCallback  # noqa: E402
 
-from trl_grpo_ext.config import GRPOConfig  # noqa: E402
-from trl_grpo_ext.trainer import GRPOTrainer  # noqa: E402
+from trl_grpo_ext.trl.config import GRPOConfig  # noqa: E402
+from trl_grpo_ext.trl.trainer import GRPOTrainer  # noqa: E402
 
 VARIANTS = {
     "trl/dapo": (trl.GRPOTrainer, trl.GRPOConfig, "dapo"),

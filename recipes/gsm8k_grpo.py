@@ -7,25 +7,24 @@ accelerate launch --config_file accelerate_configs/ddp.yaml recipes/gsm8k_grpo.p
 import sys
 from pathlib import Path
 
-sys.path[:0] = [str(Path(__file__).resolve().parents[1]), str(Path(__file__).resolve().parent)]  # no install needed
-
 from trl_grpo_ext.cpu_threads import apply_cpu_thread_defaults, configure_cpu_threads  # noqa: E402
 
 apply_cpu_thread_defaults()  # before torch loads: OpenMP reads its settings then
 
 from trl import get_peft_config  # noqa: E402
 
-from trl_grpo_ext import callbacks as cbs  # noqa: E402
 from trl_grpo_ext.evaluation import recipe_eval_options  # noqa: E402
-from trl_grpo_ext.recipe import (  # noqa: E402
+from trl_grpo_ext.runs.reward_curve import plot_run_reward_curve  # noqa: E402
+from trl_grpo_ext.runs.tracking import start_swanlab  # noqa: E402
+from trl_grpo_ext.task.rewards import JudgeUnavailableError, trl_reward_inputs  # noqa: E402
+from trl_grpo_ext.trl import callbacks as cbs  # noqa: E402
+from trl_grpo_ext.trl.recipe import (  # noqa: E402
     load_model,
     prepare_run,
     report_run,
     save_run_config,
 )
-from trl_grpo_ext.rewards import JudgeUnavailableError, trl_reward_inputs  # noqa: E402
-from trl_grpo_ext.runs.tracking import start_swanlab  # noqa: E402
-from trl_grpo_ext.script_args import parse_recipe_args  # noqa: E402
+from trl_grpo_ext.trl.script_args import parse_recipe_args  # noqa: E402
 
 EMBEDDED_RECIPE = Path(__file__).resolve().parent / "gsm8k" / "embedded.yaml"
 
@@ -80,9 +79,7 @@ def main(argv=None) -> int:
         return 1
     trainer.save_model(training_args.output_dir)
     if report_run(trainer, training_args):
-        from plot_metrics import plot_reward_curve
-
-        print(f"reward curve: {plot_reward_curve(training_args.output_dir)}")
+        print(f"reward curve: {plot_run_reward_curve(training_args.output_dir)}")
     return 0
 
 

@@ -19,9 +19,6 @@ import os
 import sys
 from pathlib import Path
 
-# Runnable from a checkout without `pip install -e .` too.
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
 from trl_grpo_ext.cpu_threads import apply_cpu_thread_defaults, threads_mode  # noqa: E402
 
 apply_cpu_thread_defaults()  # before torch loads (here or in the local server): OpenMP reads its settings then
@@ -29,7 +26,7 @@ apply_cpu_thread_defaults()  # before torch loads (here or in the local server):
 from trl_grpo_ext.pytrio.config import PyTrioGRPOConfig  # noqa: E402
 from trl_grpo_ext.pytrio.connection import install_log_redaction, redact  # noqa: E402
 from trl_grpo_ext.pytrio.loop import GRPOLoop, PyTrioLoopError, run_from_config  # noqa: E402
-from trl_grpo_ext.script_args import parse_recipe_args  # noqa: E402
+from trl_grpo_ext.trl.script_args import parse_recipe_args  # noqa: E402
 
 EMBEDDED_CONFIG = Path(__file__).resolve().parent / "pytrio" / "embedded.yaml"
 

@@ -10,8 +10,8 @@ from fractions import Fraction
 
 import pytest
 
-from trl_grpo_ext import answers
-from trl_grpo_ext.answers import (
+from trl_grpo_ext.task import answers
+from trl_grpo_ext.task.answers import (
     Refused,
     Surd,
     answers_match,
@@ -27,7 +27,7 @@ from trl_grpo_ext.answers import (
     parse_ground_truth,
     same_answer,
 )
-from trl_grpo_ext.answers.verifier import VERIFIER, MathVerifyWorker
+from trl_grpo_ext.task.answers.verifier import VERIFIER, MathVerifyWorker
 
 
 class Weird:
@@ -482,7 +482,7 @@ def test_gsm8k_scoring_needs_no_sympy():
         scores = boxed_reward([f"Work... {f}." for f in forms] * 50, answer=["#### 1,080"] * len(forms) * 50)
         assert scores[:9] == [1.0, 1.0, 1.0, 1.0, 0.0, 0.0, 0.0, 1.0, 1.0], scores[:9]
         assert "sympy" not in sys.modules and "math_verify" not in sys.modules
-        assert "trl_grpo_ext.answers.verifier" not in sys.modules
+        assert "trl_grpo_ext.task.answers.verifier" not in sys.modules
         print("ok")
         """
     )
@@ -516,6 +516,6 @@ def test_gsm8k_scoring_needs_no_sympy():
     ],
 )
 def test_unevaluated_arithmetic_is_told_from_value_notations(answer, expected):
-    from trl_grpo_ext.answers.values import is_unevaluated_arithmetic
+    from trl_grpo_ext.task.answers.values import is_unevaluated_arithmetic
 
     assert is_unevaluated_arithmetic(answer) is expected

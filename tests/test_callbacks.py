@@ -5,9 +5,9 @@ import json
 import pytest
 from transformers import TrainerControl, TrainerState, TrainingArguments
 
-from trl_grpo_ext.callbacks import MetricsJsonlCallback, greedy_accuracy
 from trl_grpo_ext.runs import EVAL_METRICS_FILENAME, METRICS_FILENAME, read_metrics_file
 from trl_grpo_ext.runs.tracking import swanlab_mode
+from trl_grpo_ext.trl.callbacks import MetricsJsonlCallback, greedy_accuracy
 
 
 def _rows(path):
@@ -89,7 +89,7 @@ def test_swanlab_mode_precedence(monkeypatch):
 def test_greedy_accuracy_on_tiny_model(tiny_model_path):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from trl_grpo_ext.data import build_prompt
+    from trl_grpo_ext.task.data import build_prompt
 
     model = AutoModelForCausalLM.from_pretrained(tiny_model_path)
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_path)

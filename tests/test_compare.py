@@ -5,7 +5,7 @@ import json
 import pytest
 import yaml
 
-from trl_grpo_ext.compare import (
+from trl_grpo_ext.experiments.compare import (
     build_report,
     config_differences,
     identical_curves,
@@ -294,7 +294,7 @@ def _seeded_run(root, loss, seed, rewards, correct):
 def test_seed_groups_intervals_and_verdicts(tmp_path):
     import random
 
-    from trl_grpo_ext.seed_comparison import group_by_seed
+    from trl_grpo_ext.experiments.seed_comparison import group_by_seed
 
     rng = random.Random(0)
     n = 200
@@ -375,7 +375,7 @@ def test_heldout_differences_pair_only_on_one_common_eval_set(tmp_path):
 def test_a_saved_models_config_json_is_not_taken_for_the_runs_config(tmp_path):
     """A TRL run folder holds the model's config.json (`save_model`): two such runs without a run config are two
     unknown configurations, not one configuration whose 'config' is the architecture."""
-    from trl_grpo_ext.seed_comparison import group_by_seed
+    from trl_grpo_ext.experiments.seed_comparison import group_by_seed
 
     dirs = []
     for name in ("lr1e-5", "lr2e-5"):

@@ -5,7 +5,7 @@ import dataclasses
 import pytest
 import trl
 
-from trl_grpo_ext.config import EXTRA_LOSS_TYPES, VALID_LOSS_TYPES, GRPOConfig, trl_loss_type
+from trl_grpo_ext.trl.config import EXTRA_LOSS_TYPES, VALID_LOSS_TYPES, GRPOConfig, trl_loss_type
 
 NEW_FIELDS = (
     "cispo_clip_low",
@@ -51,7 +51,7 @@ def test_trl_field_order_first_so_positional_arguments_land_where_trl_puts_them(
 
 def test_fields_trl_declares_keep_trls_declaration():
     """The spec re-declares TRL's sampling fields (for the PyTRIO path); this path keeps TRL's type, default, help."""
-    from trl_grpo_ext.grpo_spec import GRPOSpec
+    from trl_grpo_ext.grpo.spec import GRPOSpec
 
     ours, trls = GRPOConfig.__dataclass_fields__, trl.GRPOConfig.__dataclass_fields__
     shared = [name for name in GRPOSpec.__dataclass_fields__ if name in trls]

@@ -272,7 +272,7 @@ def test_each_cpu_model_load_installs_it(fake_governor, tiny_model_path, monkeyp
 
     from trl_grpo_ext.evaluation.generator import HFGenerator
     from trl_grpo_ext.pytrio.server.engine import ModelEngine
-    from trl_grpo_ext.recipe import load_model
+    from trl_grpo_ext.trl.recipe import load_model
 
     model_args = SimpleNamespace(dtype="float32", model_revision=None, attn_implementation=None)
     training_args = SimpleNamespace(gradient_checkpointing=False, use_cpu=True, trust_remote_code=False)
@@ -308,7 +308,7 @@ def test_the_run_summary_says_when_the_count_followed_the_load(fake_governor, tm
     from types import SimpleNamespace
 
     from trl_grpo_ext.cpu_threads import current_governor
-    from trl_grpo_ext.recipe import report_run
+    from trl_grpo_ext.trl.recipe import report_run
 
     trainer = SimpleNamespace(is_world_process_zero=lambda: True)
     args = SimpleNamespace(output_dir=str(tmp_path))

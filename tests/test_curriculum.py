@@ -7,14 +7,14 @@ from collections import Counter
 import pytest
 from datasets import Dataset
 
-from trl_grpo_ext.config import GRPOConfig
-from trl_grpo_ext.data.curriculum import (
+from trl_grpo_ext.grpo.curriculum import (
     Curriculum,
     CurriculumPromptStream,
     curriculum_from_tasks,
     passed_values,
 )
-from trl_grpo_ext.trl_sampling import CurriculumSampler
+from trl_grpo_ext.trl.config import GRPOConfig
+from trl_grpo_ext.trl.sampling import CurriculumSampler
 
 
 def batch(rates: dict[str, float], n: int = 20):
@@ -162,7 +162,7 @@ def task_reward(completions, task, **kwargs):
 
 @pytest.mark.slow
 def test_trainer_curriculum_logs_weights_and_moves_to_informative_task(tiny_model_path, tmp_path):
-    from trl_grpo_ext.trainer import GRPOTrainer
+    from trl_grpo_ext.trl.trainer import GRPOTrainer
 
     n = 12
     tasks = ["easy"] * n + ["mid"] * n + ["hard"] * n
@@ -211,7 +211,7 @@ def test_trainer_curriculum_logs_weights_and_moves_to_informative_task(tiny_mode
 
 
 def test_trainer_curriculum_needs_a_task_column(tiny_model_path, tmp_path):
-    from trl_grpo_ext.trainer import GRPOTrainer
+    from trl_grpo_ext.trl.trainer import GRPOTrainer
 
     args = GRPOConfig(
         output_dir=str(tmp_path),
@@ -273,8 +273,8 @@ def test_recipe_refuses_curriculum_without_tasks(tiny_model_path, tmp_path, caps
 def test_checkpoint_carries_the_curriculum_state(tiny_model_path, tmp_path):
     import json
 
-    from trl_grpo_ext.trainer import GRPOTrainer
-    from trl_grpo_ext.trl_sampling import CURRICULUM_STATE_FILENAME
+    from trl_grpo_ext.trl.sampling import CURRICULUM_STATE_FILENAME
+    from trl_grpo_ext.trl.trainer import GRPOTrainer
 
     tasks = ["easy"] * 8 + ["hard"] * 8
     data = Dataset.from_dict(

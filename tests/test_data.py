@@ -5,8 +5,8 @@ import logging
 
 import pytest
 
-from trl_grpo_ext.answers import parse_ground_truth
-from trl_grpo_ext.data import (
+from trl_grpo_ext.task.answers import parse_ground_truth
+from trl_grpo_ext.task.data import (
     ARITHMETIC_ONE_SHOT_ANSWER,
     ARITHMETIC_ONE_SHOT_QUESTION,
     ONE_SHOT_ANSWER,
@@ -19,9 +19,9 @@ from trl_grpo_ext.data import (
     load_problems,
     parse_task_mix,
 )
-from trl_grpo_ext.data.gsm8k import load_gsm8k_rows
-from trl_grpo_ext.data.prompts import ARITHMETIC_TASKS
-from trl_grpo_ext.data.synthetic import evaluate_expression, is_eval_question
+from trl_grpo_ext.task.data.gsm8k import load_gsm8k_rows
+from trl_grpo_ext.task.data.prompts import ARITHMETIC_TASKS
+from trl_grpo_ext.task.data.synthetic import evaluate_expression, is_eval_question
 
 MIX = "chain_sum_easy:2,chain_sum:2,basic_arithmetic:1,gsm_symbolic:1"
 
@@ -225,7 +225,7 @@ def test_the_one_shot_example_is_of_the_questions_kind():
 
 
 def test_a_worked_example_question_is_never_drawn(monkeypatch):
-    import trl_grpo_ext.data.synthetic as synthetic
+    import trl_grpo_ext.task.data.synthetic as synthetic
 
     first = generate_problems(5, "train", tasks="chain_sum_easy", seed=0)[0]["question"]
     monkeypatch.setattr(synthetic, "_EXAMPLE_QUESTIONS", frozenset({first}))

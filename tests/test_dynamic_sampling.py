@@ -8,10 +8,10 @@ import pytest
 import torch
 from datasets import Dataset
 
-from trl_grpo_ext.config import GRPOConfig
-from trl_grpo_ext.dynamic_sampling import GroupFilter, GroupRef
-from trl_grpo_ext.trainer import GRPOTrainer
-from trl_grpo_ext.trl_sampling import merge_groups
+from trl_grpo_ext.grpo.dynamic_sampling import GroupFilter, GroupRef
+from trl_grpo_ext.trl.config import GRPOConfig
+from trl_grpo_ext.trl.sampling import merge_groups
+from trl_grpo_ext.trl.trainer import GRPOTrainer
 
 # --------------------------------------------------------------------------------------------- the decision
 
@@ -334,7 +334,7 @@ PYTRIO_REWARD = "e2_flat_or_varied"
 
 
 def _pytrio_flat_or_varied(completions, flat, **kwargs):
-    from trl_grpo_ext.answers import completion_text
+    from trl_grpo_ext.task.answers import completion_text
 
     return [
         0.5 if f else (zlib.crc32(completion_text(c).encode()) % 997) / 997
@@ -344,7 +344,7 @@ def _pytrio_flat_or_varied(completions, flat, **kwargs):
 
 @pytest.fixture
 def pytrio_reward():
-    from trl_grpo_ext.rewards import REWARD_REGISTRY, register_reward
+    from trl_grpo_ext.task.rewards import REWARD_REGISTRY, register_reward
 
     register_reward(PYTRIO_REWARD)(_pytrio_flat_or_varied)
     yield PYTRIO_REWARD
@@ -461,7 +461,7 @@ def test_pytrio_without_dynamic_sampling_is_one_round(tiny_model_path, pytrio_re
 
 
 def test_pytrio_curriculum_updates_from_each_round(tiny_model_path, pytrio_reward):
-    from trl_grpo_ext.data.curriculum import CurriculumPromptStream
+    from trl_grpo_ext.grpo.curriculum import CurriculumPromptStream
     from trl_grpo_ext.pytrio.loop import StepTimes
 
     # even prompts: always 0.5 (never pass at threshold 1.0); odd: a hash below 1 (never pass either) -> p falls

@@ -186,7 +186,7 @@ def test_eval_cli_on_tiny_model(tiny_model_path, tmp_path, capsys):
 
 
 def test_scoring_agrees_with_boxed_reward():
-    from trl_grpo_ext.rewards import boxed_reward
+    from trl_grpo_ext.task.rewards import boxed_reward
 
     results, _ = evaluate(problems_from_rows(ROWS), FakeGenerator(), k=4, progress=False)
     for row, r in zip(ROWS, results, strict=True):
@@ -402,8 +402,8 @@ def test_before_after_callback_cache_resume_and_paired_gain(tiny_model_path, tmp
 
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from trl_grpo_ext.callbacks import BeforeAfterEvalCallback
     from trl_grpo_ext.evaluation import read_results
+    from trl_grpo_ext.trl.callbacks import BeforeAfterEvalCallback
 
     monkeypatch.setenv("TRL_GRPO_EXT_CACHE", str(tmp_path / "cache"))
     model_dir = tmp_path / "model"
@@ -516,7 +516,7 @@ def test_recipe_eval_options_follow_the_recipe_and_disable_tqdm():
 
 
 def test_a_sweep_with_a_bad_evaluate_option_is_refused_when_loaded():
-    from trl_grpo_ext.sweep import parse_sweep
+    from trl_grpo_ext.experiments.sweep import parse_sweep
 
     with pytest.raises(ValueError, match="evaluate: unknown option 'kk'"):
         parse_sweep({"name": "s", "evaluate": {"kk": 2}})

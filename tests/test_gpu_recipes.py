@@ -16,7 +16,7 @@ MAX_PROMPT_TOKENS = 256  # the one-shot GSM8K prompt, chat template included (~2
 
 
 def _parse(path, *extra):
-    from trl_grpo_ext.script_args import parse_recipe_args
+    from trl_grpo_ext.trl.script_args import parse_recipe_args
 
     return parse_recipe_args(["--config", path, *CPU_OVERRIDES, *extra])
 
@@ -33,7 +33,7 @@ def test_the_gpu_recipes_cover_colocate_sleep_and_server():
 
 @pytest.mark.parametrize("path", GPU_RECIPES, ids=lambda p: Path(p).stem)
 def test_gpu_recipe_parses_and_uses_vllm_bf16_lora(path):
-    from trl_grpo_ext.config import EXTRA_LOSS_TYPES, GRPOConfig
+    from trl_grpo_ext.trl.config import EXTRA_LOSS_TYPES, GRPOConfig
 
     raw = yaml.safe_load(Path(path).read_text())
     script_args, args, model_args = _parse(path)
@@ -239,7 +239,7 @@ def test_gpu_check_offline_dry_run_runs_the_check_on_cpu(tmp_path):
     import subprocess
     import sys
 
-    from trl_grpo_ext.config import EXTRA_LOSS_TYPES, TRL_LOSS_TYPES
+    from trl_grpo_ext.trl.config import EXTRA_LOSS_TYPES, TRL_LOSS_TYPES
 
     env = {**os.environ, "PYTHON": sys.executable}
     out = tmp_path / "out"

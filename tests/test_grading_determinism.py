@@ -13,8 +13,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from trl_grpo_ext.answers import clear_caches, warm_up_verifier
-from trl_grpo_ext.rewards import boxed_reward
+from trl_grpo_ext.task.answers import clear_caches, warm_up_verifier
+from trl_grpo_ext.task.rewards import boxed_reward
 
 GSM = "Natalia sold 48/2 = 24 clips.\n#### 1,080"
 
@@ -149,7 +149,7 @@ def test_same_scores_three_times_in_one_process():
 def test_same_scores_in_a_fresh_process():
     code = (
         "import json, sys\n"
-        "from trl_grpo_ext.rewards import boxed_reward\n"
+        "from trl_grpo_ext.task.rewards import boxed_reward\n"
         "completions, truths = json.load(sys.stdin)\n"
         "print(json.dumps(boxed_reward(completions, answer=truths)))\n"
     )

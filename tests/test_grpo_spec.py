@@ -6,15 +6,7 @@ import warnings
 import pytest
 import trl
 
-from trl_grpo_ext.config import VALID_LOSS_TYPES, GRPOConfig
-from trl_grpo_ext.grpo_spec import (
-    SWANLAB_MODES,
-    ConfigError,
-    GRPOSpec,
-    reward_index,
-    reward_option_problems,
-)
-from trl_grpo_ext.loss_types import (
+from trl_grpo_ext.grpo.loss_table import (
     LOCAL_LOSS_TYPES,
     LOSS_TYPES,
     PYTRIO,
@@ -24,9 +16,17 @@ from trl_grpo_ext.loss_types import (
     ratio_bounds,
     valid_loss_types,
 )
+from trl_grpo_ext.grpo.spec import (
+    SWANLAB_MODES,
+    ConfigError,
+    GRPOSpec,
+    reward_index,
+    reward_option_problems,
+)
 from trl_grpo_ext.pytrio.config import PyTrioGRPOConfig
-from trl_grpo_ext.rewards import reward_names
-from trl_grpo_ext.script_args import ScriptArguments
+from trl_grpo_ext.task.rewards import reward_names
+from trl_grpo_ext.trl.config import VALID_LOSS_TYPES, GRPOConfig
+from trl_grpo_ext.trl.script_args import ScriptArguments
 
 
 def trl_config(**kwargs):
@@ -129,7 +129,7 @@ def test_yaml_and_cli_parse_the_shared_keys_on_both_paths(tmp_path):
 
 
 def test_one_loss_table_drives_both_paths_the_losses_and_the_server():
-    from trl_grpo_ext.losses import LOSS_FUNCTIONS
+    from trl_grpo_ext.grpo.losses import LOSS_FUNCTIONS
     from trl_grpo_ext.pytrio.loop import builtin_loss_config
     from trl_grpo_ext.pytrio.server.losses import BUILTIN_LOSSES, parse_loss
 
@@ -189,8 +189,8 @@ def test_reward_options_take_either_spelling_on_both_paths():
         "curriculum_reward",
     ]
     # the TRL recipe's check before the model loads is the same function
-    from trl_grpo_ext.recipe import check_reward_options
-    from trl_grpo_ext.rewards import get_reward_funcs
+    from trl_grpo_ext.task.rewards import get_reward_funcs
+    from trl_grpo_ext.trl.recipe import check_reward_options
 
     funcs = get_reward_funcs(["boxed", "format"])
     check_reward_options(trl_config(degenerate_reward="boxed"), funcs, ["boxed", "format"])

@@ -1,11 +1,11 @@
-"""Loss math of `trl_grpo_ext.losses`: values, gradients against the analytic formulas, metrics, advantages."""
+"""Loss math of `trl_grpo_ext.grpo.losses`: values, gradients against the analytic formulas, metrics, advantages."""
 
 import math
 
 import pytest
 import torch
 
-from trl_grpo_ext.losses import (
+from trl_grpo_ext.grpo.losses import (
     DEFAULT_CLIP,
     DEFAULT_DRO_BETA,
     LOSS_FUNCTIONS,

@@ -11,7 +11,6 @@ from datasets import Dataset
 from transformers import AutoModelForCausalLM, GenerationConfig, TrainerCallback
 from trl.trainer.utils import add_fused_lm_head, shuffle_sequence_dict, split_tensor_dict
 
-from trl_grpo_ext.config import GRPOConfig
 from trl_grpo_ext.prefix import (
     PrefixPlan,
     context_logps_and_entropies,
@@ -28,7 +27,8 @@ from trl_grpo_ext.prefix import (
 from trl_grpo_ext.prefix import attention as prefix_attention
 from trl_grpo_ext.prefix import cost as prefix_cost
 from trl_grpo_ext.prefix.attention import plan_buckets
-from trl_grpo_ext.trainer import GRPOTrainer
+from trl_grpo_ext.trl.config import GRPOConfig
+from trl_grpo_ext.trl.trainer import GRPOTrainer
 
 LOGP_ATOL = 1e-4
 GRAD_RTOL = 1e-5
@@ -544,8 +544,8 @@ def test_plan_type_is_exposed():
 
 
 def test_eval_generator_decodes_what_generate_decodes(tiny_model_path):
-    from trl_grpo_ext.data.prompts import build_prompt
     from trl_grpo_ext.evaluation import HFGenerator
+    from trl_grpo_ext.task.data.prompts import build_prompt
 
     gen = HFGenerator(tiny_model_path, max_new_tokens=6, temperature=1.0, seed=0)
     prompts = [build_prompt(q, one_shot=True, chat=True) for q in ("What is 2 + 3?", "Natalia sold 48 clips.")]
@@ -616,8 +616,8 @@ def test_embedded_model_forward(tmp_path):
     """The embedded SmolLM2-135M (fp32) with its one-shot prompts: log-probs and entropies."""
     from transformers import AutoTokenizer
 
-    from trl_grpo_ext.data.prompts import build_prompt
     from trl_grpo_ext.models import resolve_model
+    from trl_grpo_ext.task.data.prompts import build_prompt
 
     path = resolve_model("embedded")
     tokenizer = AutoTokenizer.from_pretrained(path)

@@ -10,7 +10,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from trl_grpo_ext.losses import group_advantages, policy_loss, token_level_mean
+from trl_grpo_ext.grpo.losses import group_advantages, policy_loss, token_level_mean
 from trl_grpo_ext.pytrio.checkpoint import (
     LoopState,
     check_resumable,
@@ -197,7 +197,7 @@ def test_train_batch_skips_empty_completions_and_scales_builtin_advantages():
 
 
 # --------------------------------------------------------------------------------------------------------------
-# losses: the custom path calls trl_grpo_ext.losses; built-in sums become TRL's token mean
+# losses: the custom path calls trl_grpo_ext.grpo.losses; built-in sums become TRL's token mean
 # --------------------------------------------------------------------------------------------------------------
 
 
@@ -349,7 +349,7 @@ TEST_REWARD = "pytrio_test_digits"
 
 def _digits_reward(completions, **kwargs):
     """Fraction of digit characters: varies across a random model's samples, so groups carry a signal."""
-    from trl_grpo_ext.answers import completion_text
+    from trl_grpo_ext.task.answers import completion_text
 
     out = []
     for completion in completions:
@@ -363,7 +363,7 @@ def local_pytrio(tiny_model_path, tmp_path_factory):
     from pytrio_faults import FaultInjector
 
     from trl_grpo_ext.pytrio.server import LocalPyTrioServer, ServerConfig
-    from trl_grpo_ext.rewards import REWARD_REGISTRY, register_reward
+    from trl_grpo_ext.task.rewards import REWARD_REGISTRY, register_reward
 
     if TEST_REWARD not in REWARD_REGISTRY:
         register_reward(TEST_REWARD)(_digits_reward)
@@ -457,7 +457,7 @@ def test_full_grpo_loop_on_local_server(pytrio_client, tiny_model_path, tmp_path
 @pytest.mark.slow
 def test_custom_loss_path_matches_builtin_loss(pytrio_client, tiny_model_path):
     """importance_sampling as the server's built-in (sum with advantages / N) and as forward_backward_custom
-    (trl_grpo_ext.losses token mean) move the weights the same way."""
+    (trl_grpo_ext.grpo.losses token mean) move the weights the same way."""
     import pytrio as trio
 
     from trl_grpo_ext.pytrio.loop import make_custom_loss
@@ -708,8 +708,8 @@ def test_failing_rerun_loads_no_model_and_keeps_the_previous_run_files(tmp_path,
 
 
 def test_pytrio_rows_are_the_trl_recipe_rows(tmp_path):
-    from trl_grpo_ext.data import load_dataset_split
     from trl_grpo_ext.pytrio.rows import load_train_rows
+    from trl_grpo_ext.task.data import load_dataset_split
 
     data = tmp_path / "train.jsonl"
     data.write_text(

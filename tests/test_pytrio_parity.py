@@ -1,7 +1,7 @@
 """Parity of the local PyTRIO server with the TRL path on one batch.
 
 Reference ("TRL path"): the same LoRA weights on a freshly loaded transformers model, a padded batch forward as
-TRL's GRPOTrainer does it, per-token logprobs of the completion tokens, `trl_grpo_ext.losses.policy_loss`, and the
+TRL's GRPOTrainer does it, per-token logprobs of the completion tokens, `trl_grpo_ext.grpo.losses.policy_loss`, and the
 masked sum (the server's reduction; TRL's token mean is that sum over the token count). Server and reference must
 agree on the loss and on every LoRA gradient to 1e-5; the client-side custom-loss path must give the built-in
 gradient.

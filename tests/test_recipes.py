@@ -16,7 +16,7 @@ CPU_OVERRIDES = ["--use_cpu", "true", "--bf16", "false"]  # the GPU recipes, val
 
 
 def _parse(argv):
-    from trl_grpo_ext.script_args import parse_recipe_args
+    from trl_grpo_ext.trl.script_args import parse_recipe_args
 
     return parse_recipe_args(argv, default_config=ROOT / "recipes" / "gsm8k" / "embedded.yaml")
 
@@ -39,9 +39,9 @@ def test_expected_recipes_exist():
 def test_every_recipe_parses_into_the_real_classes(path):
     import trl
 
-    from trl_grpo_ext.config import GRPOConfig
-    from trl_grpo_ext.rewards import REWARD_REGISTRY
-    from trl_grpo_ext.script_args import ScriptArguments
+    from trl_grpo_ext.task.rewards import REWARD_REGISTRY
+    from trl_grpo_ext.trl.config import GRPOConfig
+    from trl_grpo_ext.trl.script_args import ScriptArguments
 
     text = Path(path).read_text()
     assert text.lstrip().startswith("#"), "each recipe starts with a comment saying what it runs"
@@ -115,7 +115,7 @@ def test_cli_overrides_yaml_and_no_config_means_embedded():
 
 
 def test_unknown_reward_name_is_a_clear_error():
-    from trl_grpo_ext.recipe import reward_functions
+    from trl_grpo_ext.trl.recipe import reward_functions
 
     with pytest.raises(ValueError, match="boxd"):
         reward_functions(["boxd"])
@@ -312,9 +312,9 @@ def test_cpu_threads_after_accelerate_launch():
 
 def test_recipe_config_lets_compare_group_hand_launched_seeds(tmp_path):
     """Runs launched by hand (not by `sweep`) save config.yaml, so `compare` groups those differing only in seed."""
-    from trl_grpo_ext.compare import IGNORED_CONFIG_KEYS, load_runs, summarize
-    from trl_grpo_ext.recipe import save_run_config
-    from trl_grpo_ext.seed_comparison import group_by_seed
+    from trl_grpo_ext.experiments.compare import IGNORED_CONFIG_KEYS, load_runs, summarize
+    from trl_grpo_ext.experiments.seed_comparison import group_by_seed
+    from trl_grpo_ext.trl.recipe import save_run_config
 
     class MainProcess:
         def is_world_process_zero(self):

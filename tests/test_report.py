@@ -141,17 +141,16 @@ def test_lower_layers_import_nothing_above_them(layer):
 def test_seed_comparison_does_not_import_compare():
     """compare uses seed_comparison; the reverse import (once hidden in a function) made them a cycle."""
     assert not any(
-        m.startswith("trl_grpo_ext.compare") for m in _imported_modules(ROOT / "trl_grpo_ext" / "seed_comparison.py")
+        m.startswith("trl_grpo_ext.experiments.compare")
+        for m in _imported_modules(ROOT / "trl_grpo_ext" / "seed_comparison.py")
     )
 
 
 def test_the_recipe_reward_curve_from_a_run_folder(tmp_path):
-    import importlib.util
     import json
 
-    spec = importlib.util.spec_from_file_location("plot_metrics", ROOT / "recipes" / "plot_metrics.py")
-    plot_metrics = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(plot_metrics)
+    from trl_grpo_ext.runs.reward_curve import plot_run_reward_curve
+
     rows = [
         {"step": s, "reward": s / 10, "rewards/boxed/mean": s / 10, "frac_reward_zero_std": 0.5} for s in range(1, 8)
     ]
@@ -159,7 +158,7 @@ def test_the_recipe_reward_curve_from_a_run_folder(tmp_path):
     (tmp_path / "eval_before_after.json").write_text(
         json.dumps({"before": {"accuracy": 0.1, "n": 4}, "after": {"accuracy": 0.5, "n": 4}})
     )
-    path = plot_metrics.plot_reward_curve(tmp_path, window=3)
+    path = plot_run_reward_curve(tmp_path, window=3)
     assert path == tmp_path / "reward_curve.png" and path.stat().st_size > 1000
     with pytest.raises(ValueError, match="has no rows"):
-        plot_metrics.plot_reward_curve(tmp_path / "missing")
+        plot_run_reward_curve(tmp_path / "missing")

@@ -1,4 +1,4 @@
-"""`trl_grpo_ext.reward_aggregation`: TRL 1.16's reward aggregation, checked against a real `trl.GRPOTrainer`."""
+"""`trl_grpo_ext.grpo.reward_aggregation`: TRL 1.16's reward aggregation, checked against a real `trl.GRPOTrainer`."""
 
 import functools
 import math
@@ -8,7 +8,7 @@ import torch
 import trl
 from datasets import Dataset
 
-from trl_grpo_ext.reward_aggregation import (
+from trl_grpo_ext.grpo.reward_aggregation import (
     RewardFunctionError,
     RewardMetricLog,
     frac_reward_zero_std,

@@ -4,14 +4,14 @@
 import pytest
 import torch
 
-from trl_grpo_ext.reward_aggregation import reward_func_name, score_completions
-from trl_grpo_ext.rewards import (
+from trl_grpo_ext.grpo.reward_aggregation import reward_func_name, score_completions
+from trl_grpo_ext.task.rewards import (
     RewardModelReward,
     reward_functions,
     reward_names,
     trl_reward_inputs,
 )
-from trl_grpo_ext.rewards.reward_model import RewardModelOptions, check_reward_model
+from trl_grpo_ext.task.rewards.reward_model import RewardModelOptions, check_reward_model
 
 pytestmark = pytest.mark.slow
 
@@ -20,8 +20,8 @@ def _pairs(n: int, seed: int):
     """(prompt messages, correct completion, wrong completion) per embedded-style problem. The wrong answer is the
     right one times 37 plus 11: far off, so a 60k-parameter model learns to tell them apart in seconds (what is
     tested is the reward-model path, not a model that can do arithmetic)."""
-    from trl_grpo_ext.answers import parse_ground_truth
-    from trl_grpo_ext.data import load_dataset_split
+    from trl_grpo_ext.task.answers import parse_ground_truth
+    from trl_grpo_ext.task.data import load_dataset_split
 
     rows = load_dataset_split(
         "synthetic", "train", num_samples=n, tasks="chain_sum_easy:1", chat=True, one_shot=False, seed=seed

@@ -8,9 +8,9 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from trl_grpo_ext import REWARD_REGISTRY, boxed_reward, format_reward, get_reward_funcs, make_hybrid_reward
-from trl_grpo_ext.answers import answers_match, warm_up_verifier
-from trl_grpo_ext.answers.verifier import VERIFIER
-from trl_grpo_ext.rewards import has_repetition_loop, hybrid_reward, make_format_reward, register_reward
+from trl_grpo_ext.task.answers import answers_match, warm_up_verifier
+from trl_grpo_ext.task.answers.verifier import VERIFIER
+from trl_grpo_ext.task.rewards import has_repetition_loop, hybrid_reward, make_format_reward, register_reward
 
 GSM8K = "Natalia sold 48/2 = <<48/2=24>>24 clips in May.\nAltogether 1,080 clips.\n#### 1,080"
 TRL_KWARGS = dict(prompts=None, trainer_state=object(), log_extra=lambda *a: None, environments=None)

@@ -10,15 +10,15 @@ import re
 import pytest
 from judge_servers import ScriptedServer
 
-from trl_grpo_ext.reward_aggregation import RewardFunctionError, RewardMetricLog, score_completions
-from trl_grpo_ext.rewards import (
+from trl_grpo_ext.grpo.reward_aggregation import RewardFunctionError, RewardMetricLog, score_completions
+from trl_grpo_ext.task.rewards import (
     JudgeConfig,
     JudgeUnavailableError,
     make_hybrid_reward,
     make_judge_reward,
     reward_functions,
 )
-from trl_grpo_ext.rewards.judge import judge_messages, parse_score
+from trl_grpo_ext.task.rewards.judge import judge_messages, parse_score
 
 PROMPT = [{"role": "user", "content": "What is 2 + 2?"}]
 

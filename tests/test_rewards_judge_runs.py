@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 from judge_servers import ScriptedServer, TransformersServe, free_port
 
-from trl_grpo_ext.reward_aggregation import RewardMetricLog
-from trl_grpo_ext.rewards import make_judge_reward
+from trl_grpo_ext.grpo.reward_aggregation import RewardMetricLog
+from trl_grpo_ext.task.rewards import make_judge_reward
 
 ROOT = Path(__file__).resolve().parents[1]
 RUBRIC = ROOT / "recipes" / "gsm8k" / "judge_rubric.md"

@@ -11,11 +11,8 @@ import pytest
 import yaml
 from sweep_fakes import FAKE_RECIPE, TINY_RUN
 
-from trl_grpo_ext.launch.runner import run_sweep
-from trl_grpo_ext.runs import SWEEP_DONE_FILENAME as DONE_MARKER
-from trl_grpo_ext.runs import SWEEP_SUMMARY_FILENAME as SUMMARY_FILE
-from trl_grpo_ext.runs import TRAIN_LOG_FILENAME as TRAIN_LOG
-from trl_grpo_ext.sweep import (
+from trl_grpo_ext.experiments.launch.runner import run_sweep
+from trl_grpo_ext.experiments.sweep import (
     build_command,
     describe_runs,
     eval_command,
@@ -28,6 +25,9 @@ from trl_grpo_ext.sweep import (
     sanitize_name,
     validate_runs,
 )
+from trl_grpo_ext.runs import SWEEP_DONE_FILENAME as DONE_MARKER
+from trl_grpo_ext.runs import SWEEP_SUMMARY_FILENAME as SUMMARY_FILE
+from trl_grpo_ext.runs import TRAIN_LOG_FILENAME as TRAIN_LOG
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -230,8 +230,8 @@ def test_a_job_the_sweep_stopped_before_its_handler_was_in_place_is_interrupted_
     import signal
     import subprocess
 
-    from trl_grpo_ext.launch.job import Job
-    from trl_grpo_ext.launch.local import _ended
+    from trl_grpo_ext.experiments.launch.job import Job
+    from trl_grpo_ext.experiments.launch.local import _ended
 
     def job(name):
         (tmp_path / name).mkdir()
@@ -366,7 +366,7 @@ def test_shipped_sweep_files_expand():
 def test_real_tiny_trl_run_resume_eval_and_compare(tiny_model_path, tmp_path):
     """The shipped TRL recipe on the tiny model: a run, an interruption after checkpoint-1, the resume, then
     the sweep's eval of the saved model and a compare report."""
-    from trl_grpo_ext.compare import build_report
+    from trl_grpo_ext.experiments.compare import build_report
 
     sweep = {
         "name": "tiny",

@@ -17,13 +17,13 @@ import pytest
 import yaml
 from sweep_fakes import FAKE_RECIPE, TINY_RUN
 
-from trl_grpo_ext.launch import LauncherError
-from trl_grpo_ext.launch.job import prepare_job
-from trl_grpo_ext.launch.records import read_attempt
-from trl_grpo_ext.launch.runner import cancel_sweep, format_status, run_sweep, sweep_status
-from trl_grpo_ext.launch.slurm import job_script, plan
+from trl_grpo_ext.experiments.launch import LauncherError
+from trl_grpo_ext.experiments.launch.job import prepare_job
+from trl_grpo_ext.experiments.launch.records import read_attempt
+from trl_grpo_ext.experiments.launch.runner import cancel_sweep, format_status, run_sweep, sweep_status
+from trl_grpo_ext.experiments.launch.slurm import job_script, plan
+from trl_grpo_ext.experiments.sweep import expand, load_sweep, parse_sweep
 from trl_grpo_ext.runs.names import SLURM_JOBS_DIRNAME, SWEEP_SUMMARY_FILENAME
-from trl_grpo_ext.sweep import expand, load_sweep, parse_sweep
 
 REPO = Path(__file__).resolve().parents[1]
 IN_CI = os.environ.get("CI", "").lower() in ("true", "1", "yes")
@@ -279,7 +279,7 @@ def tiny_sweep(tmp_path, tiny_model_path, **changes) -> dict:
 
 @pytest.mark.slow
 def test_tiny_2x2_sweep_on_slurm_status_and_compare(slurm_cluster, cancel_on_exit, tiny_model_path, tmp_path):
-    from trl_grpo_ext.compare import build_report
+    from trl_grpo_ext.experiments.compare import build_report
 
     sweep = tiny_sweep(tmp_path, tiny_model_path, grid={"loss_type": ["cispo", "dapo"], "learning_rate": [1e-5, 4e-5]})
     spec = load_sweep(write_sweep(tmp_path, **sweep))
@@ -325,7 +325,7 @@ PAUSING_RECIPE = textwrap.dedent(
     import transformers
 
     import trl_grpo_ext
-    from trl_grpo_ext.trainer import GRPOTrainer
+    from trl_grpo_ext.trl.trainer import GRPOTrainer
 
     RECIPE = {recipe!r}
 

@@ -9,9 +9,9 @@ import trl
 from datasets import Dataset
 from packaging.version import Version
 
-from trl_grpo_ext.config import TRL_LOSS_TYPES, GRPOConfig
-from trl_grpo_ext.losses import group_advantages
-from trl_grpo_ext.trainer import GRPOTrainer
+from trl_grpo_ext.grpo.losses import group_advantages
+from trl_grpo_ext.trl.config import TRL_LOSS_TYPES, GRPOConfig
+from trl_grpo_ext.trl.trainer import GRPOTrainer
 
 pytestmark = pytest.mark.slow
 

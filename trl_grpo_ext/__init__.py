@@ -9,15 +9,15 @@ from importlib import import_module
 __version__ = "0.1.0"
 
 _EXPORTS = {
-    "boxed_reward": "trl_grpo_ext.rewards",
-    "format_reward": "trl_grpo_ext.rewards",
-    "make_hybrid_reward": "trl_grpo_ext.rewards",
-    "get_reward_funcs": "trl_grpo_ext.rewards",
-    "REWARD_REGISTRY": "trl_grpo_ext.rewards",
-    "make_judge_reward": "trl_grpo_ext.rewards",
-    "reward_functions": "trl_grpo_ext.rewards",
-    "GRPOConfig": "trl_grpo_ext.config",
-    "GRPOTrainer": "trl_grpo_ext.trainer",
+    "boxed_reward": "trl_grpo_ext.task.rewards",
+    "format_reward": "trl_grpo_ext.task.rewards",
+    "make_hybrid_reward": "trl_grpo_ext.task.rewards",
+    "get_reward_funcs": "trl_grpo_ext.task.rewards",
+    "REWARD_REGISTRY": "trl_grpo_ext.task.rewards",
+    "make_judge_reward": "trl_grpo_ext.task.rewards",
+    "reward_functions": "trl_grpo_ext.task.rewards",
+    "GRPOConfig": "trl_grpo_ext.trl.config",
+    "GRPOTrainer": "trl_grpo_ext.trl.trainer",
 }
 
 __all__ = sorted(_EXPORTS)

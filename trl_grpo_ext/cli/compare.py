@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import sys
 
-from trl_grpo_ext.compare import build_report
+from trl_grpo_ext.experiments.compare import build_report
 
 
 def add_arguments(parser) -> None:

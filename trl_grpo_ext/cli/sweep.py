@@ -11,12 +11,19 @@ import sys
 
 import yaml
 
-from trl_grpo_ext.launch import LauncherError
-from trl_grpo_ext.launch.runner import cancel_sweep, format_status, run_sweep, sweep_status
-from trl_grpo_ext.launch.slurm import describe as describe_slurm
-from trl_grpo_ext.launch.slurm import preflight, require_slurm
-from trl_grpo_ext.sweep import RESERVED_KEYS, coerce_scalar, describe_runs, expand, load_sweep, validate_runs
-from trl_grpo_ext.sweep_options import LAUNCHERS
+from trl_grpo_ext.experiments.launch import LauncherError
+from trl_grpo_ext.experiments.launch.runner import cancel_sweep, format_status, run_sweep, sweep_status
+from trl_grpo_ext.experiments.launch.slurm import describe as describe_slurm
+from trl_grpo_ext.experiments.launch.slurm import preflight, require_slurm
+from trl_grpo_ext.experiments.sweep import (
+    RESERVED_KEYS,
+    coerce_scalar,
+    describe_runs,
+    expand,
+    load_sweep,
+    validate_runs,
+)
+from trl_grpo_ext.experiments.sweep_options import LAUNCHERS
 
 
 def add_arguments(parser) -> None:

@@ -164,7 +164,7 @@ def cached_greedy_eval(
         results = load_cached_eval(key, len(problems))
         if results is not None:
             # The cache holds what is expensive, the completions; verdicts are graded again here, so a change of
-            # the grading rules (trl_grpo_ext.answers) never leaves a stale "before" figure.
+            # the grading rules (trl_grpo_ext.task.answers) never leaves a stale "before" figure.
             results = [
                 score_problem(r.index, problem, r.greedy_completion, r.samples, r.greedy_tokens)
                 for r, problem in zip(results, problems, strict=True)

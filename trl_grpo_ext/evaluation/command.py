@@ -9,7 +9,6 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from trl_grpo_ext.data import SYNTHETIC_SOURCE
 from trl_grpo_ext.evaluation.cache import cached_greedy_eval, local_model_folder, model_identity
 from trl_grpo_ext.evaluation.generator import HFGenerator
 from trl_grpo_ext.evaluation.options import EvalRun
@@ -20,6 +19,7 @@ from trl_grpo_ext.evaluation.runner import evaluate
 from trl_grpo_ext.evaluation.scoring import summarize
 from trl_grpo_ext.models import resolve_model
 from trl_grpo_ext.runs import atomic_write_json, eval_compare_path, eval_summary_path
+from trl_grpo_ext.task.data import SYNTHETIC_SOURCE
 
 
 def _has_chat_template(model: str, adapter: str | None) -> bool:

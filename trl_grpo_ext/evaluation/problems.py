@@ -9,11 +9,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
-from trl_grpo_ext.answers import parse_ground_truth
-from trl_grpo_ext.data import SYNTHETIC_SOURCE, load_problems
-from trl_grpo_ext.data.gsm8k import HUB_ID, HUB_NAMES
-from trl_grpo_ext.data.loading import DEFAULT_TASKS
-from trl_grpo_ext.data.prompts import build_prompt
+from trl_grpo_ext.task.answers import parse_ground_truth
+from trl_grpo_ext.task.data import SYNTHETIC_SOURCE, load_problems
+from trl_grpo_ext.task.data.gsm8k import HUB_ID, HUB_NAMES
+from trl_grpo_ext.task.data.loading import DEFAULT_TASKS
+from trl_grpo_ext.task.data.prompts import build_prompt
 
 Prompt = Any  # a list of chat messages, or a plain string for models without a chat template
 
@@ -84,7 +84,7 @@ def as_problems(items: Sequence[Problem | dict]) -> list[Problem]:
 
 
 def load_rows(data: str, limit: int | None = None, seed: int = HELDOUT_SEED, tasks: str | None = None) -> list[dict]:
-    """GSM8K-schema rows through the recipes' own loader (`trl_grpo_ext.data.load_problems`).
+    """GSM8K-schema rows through the recipes' own loader (`trl_grpo_ext.task.data.load_problems`).
 
     `embedded` / `synthetic`: the offline reasoning-gym test split (never shares a problem with training;
     `tasks` as the recipe's `synthetic_tasks`); `gsm8k-test`: GSM8K test from the hub; otherwise a JSONL

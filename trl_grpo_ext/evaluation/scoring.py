@@ -1,4 +1,4 @@
-"""Scoring an eval's completions: each answer parsed exactly as the `boxed` reward parses it (`trl_grpo_ext.answers`),
+"""Scoring an eval's completions: each answer parsed exactly as the `boxed` reward parses it (`trl_grpo_ext.task.answers`),
 so an eval number and a training reward mean the same thing, and again format-independently (that box if there is
 one, else the last number), so a gain splits into "learned the format" and "solves more problems"; then the
 accuracies over problems, overall and per task."""
@@ -8,8 +8,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields
 from typing import Any, Sequence
 
-from trl_grpo_ext.answers import answers_match, completion_text, extract_boxed, extract_last_number, same_answer
 from trl_grpo_ext.evaluation.problems import Problem
+from trl_grpo_ext.task.answers import answers_match, completion_text, extract_boxed, extract_last_number, same_answer
 
 
 def extract_prediction(completion: Any) -> str | None:

@@ -38,30 +38,29 @@ Modules: `plan` (`PrefixPlan`, `plan_prefix`: which tokens a batch shares; TRL's
 stream; the eager dense mask), `attention` (`SegmentAttention` and the `AttentionInterface` wrapper), `cost` (packed
 vs padded), `packing` (one packed forward: `pack_chunk`, `pack_rows`, `shared_prefix_logps_and_entropies`,
 `shared_prefix_logits`), `context` (`PromptContext`: shared parts encoded once for many chunks), `generation`
-(`shared_prefix_generate`), `mixin` (`PrefixSharingMixin`, the trainer hooks).
+(`shared_prefix_generate`). The TRL trainer's hooks onto this engine are `trl_grpo_ext.trl.prefix_mixin`
+(`PrefixSharingMixin`).
 """
 
 # The package re-exports every name the one module `trl_grpo_ext/prefix.py` had, private ones included (tests and
 # bench/step_time.py import some), so `from trl_grpo_ext.prefix import ...` reads the same as before the split.
-from .attention import SegmentAttention
-from .context import PromptContext as PromptContext
-from .context import context_logps_and_entropies, encode_prompt_context
-from .generation import _left_pad as _left_pad
-from .generation import generation_unsupported_reason, shared_prefix_generate
-from .layout import DEFAULT_MAX_PACKED_TOKENS
-from .mixin import PrefixSharingMixin
-from .mixin import _Cycle as _Cycle
-from .packing import (
+from trl_grpo_ext.prefix.attention import SegmentAttention
+from trl_grpo_ext.prefix.context import PromptContext as PromptContext
+from trl_grpo_ext.prefix.context import context_logps_and_entropies, encode_prompt_context
+from trl_grpo_ext.prefix.generation import _left_pad as _left_pad
+from trl_grpo_ext.prefix.generation import generation_unsupported_reason, shared_prefix_generate
+from trl_grpo_ext.prefix.layout import DEFAULT_MAX_PACKED_TOKENS
+from trl_grpo_ext.prefix.packing import (
     PackedBatch,
     pack_chunk,
     pack_rows,
     shared_prefix_logits,
     shared_prefix_logps_and_entropies,
 )
-from .packing import _unpack as _unpack
-from .plan import PrefixPlan, plan_prefix, prompts_from_left_padded
-from .support import _LOGGED as _LOGGED
-from .support import (
+from trl_grpo_ext.prefix.packing import _unpack as _unpack
+from trl_grpo_ext.prefix.plan import PrefixPlan, plan_prefix, prompts_from_left_padded
+from trl_grpo_ext.prefix.support import _LOGGED as _LOGGED
+from trl_grpo_ext.prefix.support import (
     PACKED_ATTENTION,
     STATIC_ROPE_TYPES,
     SUPPORTED_ATTENTION,
@@ -72,8 +71,8 @@ from .support import (
     packed_unsupported_reason,
     sharing_unsupported_reason,
 )
-from .support import _config_of as _config_of
-from .support import _unwrap as _unwrap
+from trl_grpo_ext.prefix.support import _config_of as _config_of
+from trl_grpo_ext.prefix.support import _unwrap as _unwrap
 
 __all__ = [
     "DEFAULT_MAX_PACKED_TOKENS",
@@ -83,7 +82,6 @@ __all__ = [
     "SUPPORTED_MODEL_TYPES",
     "PackedBatch",
     "PrefixPlan",
-    "PrefixSharingMixin",
     "PromptContext",
     "SegmentAttention",
     "context_logps_and_entropies",

@@ -10,12 +10,20 @@ from dataclasses import dataclass
 
 import torch
 
-from ..compat import cache_kwargs
-from .attention import kind_of
-from .layout import DEFAULT_MAX_PACKED_TOKENS, SegmentSpec, place
-from .packing import PackedBatch, _has_holes, _kept_lengths, _unpack, choose_layout, fit_to, trl_tensors
-from .plan import PrefixPlan, plan_prefix, prompts_from_left_padded
-from .support import _config_of, log_fallback_once
+from trl_grpo_ext.compat import cache_kwargs
+from trl_grpo_ext.prefix.attention import kind_of
+from trl_grpo_ext.prefix.layout import DEFAULT_MAX_PACKED_TOKENS, SegmentSpec, place
+from trl_grpo_ext.prefix.packing import (
+    PackedBatch,
+    _has_holes,
+    _kept_lengths,
+    _unpack,
+    choose_layout,
+    fit_to,
+    trl_tensors,
+)
+from trl_grpo_ext.prefix.plan import PrefixPlan, plan_prefix, prompts_from_left_padded
+from trl_grpo_ext.prefix.support import _config_of, log_fallback_once
 
 
 # Level 1 and 2 encoded once for many chunks of rows (a whole generation batch), each chunk then encoding only its

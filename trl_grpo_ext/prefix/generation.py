@@ -7,9 +7,9 @@ from collections.abc import Sequence
 
 import torch
 
-from ..compat import cache_kwargs
-from .plan import plan_prefix
-from .support import _config_of, log_fallback_once, sharing_unsupported_reason
+from trl_grpo_ext.compat import cache_kwargs
+from trl_grpo_ext.prefix.plan import plan_prefix
+from trl_grpo_ext.prefix.support import _config_of, log_fallback_once, sharing_unsupported_reason
 
 
 def _left_pad(prompts: Sequence[Sequence[int]], pad_token_id: int, pad_to_multiple_of: int | None, device):

@@ -9,9 +9,9 @@ from dataclasses import dataclass
 
 import torch
 
-from .attention import BUCKET_OVERHEAD_PAIRS, SegmentAttention, install, kind_of, placeholder_mask
-from .cost import ModelCost, layout_cost, packed_is_cheaper, padded_pairs
-from .layout import (
+from trl_grpo_ext.prefix.attention import BUCKET_OVERHEAD_PAIRS, SegmentAttention, install, kind_of, placeholder_mask
+from trl_grpo_ext.prefix.cost import ModelCost, layout_cost, packed_is_cheaper, padded_pairs
+from trl_grpo_ext.prefix.layout import (
     DEFAULT_MAX_PACKED_TOKENS,
     Placement,
     SegmentSpec,
@@ -21,8 +21,8 @@ from .layout import (
     eager_mask,
     place,
 )
-from .plan import PrefixPlan, plan_prefix, prompts_from_left_padded
-from .support import _config_of, log_fallback_once, packed_unsupported_reason
+from trl_grpo_ext.prefix.plan import PrefixPlan, plan_prefix, prompts_from_left_padded
+from trl_grpo_ext.prefix.support import _config_of, log_fallback_once, packed_unsupported_reason
 
 
 @dataclass(eq=False)

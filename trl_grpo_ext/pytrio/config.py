@@ -15,7 +15,8 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass, field
 
-from trl_grpo_ext.grpo_spec import (
+from trl_grpo_ext.grpo.loss_table import LOSSES, PYTRIO, ratio_bounds
+from trl_grpo_ext.grpo.spec import (
     GRPOSpec,
     normalize_values,
     number_problem,
@@ -26,15 +27,14 @@ from trl_grpo_ext.grpo_spec import (
     spec_problems,
     swanlab_mode_problems,
 )
-from trl_grpo_ext.loss_types import LOSSES, PYTRIO, ratio_bounds
 from trl_grpo_ext.models import EMBEDDED_NAME
-from trl_grpo_ext.rewards import RewardSettings, reward_names, reward_settings_problems
 from trl_grpo_ext.runs.tracking import swanlab_mode_field, swanlab_project_field
+from trl_grpo_ext.task.rewards import RewardSettings, reward_names, reward_settings_problems
 
 
 @dataclass
 class PyTrioGRPOConfig(GRPOSpec, RewardSettings):
-    """The PyTRIO loop's options: the shared GRPO spec (`trl_grpo_ext.grpo_spec.GRPOSpec`, TRL's names) plus where
+    """The PyTRIO loop's options: the shared GRPO spec (`trl_grpo_ext.grpo.spec.GRPOSpec`, TRL's names) plus where
     the model lives, the data, the optimizer and the run."""
 
     # --- where the model lives ---
@@ -116,7 +116,7 @@ class PyTrioGRPOConfig(GRPOSpec, RewardSettings):
     reward_funcs: list[str] = field(
         default_factory=lambda: ["boxed"],
         metadata={
-            "help": "Reward function names from `trl_grpo_ext.rewards.REWARD_REGISTRY`, 'judge', 'cost', or a reward "
+            "help": "Reward function names from `trl_grpo_ext.task.rewards.REWARD_REGISTRY`, 'judge', 'cost', or a reward "
             "model's folder or hub id, as in TRL (options: judge, reward_model, hybrid, cost)."
         },
     )
@@ -166,7 +166,7 @@ class PyTrioGRPOConfig(GRPOSpec, RewardSettings):
 
     @property
     def clip_bounds(self) -> tuple[float | None, float | None]:
-        """Ratio bounds handed to `trl_grpo_ext.losses.policy_loss` (`trl_grpo_ext.loss_types.ratio_bounds`)."""
+        """Ratio bounds handed to `trl_grpo_ext.grpo.losses.policy_loss` (`trl_grpo_ext.grpo.loss_table.ratio_bounds`)."""
         return ratio_bounds(self)
 
     @property

@@ -6,11 +6,11 @@ One optimizer step (`GRPOLoop.train_step`), phase by phase:
    sampler holds the current weights, the "old" policy), then ``sample(prompt, num_samples=num_generations)`` per
    prompt (``mode: async`` submits all prompts at once);
 2. score (`GRPOLoop._score`; `GRPOLoop._sample_and_score` joins 1 and 2, and runs more rounds with dynamic
-   sampling): rewards (`trl_grpo_ext.rewards`, aggregated by `trl_grpo_ext.reward_aggregation` as the TRL path
-   does), group advantages (`trl_grpo_ext.losses.group_advantages`);
+   sampling): rewards (`trl_grpo_ext.task.rewards`, aggregated by `trl_grpo_ext.grpo.reward_aggregation` as the TRL path
+   does), group advantages (`trl_grpo_ext.grpo.losses.group_advantages`);
 3. build datums (`build_train_batch`): one `Datum` per completion (`trl_grpo_ext.pytrio.datums`);
 4. step (`GRPOLoop._optimizer_step`): ``forward_backward(datums, loss_type)`` for the service's built-in
-   ``importance_sampling`` / ``ppo``, or ``forward_backward_custom`` with `trl_grpo_ext.losses.policy_loss` for
+   ``importance_sampling`` / ``ppo``, or ``forward_backward_custom`` with `trl_grpo_ext.grpo.losses.policy_loss` for
    ``cispo`` and the other losses, then ``optim_step(AdamParams(...))``;
 5. metrics (`reward_step_metrics`, `completion_metrics`, the loss's): one row of ``metrics.jsonl`` (and SwanLab).
 
@@ -31,10 +31,10 @@ from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from trl_grpo_ext.data.curriculum import CurriculumPromptStream, curriculum_from_tasks, passed_values
-from trl_grpo_ext.dynamic_sampling import GroupFilter, GroupRef
-from trl_grpo_ext.grpo_spec import curriculum_pass_reward
-from trl_grpo_ext.loss_types import wire_loss_config
+from trl_grpo_ext.grpo.curriculum import CurriculumPromptStream, curriculum_from_tasks, passed_values
+from trl_grpo_ext.grpo.dynamic_sampling import GroupFilter, GroupRef
+from trl_grpo_ext.grpo.loss_table import wire_loss_config
+from trl_grpo_ext.grpo.spec import curriculum_pass_reward
 from trl_grpo_ext.models import check_local_model, is_embedded, resolve_model
 from trl_grpo_ext.pytrio import connection
 from trl_grpo_ext.pytrio.checkpoint import (
@@ -55,7 +55,6 @@ from trl_grpo_ext.pytrio.connection import (
 )
 from trl_grpo_ext.pytrio.datums import Rollout, build_datum, shifted_sequences, validate_rollout
 from trl_grpo_ext.pytrio.rows import load_train_rows
-from trl_grpo_ext.rewards import preflight_rewards, reward_functions
 from trl_grpo_ext.runs import (
     CONFIG_FILENAME,
     METRICS_FILENAME,
@@ -65,6 +64,7 @@ from trl_grpo_ext.runs import (
 )
 from trl_grpo_ext.runs.metrics import RunLogger
 from trl_grpo_ext.runs.tracking import start_swanlab
+from trl_grpo_ext.task.rewards import preflight_rewards, reward_functions
 
 logger = logging.getLogger(__name__)
 
@@ -160,11 +160,11 @@ def rollouts_from_response(response, prompt_tokens, num_generations: int, what: 
 
 
 def advantages_for(config: PyTrioGRPOConfig, rewards, rewards_per_func) -> tuple[list[float], list[bool]]:
-    """`trl_grpo_ext.losses.group_advantages` of the weighted totals (N,) with the config's options (and
+    """`trl_grpo_ext.grpo.losses.group_advantages` of the weighted totals (N,) with the config's options (and
     ``degenerate_reward``'s column of ``rewards_per_func`` (N, K)); returns (advantages, degenerate per group)."""
     import torch
 
-    from trl_grpo_ext.losses import group_advantages  # torch: loaded by the first step, not by importing the loop
+    from trl_grpo_ext.grpo.losses import group_advantages  # torch: loaded by the first step, not by importing the loop
 
     rewards_per_func = torch.as_tensor(rewards_per_func, dtype=torch.float32)
     degenerate_rewards = None
@@ -188,15 +188,15 @@ class ScoredBatch:
     rows: list[dict]
     rollouts: list[Rollout]
     rewards_per_func: object  # torch (N, K), None -> NaN
-    rewards: object  # torch (N,), `trl_grpo_ext.reward_aggregation.weighted_rewards`
+    rewards: object  # torch (N,), `trl_grpo_ext.grpo.reward_aggregation.weighted_rewards`
     advantages: list[float]
     degenerate: list[bool]  # per prompt group
     logged: dict = field(default_factory=dict)  # what the reward functions sent to ``log_metric``
 
 
 def reward_step_metrics(config: PyTrioGRPOConfig, scored: ScoredBatch, reward_names) -> dict:
-    """The TRL path's reward metrics of a step (`trl_grpo_ext.reward_aggregation`), plus ``frac_degenerate``."""
-    from trl_grpo_ext.reward_aggregation import frac_reward_zero_std, reward_metrics  # trl: seconds, first step
+    """The TRL path's reward metrics of a step (`trl_grpo_ext.grpo.reward_aggregation`), plus ``frac_degenerate``."""
+    from trl_grpo_ext.grpo.reward_aggregation import frac_reward_zero_std, reward_metrics  # trl: seconds, first step
 
     metrics = reward_metrics(scored.rewards_per_func, scored.rewards, reward_names)
     metrics["frac_reward_zero_std"] = frac_reward_zero_std(
@@ -226,11 +226,11 @@ class TokenRows:
 
 
 def make_custom_loss(config: PyTrioGRPOConfig, rows: TokenRows, record: dict):
-    """The local loss for ``forward_backward_custom``: `trl_grpo_ext.losses.policy_loss`, aggregated over the
+    """The local loss for ``forward_backward_custom``: `trl_grpo_ext.grpo.losses.policy_loss`, aggregated over the
     completion tokens of the whole batch as ``loss_aggregation`` says. Metrics also land in ``record``."""
     import torch
 
-    from trl_grpo_ext.losses import policy_loss, token_level_mean  # torch: first step
+    from trl_grpo_ext.grpo.losses import policy_loss, token_level_mean  # torch: first step
 
     clip_low, clip_high = config.clip_bounds
 
@@ -269,7 +269,7 @@ def builtin_loss_config(config: PyTrioGRPOConfig) -> dict | None:
 
 
 def local_loss_metrics(config: PyTrioGRPOConfig, rows: TokenRows, new_logprobs) -> dict:
-    """Loss and ratio metrics recomputed with `trl_grpo_ext.losses` from the logprobs the trainer returned, so a
+    """Loss and ratio metrics recomputed with `trl_grpo_ext.grpo.losses` from the logprobs the trainer returned, so a
     built-in loss reports the same numbers a custom one does."""
     import torch
 
@@ -340,7 +340,7 @@ def completion_metrics(rollouts: list[Rollout]) -> dict:
 
 
 def kept_groups(batches: list[ScoredBatch], selection: list[GroupRef], num_generations: int) -> ScoredBatch:
-    """The groups dynamic sampling keeps (`trl_grpo_ext.dynamic_sampling.GroupFilter.selection`) as one batch.
+    """The groups dynamic sampling keeps (`trl_grpo_ext.grpo.dynamic_sampling.GroupFilter.selection`) as one batch.
     Padding groups are left out (fewer datums: what the TRL path's masked-out padding amounts to), unless nothing
     else is left; then they stay with zero advantages, so the step runs and its gradient is zero."""
     import torch
@@ -412,7 +412,7 @@ class GRPOLoop:
         self._rows = rows
         self._tokenizer = tokenizer
         self._prompt_cache: dict[int, list[int]] = {}
-        self.curriculum = None  # `trl_grpo_ext.data.curriculum.Curriculum` with ``curriculum: true`` (`prepare`)
+        self.curriculum = None  # `trl_grpo_ext.grpo.curriculum.Curriculum` with ``curriculum: true`` (`prepare`)
         self._checked: tuple[LoopState | None] | None = None  # (resume state,) once `check_inputs` has passed
         # else `_service_client` makes one, and a new one after an outage
         self._given_service = service_client is not None
@@ -475,9 +475,9 @@ class GRPOLoop:
         return PromptStream(rows, self.config.seed, data_position)
 
     def _reward_setup(self):
-        """Reward functions with the TRL recipe's context (`trl_grpo_ext.rewards.reward_functions`: the length limit
+        """Reward functions with the TRL recipe's context (`trl_grpo_ext.task.rewards.reward_functions`: the length limit
         and EOS let rewards that veto truncated completions recognise them), TRL's names and weights."""
-        from trl_grpo_ext.reward_aggregation import reward_func_name, reward_weight_tensor  # trl: seconds
+        from trl_grpo_ext.grpo.reward_aggregation import reward_func_name, reward_weight_tensor  # trl: seconds
 
         funcs = reward_functions(self.config.reward_funcs, self.config, self.tokenizer, settings=self.config)
         return (
@@ -558,8 +558,8 @@ class GRPOLoop:
         return rollouts
 
     def _score(self, rows: list[dict], rollouts: list[Rollout], times: StepTimes) -> ScoredBatch:
-        """Rewards as TRL computes them (`trl_grpo_ext.reward_aggregation`), then group advantages."""
-        from trl_grpo_ext.reward_aggregation import (  # trl: seconds, first step
+        """Rewards as TRL computes them (`trl_grpo_ext.grpo.reward_aggregation`), then group advantages."""
+        from trl_grpo_ext.grpo.reward_aggregation import (  # trl: seconds, first step
             RewardMetricLog,
             reward_kwargs,
             score_completions,

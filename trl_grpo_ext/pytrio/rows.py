@@ -1,6 +1,6 @@
-"""Training rows for the PyTRIO loop: the TRL recipe's dataset (`trl_grpo_ext.data.load_dataset_split`), as dicts.
+"""Training rows for the PyTRIO loop: the TRL recipe's dataset (`trl_grpo_ext.task.data.load_dataset_split`), as dicts.
 
-One loader for both execution paths: the same prompts (`trl_grpo_ext.data.prompts.build_prompt`), the same columns
+One loader for both execution paths: the same prompts (`trl_grpo_ext.task.data.prompts.build_prompt`), the same columns
 (``prompt``, ``question``, ``answer``, ``task`` for synthetic problems), and the same checks (a GSM8K row without a
 question or with an unparseable answer is an error naming the row, or dropped with ``on_malformed: drop``). The
 columns other than ``prompt`` reach the reward functions as keyword arguments, as TRL passes dataset columns.
@@ -8,9 +8,9 @@ columns other than ``prompt`` reach the reward functions as keyword arguments, a
 
 from __future__ import annotations
 
-from trl_grpo_ext.data import load_dataset_split
-from trl_grpo_ext.data.gsm8k import HUB_ID
-from trl_grpo_ext.data.loading import SYNTHETIC_SOURCE
+from trl_grpo_ext.task.data import load_dataset_split
+from trl_grpo_ext.task.data.gsm8k import HUB_ID
+from trl_grpo_ext.task.data.loading import SYNTHETIC_SOURCE
 
 
 def data_source(config) -> str:

@@ -52,7 +52,7 @@ SWEEP_DONE_FILENAME = "sweep_done.json"
 SWEEP_SUMMARY_FILENAME = "sweep_summary.json"
 SWEEP_LOG_FILENAME = "sweep.log"
 # In each run folder: the job that trains it (written by the sweep's launcher) and what its last job did or is
-# doing: queued, running, finished, failed, interrupted (trl_grpo_ext/launch/).
+# doing: queued, running, finished, failed, interrupted (trl_grpo_ext/experiments/launch/).
 SWEEP_JOB_FILENAME = "sweep_job.json"
 SWEEP_ATTEMPT_FILENAME = "sweep_attempt.json"
 # In the sweep's output root: the lock a sweep command holds while it picks and starts runs, and the SLURM

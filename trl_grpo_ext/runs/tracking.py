@@ -21,7 +21,7 @@ def swanlab_project_field():
 
 
 def swanlab_mode_field():
-    """The ``swanlab_mode`` option, as both paths' configs declare it (values: `trl_grpo_ext.grpo_spec`)."""
+    """The ``swanlab_mode`` option, as both paths' configs declare it (values: `trl_grpo_ext.grpo.spec`)."""
     return field(
         default=None,
         metadata={

@@ -1,4 +1,4 @@
-"""Built-in PyTRIO/Tinker loss names and their `loss_fn_config` mapped onto `trl_grpo_ext.losses`.
+"""Built-in PyTRIO/Tinker loss names and their `loss_fn_config` mapped onto `trl_grpo_ext.grpo.losses`.
 
 The server computes each loss as a plain sum of per-token terms over the counted tokens, as Tinker documents
 (``loss = -objective.sum()``). A sum is also what `TrainingClient.forward_backward_custom` relies on: it sends
@@ -12,8 +12,8 @@ from dataclasses import dataclass
 
 import torch
 
-from trl_grpo_ext import losses
-from trl_grpo_ext.loss_types import SERVER_LOSS_CONFIG_KEYS, WIRE_CLIP_HIGH, WIRE_CLIP_LOW
+from trl_grpo_ext.grpo import losses
+from trl_grpo_ext.grpo.loss_table import SERVER_LOSS_CONFIG_KEYS, WIRE_CLIP_HIGH, WIRE_CLIP_LOW
 
 # Tinker's names for the knobs, from the loss table; the losses module takes ratio bounds and a DRO beta.
 CONFIG_KEYS: dict[str, tuple[str, ...]] = SERVER_LOSS_CONFIG_KEYS
@@ -70,7 +70,7 @@ def per_token_loss(
     old_logprobs: torch.Tensor | None = None,
     advantages: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """Unmasked per-token loss of `spec` from `trl_grpo_ext.losses` (same shapes as ``logprobs``)."""
+    """Unmasked per-token loss of `spec` from `trl_grpo_ext.grpo.losses` (same shapes as ``logprobs``)."""
     if spec.name == "cross_entropy":
         return losses.policy_loss("cross_entropy", logprobs, None, weights)
     return losses.policy_loss(

@@ -1,0 +1,1 @@
+"""Multi-run tools: sweeps and their launchers, comparison reports, seed comparisons."""

@@ -1,0 +1,1 @@
+"""The task: answers and their parsing, rewards, data and prompts."""

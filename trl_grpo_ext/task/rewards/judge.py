@@ -1,0 +1,490 @@
+"""The rubric LLM judge ("type C"): an async reward that asks any OpenAI-compatible chat-completions server
+(`vllm serve`, `transformers serve`, SGLang, llama.cpp's server, a hosted API) to score each completion.
+
+Per completion, one request through the `openai` client: the rubric and the declared score format as the system
+message, the question and the completion as the user message, ``temperature=0`` and a ``seed`` (deterministic where
+the server honours them). The reply is parsed as declared (``integer``: the first integer of the reply; ``json``: a
+JSON object's ``score_field``) and must lie in ``score_range``; it is then mapped to [0, 1]. With ``logprobs: true``
+and a server that returns them, the score is the probability-weighted mean over the in-range integers of the first
+generated token instead. Anything else scores None (TRL's "not applicable") and is counted as a parse error.
+
+Requests run concurrently up to ``max_concurrency``, each bounded by ``timeout_s``; 429, 5xx, timeouts and
+connection errors are retried ``retries`` times with exponential backoff, other errors are not. A completion whose
+request still fails scores None (the step goes on, the other reward terms count); a call in which every request
+failed counts towards ``max_failed_steps``, and that many in a row stop the run (`JudgeUnavailableError`) rather than
+let it train on the other terms alone. Identical (rubric, prompt, completion, judge model) requests are answered from
+a cache (and asked once when they share a batch). Per call, ``log_metric`` gets ``judge/requests``, ``judge/failures``,
+``judge/retries``, ``judge/parse_errors``, ``judge/cache_hits``, ``judge/latency_p50`` and ``judge/latency_p99``.
+
+The API key is read from the environment variable ``api_key_env`` names (``OPENAI_API_KEY``), never from the
+recipe, and never printed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import logging
+import math
+import os
+import re
+import time
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+
+from trl_grpo_ext.task.answers import completion_text
+from trl_grpo_ext.task.rewards._batch import as_list
+from trl_grpo_ext.task.rewards.reward_model import mapping_option
+
+logger = logging.getLogger(__name__)
+
+SCORE_FORMATS = ("integer", "json")
+MODES = ("pointwise", "pairwise")
+_SIDE = re.compile(r"\b([AB])\b")
+# A local server takes any key; the openai client refuses an empty one.
+NO_KEY = "EMPTY"
+_INTEGER = re.compile(r"-?\d+")
+_JSON_OBJECT = re.compile(r"\{.*?\}", re.DOTALL)
+
+
+class JudgeUnavailableError(RuntimeError):
+    """The judge failed every request of ``max_failed_steps`` steps in a row: the run stops."""
+
+
+@dataclass
+class JudgeConfig:
+    """The recipe's ``judge:`` mapping."""
+
+    base_url: str = ""  # the OpenAI client's form: http://127.0.0.1:8000/v1
+    model: str = ""  # the model name the server lists at /v1/models; 'auto': the one model it lists
+    rubric: str | None = None  # the grading instructions, or
+    rubric_file: str | None = None  # a file holding them (relative to the working directory)
+    mode: str = "pointwise"  # or 'pairwise': each completion against the others of its prompt, both orders asked
+    score_format: str = "integer"  # 'integer' (the reply's first integer) or 'json' (a JSON object's score_field)
+    score_field: str = "score"
+    score_range: list = field(default_factory=lambda: [1, 10])  # [low, high], mapped to [0, 1]
+    logprobs: bool = False  # the probability-weighted score where the server returns token log-probabilities
+    max_concurrency: int = 8
+    timeout_s: float = 60.0
+    retries: int = 3
+    backoff_s: float = 0.5  # the first retry's wait; doubles each time
+    cache: bool = True
+    seed: int | None = 0
+    max_tokens: int = 16
+    api_key_env: str = "OPENAI_API_KEY"
+    max_failed_steps: int = 3  # steps in a row whose every request failed before the run stops
+    name: str = "judge_reward"  # TRL's ``rewards/<name>/mean``
+
+    @classmethod
+    def from_mapping(cls, value) -> JudgeConfig:
+        """The config from the recipe's mapping (or JSON text); every problem in one ValueError line."""
+        mapping = mapping_option("judge", value)
+        if not mapping:
+            raise ValueError("reward 'judge' needs a judge: mapping with at least base_url, model and rubric")
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(mapping) - known)
+        if unknown:
+            raise ValueError(f"judge: unknown key(s) {unknown}; valid: {sorted(known)}")
+        config = cls(**mapping)
+        problems = config.problems()
+        if problems:
+            raise ValueError("judge: " + "; ".join(problems))
+        if config.rubric_file:
+            config.rubric = Path(config.rubric_file).expanduser().read_text(encoding="utf-8")
+        return config
+
+    def problems(self) -> list[str]:
+        problems = []
+        if not (isinstance(self.base_url, str) and re.match(r"^https?://", self.base_url)):
+            problems.append(f"base_url={self.base_url!r} must be an http(s) URL such as http://127.0.0.1:8000/v1")
+        if not (isinstance(self.model, str) and self.model.strip()):
+            problems.append("model must name the judge model as the server knows it")
+        if bool(self.rubric) == bool(self.rubric_file):
+            problems.append("set exactly one of rubric (text) and rubric_file (a path)")
+        elif self.rubric_file and not Path(self.rubric_file).expanduser().is_file():
+            problems.append(f"rubric_file {self.rubric_file!r} does not exist")
+        if self.mode not in MODES:
+            problems.append(f"mode={self.mode!r} must be one of {', '.join(MODES)}")
+        if self.mode == "pairwise" and self.logprobs:
+            problems.append("logprobs: true weighs a pointwise score; pairwise mode parses the preferred side")
+        if self.score_format not in SCORE_FORMATS:
+            problems.append(f"score_format={self.score_format!r} must be one of {', '.join(SCORE_FORMATS)}")
+        r = self.score_range
+        if not (isinstance(r, (list, tuple)) and len(r) == 2 and all(_is_int(v) for v in r) and r[0] < r[1]):
+            problems.append(f"score_range={r!r} must be [low, high], integers with low < high")
+        if self.logprobs and self.score_format != "integer":
+            problems.append("logprobs: true weighs integer scores; it needs score_format: integer")
+        for name, low in (("max_concurrency", 1), ("retries", 0), ("max_tokens", 1), ("max_failed_steps", 1)):
+            value = getattr(self, name)
+            if not (_is_int(value) and value >= low):
+                problems.append(f"{name}={value!r} must be an integer >= {low}")
+        for name in ("timeout_s", "backoff_s"):
+            value = getattr(self, name)
+            ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+            if not (ok and (value > 0 if name == "timeout_s" else value >= 0)):
+                problems.append(f"{name}={value!r} must be a number {'> 0' if name == 'timeout_s' else '>= 0'}")
+        if not (isinstance(self.api_key_env, str) and self.api_key_env.strip()):
+            problems.append("api_key_env must name an environment variable")
+        return problems
+
+    @property
+    def url(self) -> str:
+        return self.base_url.rstrip("/")
+
+    def api_key(self) -> str:
+        return os.environ.get(self.api_key_env) or NO_KEY
+
+    def system_prompt(self) -> str:
+        low, high = self.score_range
+        if self.score_format == "json":
+            shape = f'a JSON object {{"{self.score_field}": <an integer from {low} to {high}>}}'
+        else:
+            shape = f"the score, an integer from {low} to {high}"
+        return f"{self.rubric.strip()}\n\nReply with only {shape}."
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def question_text(prompt) -> str:
+    """The question a prompt asks: the last user message of a conversation, or the prompt text."""
+    if isinstance(prompt, list):
+        users = [m.get("content", "") for m in prompt if isinstance(m, dict) and m.get("role") == "user"]
+        return str(users[-1] if users else (prompt[-1].get("content", "") if prompt else ""))
+    return str(prompt or "")
+
+
+def judge_messages(config: JudgeConfig, prompt, completion) -> list[dict]:
+    """The chat the judge is asked (docs/rewards.md shows it)."""
+    user = f"Question:\n{question_text(prompt)}\n\nResponse to grade:\n{completion_text(completion)}"
+    return [{"role": "system", "content": config.system_prompt()}, {"role": "user", "content": user}]
+
+
+def pairwise_messages(config: JudgeConfig, prompt, first, second) -> list[dict]:
+    """The chat of a pairwise comparison: response A, then response B."""
+    system = f"{config.rubric.strip()}\n\nYou are shown two responses, A and B. Reply with only the letter of the better one: A or B."
+    user = (
+        f"Question:\n{question_text(prompt)}\n\nResponse A:\n{completion_text(first)}\n\n"
+        f"Response B:\n{completion_text(second)}"
+    )
+    return [{"role": "system", "content": system}, {"role": "user", "content": user}]
+
+
+def parse_preference(reply: str | None) -> str | None:
+    """'A' or 'B': the first standalone letter A or B of the reply; None without one."""
+    match = _SIDE.search(reply) if isinstance(reply, str) else None
+    return match.group(1) if match else None
+
+
+def parse_score(config: JudgeConfig, reply: str | None) -> float | None:
+    """The declared score of `reply` mapped to [0, 1], or None when it has none in range."""
+    if not isinstance(reply, str):
+        return None
+    value = None
+    if config.score_format == "integer":
+        match = _INTEGER.search(reply)
+        value = int(match.group()) if match else None
+    else:
+        for candidate in _JSON_OBJECT.findall(reply):
+            try:
+                obj = json.loads(candidate)
+            except json.JSONDecodeError:
+                continue
+            raw = obj.get(config.score_field) if isinstance(obj, dict) else None
+            if isinstance(raw, (int, float)) and not isinstance(raw, bool) and float(raw).is_integer():
+                value = int(raw)
+                break
+    return _normalise(config, value)
+
+
+def _normalise(config: JudgeConfig, value) -> float | None:
+    low, high = config.score_range
+    if value is None or not low <= value <= high:
+        return None
+    return (value - low) / (high - low)
+
+
+def logprob_score(config: JudgeConfig, choice) -> float | None:
+    """The probability-weighted score over the in-range integers among the first token's top log-probabilities,
+    mapped to [0, 1]; None when the server returned none."""
+    content = getattr(getattr(choice, "logprobs", None), "content", None)
+    if not content:
+        return None
+    weights: dict[int, float] = {}
+    for candidate in getattr(content[0], "top_logprobs", None) or []:
+        token = str(getattr(candidate, "token", "")).strip()
+        if re.fullmatch(r"-?\d+", token) and config.score_range[0] <= int(token) <= config.score_range[1]:
+            weights[int(token)] = weights.get(int(token), 0.0) + math.exp(candidate.logprob)
+    total = sum(weights.values())
+    if not total:
+        return None
+    return _normalise(config, sum(v * p for v, p in weights.items()) / total)
+
+
+def cache_key(config: JudgeConfig, prompt, completion) -> str:
+    """The cache's key: rubric and score format, prompt, completion and judge model."""
+    if isinstance(completion, list) and all(isinstance(c, str) for c in completion):  # a pairwise (A, B)
+        shown = list(completion)
+    else:
+        shown = completion_text(completion)
+    material = [config.system_prompt(), question_text(prompt), shown, config.model, config.logprobs, config.mode]
+    return hashlib.sha256(json.dumps(material, ensure_ascii=False).encode()).hexdigest()
+
+
+def percentile(values: list[float], q: float) -> float:
+    """Nearest-rank percentile (q in [0, 100]) of a non-empty list."""
+    ordered = sorted(values)
+    return ordered[max(0, math.ceil(q / 100 * len(ordered)) - 1)]
+
+
+@dataclass
+class _CallStats:
+    requests: int = 0
+    failures: int = 0
+    retries: int = 0
+    parse_errors: int = 0
+    cache_hits: int = 0
+    position_disagreements: int = 0  # pairwise: pairs whose two orders disagree
+    asked: int = 0  # items that needed a request (not answered from the cache)
+    latencies: list = field(default_factory=list)
+    last_error: str = ""
+
+    def metrics(self) -> dict[str, float]:
+        out = {f"judge/{k}": float(v) for k, v in asdict(self).items() if isinstance(v, int) and k != "asked"}
+        if self.latencies:
+            out["judge/latency_p50"] = percentile(self.latencies, 50)
+            out["judge/latency_p99"] = percentile(self.latencies, 99)
+        return out
+
+
+class _LoopState:
+    """What belongs to one event loop: the client (its connection pool), the concurrency bound, requests in flight."""
+
+    def __init__(self, config: JudgeConfig):
+        import openai  # the `judge` extra: only a run with a judge needs it
+
+        self.client = openai.AsyncOpenAI(
+            base_url=config.url, api_key=config.api_key(), timeout=config.timeout_s, max_retries=0
+        )
+        self.semaphore = asyncio.Semaphore(config.max_concurrency)
+        self.inflight: dict[str, asyncio.Future] = {}
+
+
+class JudgeReward:
+    """The judge as an async TRL reward function; see the module docstring."""
+
+    def __init__(self, config: JudgeConfig):
+        self.config = config
+        self.__name__ = config.name
+        self.cache: dict[str, float] = {}
+        self.failed_steps = 0  # calls in a row in which every request failed
+        self.last_requests: list[int] = []  # requests each completion of the last call sent (the cost term)
+        self._states: dict[int, tuple[asyncio.AbstractEventLoop, _LoopState]] = {}
+
+    # The hybrid reads these: a judge's None is one missing term, not an unscorable completion.
+    abstains_on_failure = True
+
+    def preflight(self) -> None:
+        """Raise a one-line ValueError naming the URL unless the server answers ``GET <base_url>/models`` and lists
+        the judge model (``model: auto`` becomes the one model it lists). Runs before any model loads."""
+        import httpx  # the openai client's HTTP library
+
+        url = self.config.url
+        try:
+            response = httpx.get(
+                f"{url}/models",
+                headers={"Authorization": f"Bearer {self.config.api_key()}"},
+                timeout=min(self.config.timeout_s, 10.0),
+            )
+        except httpx.HTTPError as error:
+            raise ValueError(f"judge: cannot reach {url} ({type(error).__name__})") from None
+        if response.status_code in (401, 403):
+            raise ValueError(
+                f"judge: {url} refused the API key from ${self.config.api_key_env} (HTTP {response.status_code})"
+            )
+        if response.status_code >= 400:
+            raise ValueError(f"judge: {url}/models answers HTTP {response.status_code}; is it an OpenAI-style server?")
+        try:
+            served = [m.get("id") for m in response.json().get("data", []) if isinstance(m, dict)]
+        except (ValueError, AttributeError):
+            served = None  # a server that lists nothing readable: take the model name on trust
+        if self.config.model == "auto":
+            if not served or len(served) != 1:
+                raise ValueError(f"judge: model: auto needs {url} to list exactly one model; it lists {served}")
+            self.config.model = served[0]
+        elif served and self.config.model not in served:
+            raise ValueError(f"judge: {url} does not serve model {self.config.model!r}; it serves {served[:5]}")
+
+    def _state(self) -> _LoopState:
+        loop = asyncio.get_running_loop()
+        for key in [k for k, (old, _) in self._states.items() if old.is_closed()]:  # asyncio.run()'s, finished
+            del self._states[key]
+        entry = self._states.get(id(loop))
+        if entry is None or entry[0] is not loop:
+            entry = (loop, _LoopState(self.config))
+            self._states[id(loop)] = entry
+        return entry[1]
+
+    async def _ask(self, state: _LoopState, messages: list[dict], stats: _CallStats, sent: list) -> object | None:
+        """The server's reply to one request with retries, or None once every attempt failed."""
+        import openai
+
+        c = self.config
+        extra = {"logprobs": True, "top_logprobs": 20} if c.logprobs else {}
+        if c.seed is not None:
+            extra["seed"] = c.seed
+        for attempt in range(c.retries + 1):
+            try:
+                async with state.semaphore:
+                    started = time.perf_counter()  # the server's time: waiting for a slot is not latency
+                    sent[0] += 1
+                    stats.requests += 1
+                    response = await state.client.chat.completions.create(
+                        model=c.model, messages=messages, temperature=0.0, max_tokens=c.max_tokens, **extra
+                    )
+                stats.latencies.append(time.perf_counter() - started)
+                return response
+            except (openai.RateLimitError, openai.InternalServerError, openai.APIConnectionError) as error:
+                stats.last_error = _error_line(error)
+                if attempt == c.retries:
+                    break
+                stats.retries += 1
+                await asyncio.sleep(c.backoff_s * 2**attempt)
+            except openai.APIError as error:  # 4xx but 429, an unreadable body: asking again would not help
+                stats.last_error = _error_line(error)
+                break
+        stats.failures += 1
+        return None
+
+    def _parse(self, response, stats: _CallStats):
+        """The reply's value: a score in [0, 1] (pointwise) or the preferred side 'A' / 'B' (pairwise); None, and a
+        parse error counted, when it has none."""
+        try:
+            choice = response.choices[0]
+            reply = choice.message.content
+        except (AttributeError, IndexError, TypeError):  # a 200 whose body is no chat completion
+            value = None
+        else:
+            if self.config.mode == "pairwise":
+                value = parse_preference(reply)
+            else:
+                value = logprob_score(self.config, choice) if self.config.logprobs else None
+                if value is None:
+                    value = parse_score(self.config, reply)
+        if value is None:
+            stats.parse_errors += 1
+        return value
+
+    async def _cached_ask(self, key: str, messages: list[dict], stats: _CallStats, state: _LoopState):
+        """(parsed value, requests sent): from the cache, from an identical request in flight, or asked."""
+        if self.config.cache and key in self.cache:
+            stats.cache_hits += 1
+            return self.cache[key], 0
+        if self.config.cache and key in state.inflight:  # the same request is on its way: share its answer
+            stats.cache_hits += 1
+            return await asyncio.shield(state.inflight[key]), 0
+        stats.asked += 1
+        future = asyncio.get_running_loop().create_future()
+        state.inflight[key] = future
+        sent = [0]
+        value = None
+        try:
+            response = await self._ask(state, messages, stats, sent)
+            value = None if response is None else self._parse(response, stats)
+            # A reply is cached even when it has no score: the request is deterministic, so asking again would get
+            # the same reply. A request that got no reply (failures after retries) is not: it may succeed next step.
+            if response is not None and self.config.cache:
+                self.cache[key] = value
+        finally:
+            state.inflight.pop(key, None)
+            future.set_result(value)
+        return value, sent[0]
+
+    async def _pointwise(self, prompts, completions, stats, state) -> tuple[list, list[int]]:
+        results = await asyncio.gather(
+            *(
+                self._cached_ask(cache_key(self.config, p, c), judge_messages(self.config, p, c), stats, state)
+                for p, c in zip(prompts, completions, strict=True)
+            )
+        )
+        return [v for v, _ in results], [n for _, n in results]
+
+    async def _pairwise(self, prompts, completions, stats, state) -> tuple[list, list[int]]:
+        """Each completion against every other one of its prompt, both orders asked: a pair's outcome is the mean of
+        the orders that parsed (1 win, 0 loss; orders that disagree, the position bias, give 0.5); a completion's
+        score is the mean of its outcomes (None with none). Identical completions tie without a request."""
+        groups: dict[str, list[int]] = {}
+        for i, p in enumerate(prompts):
+            groups.setdefault(question_text(p), []).append(i)
+        pairs = [(i, j) for members in groups.values() for a, i in enumerate(members) for j in members[a + 1 :]]
+        texts = [completion_text(c) for c in completions]
+        asks, order = [], []
+        for i, j in pairs:
+            if texts[i] == texts[j]:
+                continue
+            for first, second in ((i, j), (j, i)):
+                key = cache_key(self.config, prompts[i], [texts[first], texts[second]])
+                messages = pairwise_messages(self.config, prompts[i], completions[first], completions[second])
+                asks.append(self._cached_ask(key, messages, stats, state))
+                order.append((i, j, first == i))
+        answers = await asyncio.gather(*asks)
+        sent = [0] * len(completions)
+        votes: dict[tuple[int, int], list[float]] = {}
+        for (i, j, i_first), (side, n) in zip(order, answers, strict=True):
+            sent[i] += n
+            sent[j] += n
+            if side is not None:  # 1.0: i preferred
+                votes.setdefault((i, j), []).append(float((side == "A") == i_first))
+        outcomes: list[list[float]] = [[] for _ in completions]
+        for i, j in pairs:
+            result = 0.5 if texts[i] == texts[j] else None
+            if (i, j) in votes:
+                result = sum(votes[(i, j)]) / len(votes[(i, j)])
+                stats.position_disagreements += len(votes[(i, j)]) == 2 and votes[(i, j)][0] != votes[(i, j)][1]
+            if result is not None:
+                outcomes[i].append(result)
+                outcomes[j].append(1.0 - result)
+        return [sum(o) / len(o) if o else None for o in outcomes], sent
+
+    async def __call__(self, completions, prompts=None, log_metric=None, **kwargs) -> list[float | None]:
+        completions = as_list(completions)
+        prompts = list(prompts) if prompts is not None else [""] * len(completions)
+        if self.config.model == "auto":  # a judge built without the start-up check: it names the model now
+            await asyncio.to_thread(self.preflight)
+        state = self._state()
+        stats = _CallStats()
+        judge = self._pairwise if self.config.mode == "pairwise" else self._pointwise
+        scores, self.last_requests = await judge(prompts, completions, stats, state)
+        if stats.asked and stats.failures >= stats.asked:
+            self.failed_steps += 1
+        elif stats.asked:
+            self.failed_steps = 0
+        if callable(log_metric):
+            for name, value in stats.metrics().items():
+                log_metric(name, value)
+        if stats.failures:
+            logger.warning(
+                "judge: %d of %d requests failed after retries (last: %s)",
+                stats.failures,
+                stats.asked,
+                stats.last_error,
+            )
+        if self.failed_steps >= self.config.max_failed_steps:
+            raise JudgeUnavailableError(
+                f"judge at {self.config.url} failed every request of {self.failed_steps} step(s) in a row (last: "
+                f"{stats.last_error}); stopping rather than training on the other rewards alone"
+            )
+        return scores
+
+
+def _error_line(error) -> str:
+    status = getattr(error, "status_code", None)
+    text = str(error).strip().splitlines()[0][:160] if str(error).strip() else ""
+    return f"{type(error).__name__}" + (f" {status}" if status else "") + (f": {text}" if text else "")
+
+
+def make_judge_reward(value) -> JudgeReward:
+    """The judge reward for the recipe's ``judge:`` mapping (or a `JudgeConfig`)."""
+    return JudgeReward(value if isinstance(value, JudgeConfig) else JudgeConfig.from_mapping(value))

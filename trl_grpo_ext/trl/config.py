@@ -1,0 +1,128 @@
+"""`GRPOConfig`: TRL's GRPO configuration plus the shared GRPO spec (`trl_grpo_ext.grpo.spec.GRPOSpec`: the extra
+loss types' bounds, degenerate groups, dynamic sampling, the curriculum) and the TRL path's own prefix-sharing options.
+
+Every field keeps TRL's name and meaning; `__post_init__` reports every bad value at once (one ValueError naming
+each YAML key) before TRL's own setup, so a bad recipe fails when it is parsed, not after the model has loaded.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import trl
+
+from trl_grpo_ext.grpo.loss_table import (
+    LOCAL_LOSS_TYPES,
+    LOSSES,
+    TRL,
+    TRL_LOSS_TYPES,
+    loss_type_of_trl_name,
+    trl_loss_type,
+    valid_loss_types,
+)
+from trl_grpo_ext.grpo.spec import (
+    GRPOSpec,
+    normalize_values,
+    number_problem,
+    raise_problems,
+    spec_field,
+    spec_problems,
+)
+
+# Loss names on this path, from the one table (`trl_grpo_ext.grpo.loss_table`): TRL 1.16's own (handed to TRL unchanged),
+# the ones the subclass computes (`ppo` is Tinker's/PyTRIO's name, per token TRL's dapo, so one recipe sweeps the same
+# names on both paths; `cispo` is the two-sided CISPO) and `trl_cispo`, TRL's own one-sided cispo.
+EXTRA_LOSS_TYPES = tuple(name for name in LOCAL_LOSS_TYPES if TRL in LOSSES[name].paths)
+TRL_CISPO_ALIAS = loss_type_of_trl_name("cispo")
+VALID_LOSS_TYPES = valid_loss_types(TRL)
+
+__all__ = ["EXTRA_LOSS_TYPES", "GRPOConfig", "TRL_CISPO_ALIAS", "TRL_LOSS_TYPES", "VALID_LOSS_TYPES", "trl_loss_type"]
+
+
+def trl_declarations(cls):
+    """Give `cls` (a class body, before ``@dataclass``) TRL's own declaration of every field that `GRPOSpec` and
+    `trl.GRPOConfig` both declare and the body does not: TRL's type, default and help, as TRL users expect.
+
+    `GRPOConfig` lists `GRPOSpec` before TRL in its bases because a dataclass orders its fields by the bases in reverse
+    (the last base's first): that keeps TRL's field order, so ``GRPOConfig("out")`` sets ``output_dir`` as in TRL. The
+    same rule would let the spec's declaration of a shared field win; re-declaring it here keeps TRL's, in TRL's place.
+    """
+    annotations = cls.__dict__.get("__annotations__", {})
+    trl_fields = trl.GRPOConfig.__dataclass_fields__
+    for name in GRPOSpec.__dataclass_fields__:
+        if name in trl_fields and name not in annotations:
+            annotations[name] = trl_fields[name].type
+            # TRL's Field itself: @dataclass reads its default and metadata, and sets on it the name and type it has
+            setattr(cls, name, trl_fields[name])
+    cls.__annotations__ = annotations
+    return cls
+
+
+@dataclass
+@trl_declarations
+class GRPOConfig(GRPOSpec, trl.GRPOConfig):
+    """TRL's `GRPOConfig` with the shared GRPO spec: more loss types, degenerate groups, dynamic sampling, curriculum.
+
+    TRL's fields come first, in TRL's order and with TRL's declaration (default and help), also where the spec
+    declares them (`trl_declarations`); the spec's other fields and this path's own follow. See `docs/losses.md`
+    for the formulas, the options that do not combine with the new loss types, and the degenerate-group rule.
+    """
+
+    # The spec's help (both paths' loss names), TRL's default.
+    loss_type: str = spec_field("loss_type", default="dapo")
+
+    share_prompt_prefix: bool = field(
+        default=True,
+        metadata={
+            "help": "Encode the prompt tokens rows share once per micro-batch: the prefix common to all rows (system "
+            "prompt, few-shot example) and each distinct prompt for its group's rows, in the log-prob forward/"
+            "backward and in non-vLLM generation. Outputs equal the plain computation to float rounding; models or "
+            "inputs where that can't hold use TRL's path (see docs/prefix_sharing.md)."
+        },
+    )
+    share_prompt_prefix_across_microbatches: bool = field(
+        default=True,
+        metadata={
+            "help": "With share_prompt_prefix: encode the shared prompt parts of the whole generation batch once per "
+            "gradient-accumulation cycle (with gradients; micro-batches then encode only their rows' own tokens) "
+            "and once per no-grad log-prob call (old/reference log-probs). Applies on a single process without "
+            "DeepSpeed/FSDP; the training part also needs no gradient checkpointing and steps_per_generation == "
+            "gradient_accumulation_steps; elsewhere each micro-batch shares on its own (docs/prefix_sharing.md)."
+        },
+    )
+    max_packed_tokens: int | None = field(
+        default=None,
+        metadata={
+            "help": "With share_prompt_prefix: most tokens in one packed sequence of the shared-prefix log-prob "
+            "forward; rows past it start another sequence with its own copy of the shared prompt parts. None: no "
+            "limit under sdpa, flash_attention_2/3 and flex_attention (their attention cost is per row), 4096 under "
+            "eager (its dense mask costs T^2 per sequence). See docs/prefix_sharing.md."
+        },
+    )
+
+    def __post_init__(self):
+        normalize_values(self)  # scale_rewards true/false (CLI / YAML strings too)
+        # Every problem at once, before TRL's own setup (which would fail later, one at a time, and less clearly).
+        raise_problems("GRPOConfig", spec_problems(self, TRL) + self._trl_path_problems())
+        super().__post_init__()
+        raise_problems("GRPOConfig", self._generation_batch_problems())
+
+    def _trl_path_problems(self) -> list[str]:
+        problems = number_problem("learning_rate", self.learning_rate, lambda v: v >= 0, "a finite number >= 0")
+        for name in ("share_prompt_prefix", "share_prompt_prefix_across_microbatches"):
+            if not isinstance(getattr(self, name), bool):
+                problems.append(f"{name}={getattr(self, name)!r} must be true or false")
+        packed = self.max_packed_tokens
+        if packed is not None and (isinstance(packed, bool) or not isinstance(packed, int) or packed < 1):
+            problems.append(f"max_packed_tokens={packed!r} must be a positive integer or None")
+        return problems
+
+    def _generation_batch_problems(self) -> list[str]:
+        """Checks of values TRL's setup derives (`steps_per_generation`)."""
+        local = self.per_device_train_batch_size * self.steps_per_generation
+        if self.dynamic_sampling and local % self.num_generations:
+            return [
+                f"dynamic_sampling keeps each process's groups on that process, so per_device_train_batch_size x "
+                f"steps_per_generation ({local}) must be a multiple of num_generations ({self.num_generations})"
+            ]
+        return []

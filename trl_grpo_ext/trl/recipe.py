@@ -1,0 +1,245 @@
+"""Building blocks of `recipes/gsm8k_grpo.py`: input checks, model, datasets, rewards, the run report.
+
+The recipe checks everything a user can get wrong (`prepare_run`: config, reward names, model path, resume
+checkpoint, tokenizer, data) before the model loads or any file of the run folder is written, so a failing rerun
+leaves the previous run's files as they were.
+"""
+
+from __future__ import annotations
+
+import json
+import resource
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from trl_grpo_ext.cpu_threads import current_governor, govern_cpu_threads, runs_on_cpu
+from trl_grpo_ext.evaluation import HELDOUT_SEED, heldout_lines, problems_from_rows
+from trl_grpo_ext.grpo.reward_aggregation import reward_func_name
+from trl_grpo_ext.grpo.spec import raise_problems, reward_option_problems
+from trl_grpo_ext.models import resolve_model
+from trl_grpo_ext.runs import (
+    EVAL_BEFORE_AFTER_FILENAME,
+    RUN_SUMMARY_FILENAME,
+    atomic_write_json,
+    resolve_resume_checkpoint,
+    run_metrics,
+    write_run_config,
+)
+from trl_grpo_ext.task.data import load_dataset_split, load_problems
+from trl_grpo_ext.task.rewards import preflight_rewards, reward_functions, reward_names
+from trl_grpo_ext.trl.sampling import prompt_pool_factor
+
+_START = time.time()
+
+
+# ------------------------------------------------------------------------------------------ checks before loading
+
+
+@dataclass
+class PreparedRun:
+    """What `prepare_run` checked and built: everything the trainer needs except the model."""
+
+    model_path: str
+    tokenizer: object
+    reward_funcs: list  # reward models as `RewardModelReward`s: `trl_reward_inputs` hands them to TRL
+    train_dataset: object
+    eval_problems: list
+    resume_from_checkpoint: str | None
+
+
+def prepare_run(script_args, training_args, model_args) -> PreparedRun:
+    """Check every user input and build all but the model; raises ValueError / FileNotFoundError with one line.
+
+    Nothing is written to the run folder and no model weights are loaded here.
+    """
+    names = list(script_args.reward_funcs)
+    # unknown names, bad reward options, a reward model that is missing or no classifier: before anything slow;
+    # then a judge that does not answer, before the embedded model is converted or anything is loaded
+    preflight_rewards(reward_functions(names, training_args, settings=script_args))
+    resume = resolve_resume_checkpoint(training_args.resume_from_checkpoint, training_args.output_dir)
+    if not model_args.model_name_or_path:
+        raise ValueError("model_name_or_path is not set; use 'embedded', a hub id or a local path")
+    path = resolve_model(model_args.model_name_or_path, progress=not getattr(training_args, "disable_tqdm", False))
+    tokenizer = load_tokenizer(path, model_args, training_args)
+    train_dataset, eval_problems = build_datasets(script_args, training_args, tokenizer)
+    funcs = reward_functions(names, training_args, tokenizer, settings=script_args)
+    check_reward_options(training_args, funcs, names)
+    return PreparedRun(path, tokenizer, funcs, train_dataset, eval_problems, resume)
+
+
+def check_reward_options(training_args, funcs, entries=None) -> None:
+    """The options that name reward functions (`trl_grpo_ext.grpo.spec.reward_option_problems`), as the trainer
+    checks them when built, but before the model loads."""
+    names = reward_names(entries, [reward_func_name(f) for f in funcs])
+    raise_problems("GRPOConfig", reward_option_problems(training_args, names))
+
+
+def load_tokenizer(path: str, model_args, training_args):
+    from transformers import AutoTokenizer
+
+    trust_remote_code = getattr(training_args, "trust_remote_code", False)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(
+            path, revision=model_args.model_revision, trust_remote_code=trust_remote_code
+        )
+    except OSError as err:  # a hub id while offline, or a folder without tokenizer files: one line, not a traceback
+        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise FileNotFoundError(f"could not load the tokenizer of model {path!r}: {first[:300]}") from None
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
+def load_model(path: str, model_args, training_args):
+    """The causal LM at `path` (resolved by `prepare_run`) with the recipe's dtype and attention settings."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    dtype = model_args.dtype
+    if dtype not in (None, "auto"):
+        dtype = getattr(torch, dtype)
+    elif dtype is None:
+        dtype = "auto"
+    trust_remote_code = getattr(training_args, "trust_remote_code", False)
+    model = AutoModelForCausalLM.from_pretrained(
+        path,
+        revision=model_args.model_revision,
+        trust_remote_code=trust_remote_code,
+        attn_implementation=model_args.attn_implementation,
+        dtype=dtype,
+    )
+    if training_args.gradient_checkpointing:
+        model.config.use_cache = False
+    govern_cpu_threads(model, on_cpu=runs_on_cpu(training_args))  # fewer threads while other processes are busy
+    return model
+
+
+def _use_chat(script_args, tokenizer) -> bool:
+    if script_args.prompt_format == "auto":
+        return bool(getattr(tokenizer, "chat_template", None))
+    if script_args.prompt_format == "chat" and not getattr(tokenizer, "chat_template", None):
+        raise ValueError("prompt_format: chat, but the tokenizer has no chat template; use 'text' or 'auto'")
+    return script_args.prompt_format == "chat"
+
+
+def prompts_per_run(training_args) -> int:
+    """Distinct prompts `max_steps` optimizer steps consume (one process): enough data, nothing generated twice."""
+    completions = training_args.per_device_train_batch_size * training_args.gradient_accumulation_steps
+    per_step = max(1, completions // training_args.num_generations) * training_args.world_size
+    return max(1, training_args.max_steps) * per_step // max(1, training_args.num_iterations)
+
+
+def build_datasets(script_args, training_args, tokenizer):
+    """(train dataset with `prompt`/`answer`, held-out eval `Problem`s (`evaluation.problems_from_rows`) or [])."""
+    chat = _use_chat(script_args, tokenizer)
+    num_train = script_args.num_train_samples
+    if num_train is None and script_args.dataset_name == "synthetic" and training_args.max_steps > 0:
+        num_train = (
+            prompts_per_run(training_args) * prompt_pool_factor(training_args, script_args.synthetic_tasks) + 64
+        )
+    common = dict(tasks=script_args.synthetic_tasks, seed=training_args.seed, on_malformed=script_args.on_malformed)
+    train = load_dataset_split(
+        script_args.dataset_name,
+        script_args.dataset_train_split,
+        num_samples=num_train,
+        one_shot=script_args.one_shot,
+        chat=chat,
+        **common,
+    )
+    if getattr(training_args, "curriculum", False) and "task" not in train.column_names:
+        raise ValueError(
+            f"curriculum: true needs rows with a task (dataset_name: synthetic), not {script_args.dataset_name}"
+        )
+    eval_problems = []
+    if script_args.eval_num_samples:
+        # One held-out set whatever the training seed: seeds of a sweep are then compared on the same problems
+        # (paired), and the cached "before" eval of the model on that set is reused across runs.
+        rows = load_problems(
+            script_args.dataset_name,
+            script_args.dataset_test_split,
+            script_args.eval_num_samples,
+            **{**common, "seed": HELDOUT_SEED},
+        )
+        eval_problems = problems_from_rows(rows, one_shot=script_args.one_shot, chat=chat)
+    return train, eval_problems
+
+
+def peak_rss_gb() -> float:
+    """Peak resident memory of this process and its finished children, in GB (Linux reports KiB)."""
+    self_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    child_kib = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
+    return max(self_kib, child_kib) * 1024 / 1e9
+
+
+def summarize_metrics(rows: list[dict], window: int = 10) -> dict:
+    """Mean reward of the first and last `window` logged steps (and their difference)."""
+    rewards = [row["reward"] for row in rows if isinstance(row.get("reward"), (int, float))]
+    if not rewards:
+        return {"logged_steps": len(rows)}
+    window = max(1, min(window, len(rewards) // 2 or 1))
+    first, last = rewards[:window], rewards[-window:]
+    zero_std = [
+        row["frac_reward_zero_std"] for row in rows if isinstance(row.get("frac_reward_zero_std"), (int, float))
+    ]
+    out = {
+        "logged_steps": len(rows),
+        "window": window,
+        "reward_first": sum(first) / len(first),
+        "reward_last": sum(last) / len(last),
+        "frac_reward_zero_std_mean": sum(zero_std) / len(zero_std) if zero_std else None,
+    }
+    out["reward_gain"] = out["reward_last"] - out["reward_first"]
+    return out
+
+
+def save_run_config(trainer, script_args, training_args, model_args) -> None:
+    """`<output_dir>/config.yaml` (main process): script, model and training arguments as the run used them, so
+    `trl-grpo-ext compare` groups runs launched by hand, not only by `sweep`, that differ only in seed."""
+    if not trainer.is_world_process_zero():
+        return
+    from dataclasses import asdict
+
+    config = {**asdict(model_args), **asdict(script_args), **training_args.to_dict(), "backend": "trl"}
+    write_run_config(training_args.output_dir, config)
+
+
+def report_run(trainer, training_args) -> dict:
+    """Write `<output_dir>/run_summary.json` (rewards first vs last, eval before/after, wall time, peak RSS) and print it."""
+    if not trainer.is_world_process_zero():
+        return {}
+    out_dir = Path(training_args.output_dir)
+    summary = summarize_metrics(run_metrics(out_dir))
+    eval_path = out_dir / EVAL_BEFORE_AFTER_FILENAME
+    if eval_path.exists():
+        summary["eval"] = json.loads(eval_path.read_text())
+        if "paired" in summary["eval"]:  # the paired held-out gains with their 95% intervals, at the top
+            summary["heldout_gain"] = summary["eval"]["paired"]["metrics"]
+    import torch
+
+    governor = current_governor()
+    summary["torch_threads"] = governor.cap if governor else torch.get_num_threads()
+    if governor:  # the count followed the machine's load: how often, and how low
+        summary["torch_threads_governor"] = {"changes": governor.changes, "lowest": governor.lowest}
+    summary["wall_time_s"] = round(time.time() - _START, 1)
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    summary["cpu_time_s"] = round(usage.ru_utime + usage.ru_stime, 1)
+    summary["peak_rss_gb"] = round(peak_rss_gb(), 2)
+    atomic_write_json(out_dir / RUN_SUMMARY_FILENAME, summary, indent=2)
+    lines = [f"run summary ({out_dir / RUN_SUMMARY_FILENAME}):"]
+    if "reward_first" in summary:
+        lines.append(
+            f"  mean reward, first {summary['window']} logged steps: {summary['reward_first']:.3f}; "
+            f"last {summary['window']}: {summary['reward_last']:.3f}"
+        )
+    lines += heldout_lines(summary.get("eval", {}))
+    threads = f"{summary['torch_threads']} torch threads"
+    if governor and governor.changes:
+        threads += f", down to {governor.lowest} while other processes were busy"
+    lines.append(
+        f"  wall time {summary['wall_time_s']} s (CPU time {summary['cpu_time_s']} s, {threads}), "
+        f"peak RSS {summary['peak_rss_gb']} GB"
+    )
+    print("\n".join(lines), file=sys.stdout, flush=True)
+    return summary

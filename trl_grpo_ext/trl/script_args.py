@@ -1,0 +1,233 @@
+"""`ScriptArguments` of the GSM8K recipes and the strict YAML + CLI parsing they share.
+
+TRL's parser applies YAML values as argparse defaults; a misspelt key would then be dropped by scripts that
+ask for remaining strings. `parse_recipe_args` refuses it with the closest valid name instead.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import enum
+import os
+import types
+import typing
+from dataclasses import dataclass, field
+
+import yaml
+
+from trl_grpo_ext.grpo.spec import normalize_values, raise_problems, reward_funcs_list, swanlab_mode_problems
+from trl_grpo_ext.runs.tracking import swanlab_mode_field, swanlab_project_field
+from trl_grpo_ext.task.rewards.settings import RewardSettings, reward_settings_problems
+
+PROMPT_FORMATS = ("auto", "chat", "text")
+
+
+@dataclass
+class ScriptArguments(RewardSettings):
+    """Data, prompt, reward and logging options of `recipes/gsm8k_grpo.py` (training options live in GRPOConfig)."""
+
+    dataset_name: str = field(
+        default="synthetic",
+        metadata={
+            "help": "'synthetic' (offline reasoning-gym problems, see synthetic_tasks), 'openai/gsm8k' (hub) or a "
+            "local JSONL file / folder of <split>.jsonl with question/answer rows."
+        },
+    )
+    dataset_train_split: str = field(default="train", metadata={"help": "Split used for training."})
+    dataset_test_split: str = field(default="test", metadata={"help": "Split used for the before/after eval."})
+    num_train_samples: int | None = field(
+        default=None,
+        metadata={"help": "Training problems to use (synthetic: to generate; default enough for max_steps)."},
+    )
+    synthetic_tasks: str = field(
+        default="chain_sum_easy:2,chain_sum:2,basic_arithmetic:1,gsm_symbolic:1",
+        metadata={
+            "help": "Synthetic task mix 'task:weight,...' (tasks: chain_sum_easy, chain_sum, basic_arithmetic, "
+            "gsm_symbolic). Each problem draws its task by weight: an easy-to-hard mix in every batch."
+        },
+    )
+    on_malformed: str = field(
+        default="error",
+        metadata={"help": "Rows without question/answer or with an unparseable answer: 'error' or 'drop'."},
+    )
+    one_shot: bool = field(
+        default=True, metadata={"help": "Put one worked example (answer in \\boxed{}) in the prompt."}
+    )
+    prompt_format: str = field(
+        default="auto",
+        metadata={"help": "'chat' messages, plain 'text', or 'auto' (chat if the tokenizer has a chat template)."},
+    )
+    reward_funcs: list[str] = field(
+        default_factory=lambda: ["boxed", "format"],
+        metadata={
+            "help": "Reward names from trl_grpo_ext.REWARD_REGISTRY, 'judge', 'cost', or a reward model's folder or "
+            "hub id, as in TRL (weights: GRPOConfig.reward_weights; options: judge, reward_model, hybrid, cost)."
+        },
+    )
+    eval_num_samples: int = field(
+        default=0,
+        metadata={"help": "Held-out problems scored greedily before and after training (0: no eval)."},
+    )
+    eval_max_new_tokens: int | None = field(
+        default=None, metadata={"help": "Token limit of the before/after eval (default: max_completion_length)."}
+    )
+    swanlab_project: str = swanlab_project_field()
+    swanlab_mode: str | None = swanlab_mode_field()
+
+    def __post_init__(self):
+        if self.on_malformed not in ("error", "drop"):
+            raise ValueError(f"on_malformed must be 'error' or 'drop', got {self.on_malformed!r}")
+        if self.prompt_format not in PROMPT_FORMATS:
+            raise ValueError(f"prompt_format must be one of {PROMPT_FORMATS}, got {self.prompt_format!r}")
+        normalize_values(self)  # swanlab_mode: cloud -> online, with a deprecation warning
+        raise_problems("script arguments", swanlab_mode_problems(self.swanlab_mode) + reward_settings_problems(self))
+        self.reward_funcs = reward_funcs_list(self.reward_funcs)
+        if not self.reward_funcs:
+            raise ValueError("reward_funcs is empty; name at least one reward (e.g. boxed)")
+        if self.eval_num_samples < 0:
+            raise ValueError(f"eval_num_samples must be >= 0, got {self.eval_num_samples}")
+        if self.num_train_samples is not None and self.num_train_samples <= 0:
+            raise ValueError(f"num_train_samples must be > 0, got {self.num_train_samples}")
+
+
+def _known_keys(parser) -> set[str]:
+    keys = set()
+    for action in parser._actions:
+        keys.add(action.dest)
+    return keys
+
+
+def check_config_keys(config: dict, known: set[str], path: str) -> None:
+    """Raise on YAML keys no dataclass defines, naming each with the closest valid key."""
+    unknown = [key for key in config if key not in known and key != "env"]
+    if not unknown:
+        return
+    lines = []
+    for key in unknown:
+        close = difflib.get_close_matches(str(key), sorted(known), n=1, cutoff=0.6)
+        lines.append(f"'{key}'" + (f" (did you mean '{close[0]}'?)" if close else ""))
+    raise ValueError(f"{path}: unknown key(s) {', '.join(lines)}")
+
+
+def load_yaml_config(path: str) -> dict:
+    try:
+        with open(path, encoding="utf-8") as handle:
+            config = yaml.safe_load(handle) or {}
+    except UnicodeDecodeError as err:
+        raise ValueError(f"{path} is not UTF-8 text (byte {err.start}); a YAML recipe is expected") from None
+    except yaml.YAMLError as err:
+        where = getattr(err, "problem_mark", None)
+        at = f" (line {where.line + 1})" if where is not None else ""
+        raise ValueError(f"{path} is not valid YAML{at}: {getattr(err, 'problem', None) or err}") from None
+    if not isinstance(config, dict):
+        raise ValueError(f"{path} must hold a YAML mapping of option: value, got {type(config).__name__}")
+    return config
+
+
+def _field_types(dataclass_types) -> dict:
+    """Resolved type of every field of `dataclass_types` (first definition wins, as in TrlParser)."""
+    out = {}
+    for cls in dataclass_types:
+        try:
+            hints = typing.get_type_hints(cls)
+        except Exception:  # an unresolvable annotation in a library class: skip that class's checks
+            continue
+        for f in dataclasses.fields(cls):
+            if f.init and f.name not in out and f.name in hints:
+                out[f.name] = hints[f.name]
+    return out
+
+
+def _accepts(tp, value) -> bool | None:
+    """Whether YAML `value` fits type `tp` the way argparse would take it; None when the type is not checked here."""
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        results = [_accepts(arg, value) for arg in typing.get_args(tp)]
+        if any(results):
+            return True
+        return None if None in results else False
+    if tp is type(None):
+        return value is None
+    if origin is typing.Literal:
+        return value in typing.get_args(tp)
+    if origin in (list, tuple):
+        args = [a for a in typing.get_args(tp) if a is not Ellipsis]
+        items = value if isinstance(value, (list, tuple)) else [value]  # argparse takes one value for a list too
+        if not args:
+            return True
+        checks = [_accepts(args[0], item) for item in items]
+        return None if None in checks else all(checks)
+    if tp is bool:
+        return isinstance(value, bool) or (isinstance(value, str) and value.lower() in ("true", "false", "yes", "no"))
+    if tp is int:
+        return _parses(int, value)
+    if tp is float:
+        return _parses(float, value)
+    if tp is str:
+        return not isinstance(value, (list, dict))
+    if isinstance(tp, type) and issubclass(tp, enum.Enum):
+        return value in {m.value for m in tp} or (isinstance(value, str) and value in tp.__members__)
+    return None
+
+
+def _parses(kind, value) -> bool:
+    if isinstance(value, bool) or isinstance(value, (list, dict)) or value is None:
+        return False
+    if kind is int and isinstance(value, float):
+        return value.is_integer()
+    try:
+        kind(value)  # YAML 1.1 reads 4e-5 as a string; argparse converts it
+    except (TypeError, ValueError):
+        return False
+    return True
+
+
+def _type_name(tp) -> str:
+    text = getattr(tp, "__name__", None) if typing.get_origin(tp) is None else None
+    return text or str(tp).replace("typing.", "")
+
+
+def check_config_types(config: dict, dataclass_types, path: str) -> None:
+    """Raise on the first YAML value whose type its field cannot take, naming the key and the file."""
+    hints = _field_types(dataclass_types)
+    for key, value in config.items():
+        tp = hints.get(key)
+        if tp is None or _accepts(tp, value) is not False:
+            continue
+        raise ValueError(f"{path}: {key}: expected {_type_name(tp)}, got {type(value).__name__} {value!r}")
+
+
+def _raise_value_error(message: str):
+    raise ValueError(message)
+
+
+def parse_recipe_args(argv: list[str] | None = None, default_config: str | None = None, dataclass_types=None):
+    """(script_args, training_args, model_args) from `--config recipe.yaml` and CLI flags (flags win).
+
+    Without `--config`, `default_config` (the offline embedded recipe) is used.
+    """
+    import sys
+
+    # trl loads in seconds: when parsing, not with this module (the sweep imports `ScriptArguments`)
+    from trl import ModelConfig, TrlParser
+
+    from trl_grpo_ext.trl.config import GRPOConfig
+
+    argv = list(sys.argv[1:] if argv is None else argv)
+    classes = dataclass_types or (ScriptArguments, GRPOConfig, ModelConfig)
+    parser = TrlParser(classes)
+    parser.error = _raise_value_error  # a bad flag value is one ValueError line, not usage text and SystemExit
+    if "--config" not in argv and default_config:
+        argv = ["--config", str(default_config), *argv]
+    if "--config" in argv:
+        index = argv.index("--config")
+        if index + 1 >= len(argv):
+            raise ValueError("--config needs a YAML path")
+        path = argv[index + 1]
+        if not os.path.isfile(path):
+            raise FileNotFoundError(f"recipe not found: {path}")
+        config = load_yaml_config(path)
+        check_config_keys(config, _known_keys(parser), path)
+        check_config_types(config, classes, path)
+    return parser.parse_args_and_config(argv, fail_with_unknown_args=True)
