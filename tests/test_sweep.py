@@ -11,17 +11,14 @@ import pytest
 import yaml
 from sweep_fakes import FAKE_RECIPE, TINY_RUN
 
+from trl_grpo_ext.experiments.launch.commands import build_command, describe_runs, eval_command, run_status
 from trl_grpo_ext.experiments.launch.runner import run_sweep
 from trl_grpo_ext.experiments.sweep import (
-    build_command,
-    describe_runs,
-    eval_command,
     expand,
     format_value,
     latest_checkpoint,
     load_sweep,
     parse_sweep,
-    run_status,
     sanitize_name,
     validate_runs,
 )

@@ -12,17 +12,11 @@ import sys
 import yaml
 
 from trl_grpo_ext.experiments.launch import LauncherError
+from trl_grpo_ext.experiments.launch.commands import describe_runs
 from trl_grpo_ext.experiments.launch.runner import cancel_sweep, format_status, run_sweep, sweep_status
 from trl_grpo_ext.experiments.launch.slurm import describe as describe_slurm
 from trl_grpo_ext.experiments.launch.slurm import preflight, require_slurm
-from trl_grpo_ext.experiments.sweep import (
-    RESERVED_KEYS,
-    coerce_scalar,
-    describe_runs,
-    expand,
-    load_sweep,
-    validate_runs,
-)
+from trl_grpo_ext.experiments.sweep import RESERVED_KEYS, coerce_scalar, expand, load_sweep, validate_runs
 from trl_grpo_ext.experiments.sweep_options import LAUNCHERS
 
 

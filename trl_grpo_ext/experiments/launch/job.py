@@ -22,16 +22,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from trl_grpo_ext.experiments.launch.records import (
-    RunResult,
-    failure_reason,
-    this_process,
-    update_summary_entry,
-    write_attempt,
-)
-from trl_grpo_ext.experiments.sweep import (
-    RunSpec,
-    SweepSpec,
+from trl_grpo_ext.experiments.launch.commands import (
     build_command,
     eval_command,
     log_tail,
@@ -39,6 +30,14 @@ from trl_grpo_ext.experiments.sweep import (
     run_env,
     run_status,
 )
+from trl_grpo_ext.experiments.launch.records import (
+    RunResult,
+    failure_reason,
+    this_process,
+    update_summary_entry,
+    write_attempt,
+)
+from trl_grpo_ext.experiments.sweep import RunSpec, SweepSpec
 from trl_grpo_ext.runs import EVAL_LOG_FILENAME, TRAIN_LOG_FILENAME, latest_checkpoint
 from trl_grpo_ext.runs.names import slurm_task_output
 from trl_grpo_ext.runs.sweep_files import (

@@ -14,9 +14,9 @@ import time
 from pathlib import Path
 from typing import Callable
 
+from trl_grpo_ext.experiments.launch.commands import log_tail, run_env
 from trl_grpo_ext.experiments.launch.job import STOP_GRACE_S, Job
 from trl_grpo_ext.experiments.launch.records import IN_FLIGHT, RunResult, failure_reason, read_attempt, write_attempt
-from trl_grpo_ext.experiments.sweep import log_tail, run_env
 from trl_grpo_ext.runs import TRAIN_LOG_FILENAME
 from trl_grpo_ext.runs.sweep_files import now_iso
 

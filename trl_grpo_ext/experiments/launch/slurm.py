@@ -19,9 +19,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from trl_grpo_ext.experiments.launch import LauncherError
+from trl_grpo_ext.experiments.launch.commands import PACKAGE_ROOT, build_command
 from trl_grpo_ext.experiments.launch.job import Job
 from trl_grpo_ext.experiments.launch.records import RunResult, RunState, write_attempt
-from trl_grpo_ext.experiments.sweep import PACKAGE_ROOT, RunSpec, SweepSpec, build_command
+from trl_grpo_ext.experiments.sweep import RunSpec, SweepSpec
 from trl_grpo_ext.runs.names import slurm_array_files, slurm_task_output
 
 # squeue states of a job that has not started (or waits to start again); every other listed state is running.

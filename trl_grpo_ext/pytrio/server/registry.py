@@ -234,13 +234,6 @@ class Registry:
             raise ApiError(401, "unauthorized", "actor token is missing, unknown or expired; renew it through Control")
         return record
 
-    def revoke_tokens(self) -> int:
-        """Invalidate every actor token (the client then renews through Control); returns how many."""
-        with self.lock:
-            count = len(self.tokens)
-            self.tokens.clear()
-            return count
-
 
 def checkpoint_uri(run: str, kind: str, name: str) -> str:
     return f"{CHECKPOINT_SCHEME}://{run}/{KIND_FOLDERS[kind]}/{name}"
