@@ -274,7 +274,7 @@ def report(result, rate):
 
 def plain_generate(model, prompts, pad_token_id, generation_config=None, pad_to_multiple_of=None, **kwargs):
     """`shared_prefix_generate`'s contract without sharing: ``model.generate`` on the left-padded prompts."""
-    from trl_grpo_ext.prefix import _left_pad
+    from trl_grpo_ext.prefix.generation import _left_pad
 
     ids, mask = _left_pad(prompts, pad_token_id, pad_to_multiple_of, next(model.parameters()).device)
     kwargs.setdefault("pad_token_id", pad_token_id)

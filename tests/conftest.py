@@ -104,3 +104,11 @@ def make_server(engine, tiny_model_path, tmp_path):
     yield make
     for server in started:
         server.stop()
+
+
+@pytest.fixture
+def packed_layout(monkeypatch):
+    """The prefix engine's cost model answering "packed" wherever rows share something: at the tiny model's shapes
+    it keeps padded rows (one more attention call outweighs the few tokens saved), and these tests are of the packed
+    path (the TRL trainer's and the local PyTRIO server's)."""
+    monkeypatch.setattr("trl_grpo_ext.prefix.packing.packed_is_cheaper", lambda packed, padded: True)

@@ -18,9 +18,9 @@ from trl_grpo_ext.prefix import (
     pack_rows,
     packed_unsupported_reason,
     plan_prefix,
+    plan_token_rows,
     prompts_from_left_padded,
     shared_prefix_generate,
-    shared_prefix_logits,
     shared_prefix_logps_and_entropies,
     sharing_unsupported_reason,
 )
@@ -316,13 +316,28 @@ def test_nothing_shared_is_left_to_the_plain_forward(tiny_model_path):
     assert shared_prefix_logps_and_entropies(model, ids, mask, keep) is None
 
 
-def test_shared_logits_equal_per_row_forward(tiny_model_path):
-    model = load(tiny_model_path, fused=False)
-    prompts, completions, _ = batch(model.config.vocab_size, seed=4, rows=(1, 0, 1))
-    logits = shared_prefix_logits(model, prompts, completions)
-    for prompt, completion, got in zip(prompts, completions, logits, strict=True):
-        full = model(input_ids=torch.tensor([prompt + completion])).logits[0]
-        torch.testing.assert_close(got, full[len(prompt) - 1 : -1], atol=LOGP_ATOL, rtol=0)
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+def test_row_reads_give_every_position_of_every_row(tiny_model_path, attn):
+    """The local PyTRIO server's use of the engine: rows known only as token sequences, grouped by `plan_token_rows`,
+    packed by `pack_rows`; `row_reads` finds each row's logits at every position, shared ones included."""
+    model = load(tiny_model_path, attn, fused=False)
+    prompts, completions, _ = batch(model.config.vocab_size, seed=4, rows=(1, 1, 0, 0, 2))
+    sequences = [p + c for p, c in zip(prompts, completions, strict=True)]
+    sequences.insert(2, [9, 8, 7, 6])  # shares nothing: groups need not be adjacent
+    rows = plan_token_rows(sequences, min_shared=2)
+    assert rows.shared == (0, 1, 3, 4) and rows.plain == (2, 5)  # the last row has only the head in common
+    assert rows.plan.groups == ((0, 1), (2, 3)) and rows.plan.prefix_length == 24  # level 1: the common head
+    packed = pack_rows(rows.plan, rows.completions(sequences), max_packed_tokens=60, attn_implementation=attn)
+    # two bins, each with its own copy of the prefix (eager: two stream rows; sdpa: one concatenated stream)
+    assert packed.placement.rows == (2 if attn == "eager" else 1) and packed.placement.specs[-3].length == 24
+    lengths = [len(sequences[r]) for r in rows.shared]
+    slot, reader, readers = packed.row_reads(lengths)
+    assert readers == 3  # the most rows reading one slot: the first prefix copy's
+    with torch.no_grad():
+        logits = model(**packed.forward_kwargs(model)).logits.flatten(0, 1)
+        for i, (r, n) in enumerate(zip(rows.shared, lengths, strict=True)):
+            full = model(input_ids=torch.tensor([sequences[r]])).logits[0]
+            torch.testing.assert_close(logits[slot[i, :n]], full, atol=LOGP_ATOL, rtol=0)
 
 
 # ---------------------------------------------------------------------------------------------------------- generation
@@ -383,7 +398,6 @@ def make_trainer(path, tmp_path, cls=GRPOTrainer, config_cls=GRPOConfig, peft_co
     )
     trainer.model.train()
     trainer.current_gradient_accumulation_steps = args.gradient_accumulation_steps
-    trainer.prefix_layout = "packed"  # at the tiny model's shapes the cost model would pick TRL's padded rows
     return trainer
 
 
@@ -456,6 +470,7 @@ def check_losses(trainer, inputs, cases):
         assert_grads_close(grads_shared, grads_plain)
 
 
+@pytest.mark.usefixtures("packed_layout")  # at the tiny model's shapes the cost model would pick TRL's padded rows
 def test_trainer_full_fine_tune(tiny_model_path, tmp_path):
     trainer = make_trainer(tiny_model_path, tmp_path, beta=0.04, num_generations=4, num_iterations=2)
     assert isinstance(trainer, trl.GRPOTrainer) and trainer.share_prompt_prefix
@@ -466,6 +481,7 @@ def test_trainer_full_fine_tune(tiny_model_path, tmp_path):
     check_losses(trainer, micro_batch(inputs), cases)
 
 
+@pytest.mark.usefixtures("packed_layout")  # at the tiny model's shapes the cost model would pick TRL's padded rows
 def test_trainer_lora_gradient_checkpointing(tiny_model_path, tmp_path):
     from peft import LoraConfig
 
@@ -483,6 +499,7 @@ def test_trainer_lora_gradient_checkpointing(tiny_model_path, tmp_path):
     check_losses(trainer, micro_batch(inputs, seed=1), [("dapo", 0.04, 1), ("cispo", 0.04, 1)])
 
 
+@pytest.mark.usefixtures("packed_layout")  # at the tiny model's shapes the cost model would pick TRL's padded rows
 def test_trainer_one_row_per_prompt(tiny_model_path, tmp_path):
     # What num_generations=1 would give (TRL 1.16 requires >= 2): distinct prompts, so only the chat template and
     # system prompt are shared (level 1) and every level-2 group has one row
@@ -495,6 +512,7 @@ def test_trainer_one_row_per_prompt(tiny_model_path, tmp_path):
     check_losses(trainer, one_each, [("dapo", 0.0, 1), ("importance_sampling", 0.0, 1)])
 
 
+@pytest.mark.usefixtures("packed_layout")  # at the tiny model's shapes the cost model would pick TRL's padded rows
 def test_trainer_batch_sharing_nothing_is_trl_exactly(tiny_model_path, tmp_path):
     vanilla = make_trainer(tiny_model_path, tmp_path, trl.GRPOTrainer, trl.GRPOConfig, num_generations=2)
     ours = make_trainer(tiny_model_path, tmp_path, num_generations=2)
@@ -694,6 +712,7 @@ def plain_dapo_run(tiny_model_path, tmp_path_factory):
     return train_run(tiny_model_path, tmp_path_factory.mktemp("plain-dapo"), share=False, loss_type="dapo")
 
 
+@pytest.mark.usefixtures("packed_layout")  # at the tiny model's shapes the cost model would pick TRL's padded rows
 def test_cycle_context_trains_like_plain_and_encodes_each_prompt_once(tiny_model_path, tmp_path, plain_dapo_run):
     shared = train_run(tiny_model_path, tmp_path, share=True, loss_type="dapo")
     check_runs(shared, plain_dapo_run)
@@ -726,6 +745,7 @@ def test_cycle_context_trains_like_plain_and_encodes_each_prompt_once(tiny_model
         assert entry["prefix/saved_tokens"] > sum(map(len, rows)) - distinct_tokens - len(rows)
 
 
+@pytest.mark.usefixtures("packed_layout")  # at the tiny model's shapes the cost model would pick TRL's padded rows
 def test_cycle_without_the_context_backward_fails(tiny_model_path, tmp_path, plain_dapo_run, monkeypatch):
     # the check above can fail: drop the context's gradient (the micro-batches' leaf gradients never reach the
     # parameters through the shared encoding) and the gradients are no longer the plain ones
@@ -739,6 +759,7 @@ def test_cycle_without_the_context_backward_fails(tiny_model_path, tmp_path, pla
         assert_grads_close(shared[1][0], plain_dapo_run[1][0])
 
 
+@pytest.mark.usefixtures("packed_layout")  # at the tiny model's shapes the cost model would pick TRL's padded rows
 @pytest.mark.parametrize(("loss_type", "beta", "iterations"), [("cispo", 0.04, 2), ("importance_sampling", 0.0, 2)])
 def test_cycle_context_loss_types(tiny_model_path, tmp_path, loss_type, beta, iterations):
     kwargs = dict(loss_type=loss_type, beta=beta, num_iterations=iterations)
@@ -752,6 +773,7 @@ def test_cycle_context_loss_types(tiny_model_path, tmp_path, loss_type, beta, it
     assert stats["call_contexts"] == calls and stats["call_chunks"] == 3 * calls
 
 
+@pytest.mark.usefixtures("packed_layout")  # at the tiny model's shapes the cost model would pick TRL's padded rows
 def test_cycle_context_lora(tiny_model_path, tmp_path):
     from peft import LoraConfig
 
@@ -762,6 +784,7 @@ def test_cycle_context_lora(tiny_model_path, tmp_path):
     assert shared[0].prefix_sharing_stats["cycle_contexts"] == CYCLE["max_steps"]
 
 
+@pytest.mark.usefixtures("packed_layout")  # at the tiny model's shapes the cost model would pick TRL's padded rows
 def test_cycle_context_falls_back_per_micro_batch(tiny_model_path, tmp_path, caplog, monkeypatch):
     # gradient checkpointing drops the cache in a forward with gradients: each micro-batch shares on its own.
     # The reason is logged once per process: forget what earlier tests of this process logged.

@@ -1,10 +1,11 @@
-"""Local PyTRIO server engine: prompt-prefix sharing is exact.
+"""Local PyTRIO server engine: prompt-prefix sharing, through the prefix engine the TRL path uses, is exact.
 
-`forward_backward` data that share a prefix encode it once; per-token log-probs must match the unshared computation
-to 1e-4 absolute and gradients to 1e-5 relative, for every built-in loss, with and without ``auto_shift``, with the
-head common to all prompts encoded once (level 1) and without (each group's prompt once, level 2); a batch
-with nothing shared must give exactly the old result; greedy samples (prompt encoded once, KV expanded to the rows)
-must equal ``model.generate``.
+`forward_backward` data that share a prefix encode it once (`trl_grpo_ext.prefix`: `plan_token_rows`, `pack_rows`,
+one packed forward); per-token log-probs must match the unshared computation to 1e-4 absolute and gradients to 1e-5
+relative, for every built-in loss, with and without ``auto_shift``, with a head common to all prompts (level 1)
+and without (each group's prompt once, level 2), under sdpa and eager; a batch with nothing shared, or one the cost
+model keeps padded, must give exactly the unshared result; greedy samples (prompt encoded once, KV expanded to the
+rows) must equal ``model.generate``.
 """
 
 from __future__ import annotations
@@ -14,6 +15,9 @@ import contextlib
 import pytest
 import torch
 
+from trl_grpo_ext.prefix import plan_token_rows
+from trl_grpo_ext.prefix.packing import PackedBatch
+from trl_grpo_ext.pytrio.server import forward as server_forward
 from trl_grpo_ext.pytrio.server.adapters import LoraSettings
 from trl_grpo_ext.pytrio.server.engine import ModelEngine
 from trl_grpo_ext.pytrio.server.forward import ForwardDatum
@@ -37,10 +41,11 @@ def _datum(tokens, prompt_len, seed):
     return ForwardDatum(tokens, targets, weights, old, advantages)
 
 
-def _grpo_batch():
-    """Two prompt groups of 3 completions (different lengths, a shared system-like head) and one unrelated row."""
+def _grpo_batch(head=True):
+    """Two prompt groups of 3 completions (different lengths, a shared system-like head unless not `head`) and one
+    unrelated row."""
     system = [3, 17, 29, 41, 5, 8]
-    prompts = [system + [11, 12, 13, 14, 15], system + [21, 22, 23]]
+    prompts = [system + [11, 12, 13, 14, 15], (system if head else [4] + system[1:]) + [21, 22, 23]]
     data, seed = [], 0
     for p in prompts:
         for length in (4, 7, 2):
@@ -73,32 +78,70 @@ def _run(engine, data, loss, auto_shift, share):
         engine.share_prefix = True
 
 
-def test_grouping_finds_the_shared_prompts(engine):
+def test_grouping_finds_the_shared_prompts():
     data = _grpo_batch()
-    pieces = engine._pieces(data)
-    assert pieces == [([0, 1, 2], 11), ([3, 5, 6], 9), ([4], 0)]
-    assert engine._head_length(data, pieces[:2]) == 6  # the system-like head both prompts start with: level 1
-    assert engine._head_length(data, pieces[:1]) == 0
-    engine.share_prefix = False
-    try:
-        assert engine._pieces(_grpo_batch()) == [(list(range(7)), 0)]
-    finally:
-        engine.share_prefix = True
+    rows = plan_token_rows([d.tokens for d in data], 4)
+    assert rows.shared == (0, 1, 2, 3, 5, 6) and rows.plain == (4,)
+    assert rows.plan.groups == ((0, 1, 2), (3, 4, 5)) and [len(p) for p in rows.plan.prompts] == [12] * 3 + [10] * 3
+    assert rows.plan.prefix_length == 6  # the system-like head both prompts start with: level 1
+    assert plan_token_rows([d.tokens for d in _grpo_batch(head=False)], 4).plan.prefix_length == 0
+    # no group shares 12 tokens: nothing planned
+    assert plan_token_rows([d.tokens for d in data], 12).plan is None
 
 
-@pytest.mark.parametrize("levels", [2, 1])
+@pytest.fixture
+def engine_calls(monkeypatch):
+    """Counts of the prefix engine's planner and packed forwards the server's `forward` calls."""
+    calls = {"plan": 0, "packed": 0}
+    plan, forward_kwargs = server_forward.plan_token_rows, PackedBatch.forward_kwargs
+
+    def counted_plan(*args, **kwargs):
+        calls["plan"] += 1
+        return plan(*args, **kwargs)
+
+    def counted_forward(self, model):
+        calls["packed"] += 1
+        return forward_kwargs(self, model)
+
+    monkeypatch.setattr(server_forward, "plan_token_rows", counted_plan)
+    monkeypatch.setattr(PackedBatch, "forward_kwargs", counted_forward)
+    return calls
+
+
+def test_the_server_shares_through_the_prefix_engine(engine, engine_calls, packed_layout):
+    """The server has no prefix code of its own: its forward plans with `plan_token_rows` and runs `pack_rows`'
+    layout, once per chunk."""
+    for name in ("_pieces", "_head_length", "_shared_target_logprobs", "_suffix_target_logprobs"):
+        assert not hasattr(engine, name), name
+    assert not hasattr(server_forward, "_copy_cache") and not hasattr(server_forward, "_common_prefix")
+    _run(engine, _grpo_batch(), "ppo", False, share=True)
+    assert engine_calls == {"plan": 1, "packed": 1}
+    _run(engine, _grpo_batch(), "ppo", False, share=False)
+    assert engine_calls == {"plan": 1, "packed": 1}
+
+
+@pytest.mark.parametrize("head", [True, False])
 @pytest.mark.parametrize("auto_shift", [False, True])
 @pytest.mark.parametrize("loss", LOSSES)
-def test_shared_prefix_forward_backward_equals_unshared(engine, loss, auto_shift, levels):
-    data = _grpo_batch()
-    if levels == 1:  # the 6-token head falls below the minimum: each group's prompt is encoded once, no level 1
-        engine.min_shared_prefix = 7
-        assert engine._head_length(data, engine._pieces(data)[:2]) == 0
-    try:
-        shared_out, shared_metrics, shared_grads = _run(engine, data, loss, auto_shift, share=True)
-    finally:
-        engine.min_shared_prefix = 4
+def test_shared_prefix_forward_backward_equals_unshared(engine, engine_calls, packed_layout, loss, auto_shift, head):
+    data = _grpo_batch(head)
+    shared_out, shared_metrics, shared_grads = _run(engine, data, loss, auto_shift, share=True)
+    assert engine_calls["packed"] == 1
     plain_out, plain_metrics, plain_grads = _run(engine, data, loss, auto_shift, share=False)
+    _assert_close(shared_out, shared_metrics, shared_grads, plain_out, plain_metrics, plain_grads)
+
+
+def test_shared_prefix_forward_backward_equals_unshared_under_eager(tiny_model_path, engine_calls, packed_layout):
+    eager = ModelEngine(tiny_model_path, min_shared_prefix=4)
+    eager.base.set_attn_implementation("eager")
+    data = _grpo_batch()
+    shared_out, shared_metrics, shared_grads = _run(eager, data, "importance_sampling", True, share=True)
+    assert engine_calls["packed"] == 1
+    plain = _run(eager, data, "importance_sampling", True, share=False)
+    _assert_close(shared_out, shared_metrics, shared_grads, *plain)
+
+
+def _assert_close(shared_out, shared_metrics, shared_grads, plain_out, plain_metrics, plain_grads):
     assert shared_metrics["token_count"] == plain_metrics["token_count"]
     assert shared_metrics["loss_sum"] == pytest.approx(plain_metrics["loss_sum"], rel=1e-5, abs=1e-5)
     for a, b in zip(shared_out, plain_out, strict=True):
@@ -114,9 +157,7 @@ def test_shared_prefix_forward_backward_equals_unshared(engine, loss, auto_shift
     assert nonzero > len(plain_grads) // 2
 
 
-def test_nothing_shared_gives_exactly_the_old_result(engine):
-    data = [_datum([i + 1, i + 9, i + 20, 30, 31, 32, 33, 34], 2, i) for i in range(4)]  # differing first tokens
-    assert engine._pieces(data) == [([0, 1, 2, 3], 0)]
+def _assert_identical(engine, data):
     shared_out, shared_metrics, shared_grads = _run(engine, data, "ppo", False, share=True)
     plain_out, plain_metrics, plain_grads = _run(engine, data, "ppo", False, share=False)
     assert shared_metrics == plain_metrics
@@ -124,6 +165,19 @@ def test_nothing_shared_gives_exactly_the_old_result(engine):
         assert (a["logprobs"] == b["logprobs"]).all() and (a["elementwise_loss"] == b["elementwise_loss"]).all()
     for name, grad in plain_grads.items():
         assert torch.equal(shared_grads[name], grad)
+
+
+def test_nothing_shared_gives_exactly_the_unshared_result(engine, engine_calls):
+    data = [_datum([i + 1, i + 9, i + 20, 30, 31, 32, 33, 34], 2, i) for i in range(4)]  # differing first tokens
+    assert plan_token_rows([d.tokens for d in data], 4).plan is None
+    _assert_identical(engine, data)
+    assert engine_calls == {"plan": 1, "packed": 0}
+
+
+def test_padded_by_the_cost_model_gives_exactly_the_unshared_result(engine, engine_calls, monkeypatch):
+    monkeypatch.setattr("trl_grpo_ext.prefix.packing.packed_is_cheaper", lambda packed, padded: False)
+    _assert_identical(engine, _grpo_batch())
+    assert engine_calls == {"plan": 1, "packed": 0}
 
 
 def test_greedy_samples_equal_model_generate(engine):

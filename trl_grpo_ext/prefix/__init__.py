@@ -7,7 +7,8 @@ the second one only):
 - level 1: the longest token prefix common to every row of the batch;
 - level 2: the rest of each *distinct* prompt (rows with the same prompt form a group; they need not be adjacent).
 
-Training (`shared_prefix_logps_and_entropies`, `shared_prefix_logits`) packs a chunk of rows as *segments*::
+Training (`shared_prefix_logps_and_entropies`; the local PyTRIO server's forward/backward through `pack_rows`) packs a
+chunk of rows as *segments*::
 
     [level-1 prefix][rest of prompt g1][row 1: last prompt token + completion][row 2: ...][rest of prompt g2]...
 
@@ -30,36 +31,37 @@ Generation (`shared_prefix_generate`) encodes the level-1 prefix once, each dist
 expands the `DynamicCache` to the rows and hands it to ``model.generate``, which decodes as usual (greedy, sampling,
 logits processors, stopping criteria are all its own).
 
+Two planners feed that one layout, attention path and cost model: `plan_prefix` from prompt boundaries (what the TRL
+trainer and the eval generator know) and `plan_token_rows` from token sequences alone (what the local PyTRIO server
+sees: rows grouped by their longest common prefixes); `PackedBatch.row_reads` then gives the server every position
+of every row, shared ones included, each row scoring its own targets there.
+
 Sharing applies only where it is exact (`packed_unsupported_reason`, `sharing_unsupported_reason`); elsewhere
 callers use the plain path. `docs/prefix_sharing.md` lists the conditions.
 
-Modules: `plan` (`PrefixPlan`, `plan_prefix`: which tokens a batch shares; TRL's left-padded prompts), `support`
+Modules: `plan` (`PrefixPlan`, `plan_prefix`, `plan_token_rows`: which tokens a batch shares; TRL's left-padded
+prompts), `support`
 (when sharing is exact; the once-per-process fallback log), `layout` (segments placed and gathered into a packed
 stream; the eager dense mask), `attention` (`SegmentAttention` and the `AttentionInterface` wrapper), `cost` (packed
-vs padded), `packing` (one packed forward: `pack_chunk`, `pack_rows`, `shared_prefix_logps_and_entropies`,
-`shared_prefix_logits`), `context` (`PromptContext`: shared parts encoded once for many chunks), `generation`
+vs padded), `packing` (one packed forward: `pack_chunk`, `pack_rows`, `shared_prefix_logps_and_entropies`), `context` (`PromptContext`: shared parts encoded once for many chunks), `generation`
 (`shared_prefix_generate`). The TRL trainer's hooks onto this engine are `trl_grpo_ext.trl.prefix_mixin`
 (`PrefixSharingMixin`).
 """
 
-# The package re-exports every name the one module `trl_grpo_ext/prefix.py` had, private ones included (tests and
-# bench/step_time.py import some), so `from trl_grpo_ext.prefix import ...` reads the same as before the split.
+# The package's public names: what the TRL path, the eval generator and the local PyTRIO server use (private helpers
+# are imported from their modules).
 from trl_grpo_ext.prefix.attention import SegmentAttention
 from trl_grpo_ext.prefix.context import PromptContext as PromptContext
 from trl_grpo_ext.prefix.context import context_logps_and_entropies, encode_prompt_context
-from trl_grpo_ext.prefix.generation import _left_pad as _left_pad
 from trl_grpo_ext.prefix.generation import generation_unsupported_reason, shared_prefix_generate
 from trl_grpo_ext.prefix.layout import DEFAULT_MAX_PACKED_TOKENS
 from trl_grpo_ext.prefix.packing import (
     PackedBatch,
     pack_chunk,
     pack_rows,
-    shared_prefix_logits,
     shared_prefix_logps_and_entropies,
 )
-from trl_grpo_ext.prefix.packing import _unpack as _unpack
-from trl_grpo_ext.prefix.plan import PrefixPlan, plan_prefix, prompts_from_left_padded
-from trl_grpo_ext.prefix.support import _LOGGED as _LOGGED
+from trl_grpo_ext.prefix.plan import PrefixPlan, TokenRowsPlan, plan_prefix, plan_token_rows, prompts_from_left_padded
 from trl_grpo_ext.prefix.support import (
     PACKED_ATTENTION,
     STATIC_ROPE_TYPES,
@@ -71,8 +73,6 @@ from trl_grpo_ext.prefix.support import (
     packed_unsupported_reason,
     sharing_unsupported_reason,
 )
-from trl_grpo_ext.prefix.support import _config_of as _config_of
-from trl_grpo_ext.prefix.support import _unwrap as _unwrap
 
 __all__ = [
     "DEFAULT_MAX_PACKED_TOKENS",
@@ -84,6 +84,7 @@ __all__ = [
     "PrefixPlan",
     "PromptContext",
     "SegmentAttention",
+    "TokenRowsPlan",
     "context_logps_and_entropies",
     "encode_prompt_context",
     "generation_unsupported_reason",
@@ -94,9 +95,9 @@ __all__ = [
     "pack_rows",
     "packed_unsupported_reason",
     "plan_prefix",
+    "plan_token_rows",
     "prompts_from_left_padded",
     "shared_prefix_generate",
-    "shared_prefix_logits",
     "shared_prefix_logps_and_entropies",
     "sharing_unsupported_reason",
 ]

@@ -1,6 +1,7 @@
 """One packed forward per chunk of rows: the rows and their shared prompt parts as segments (`pack_chunk`), the
-cost model's choice between that and TRL's padded rows, and the training entry points on it
-(`shared_prefix_logps_and_entropies`, `shared_prefix_logits`)."""
+cost model's choice between that and padded rows, and the entry points on it: the TRL trainer's
+(`shared_prefix_logps_and_entropies`) and the local PyTRIO server's (`pack_rows`, then `PackedBatch.row_reads`:
+where every position of every row, shared ones included, lies in the forward's output)."""
 
 from __future__ import annotations
 
@@ -22,14 +23,15 @@ from trl_grpo_ext.prefix.layout import (
     place,
 )
 from trl_grpo_ext.prefix.plan import PrefixPlan, plan_prefix, prompts_from_left_padded
-from trl_grpo_ext.prefix.support import _config_of, log_fallback_once, packed_unsupported_reason
+from trl_grpo_ext.prefix.support import _config_of, log_fallback_once
 
 
 @dataclass(eq=False)
 class PackedBatch:
     """A chunk packed for one forward: where its segments lie (``placement``, host only), how attention runs
     (``kind``: ``"eager"`` binned under a dense mask, else concatenated through `SegmentAttention`), and
-    ``row_slots[r]`` = (bin, first slot of row r's segment, number of scored positions). The tensors (`stream`:
+    ``row_slots[r]`` = (bin, first slot of row r's segment, number of scored positions), ``row_specs[r]`` the
+    index of row r's segment in ``placement.specs``. The tensors (`stream`:
     ``input_ids``, ``position_ids``, ``labels``, ...) are gathered from ``source`` (TRL's padded ids and mask) on
     first use, so the cost model can reject the layout before anything is built."""
 
@@ -38,6 +40,7 @@ class PackedBatch:
     row_slots: list[tuple[int, int, int]]
     source: tuple[torch.Tensor, torch.Tensor | None, int]
     holes: bool = False
+    row_specs: tuple[int, ...] = ()
     context_keys: list[torch.Tensor] | None = None
     context_values: list[torch.Tensor] | None = None
     call_overhead: int = BUCKET_OVERHEAD_PAIRS
@@ -92,6 +95,43 @@ class PackedBatch:
                 context_values=self.context_values,
             )
         return self._attention
+
+    def row_reads(self, lengths: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """Where position j of row r (its prompt then completion; ``lengths[r]`` tokens) lies in the forward's
+        output flattened to (bins * T,): ``slot[r, j]``, and which of that slot's readers row r is: ``reader[r, j]``
+        (each shared slot is read by every row attending to it, a row's own slots by the row only), as
+        (rows, max(lengths)) tensors (0 past a row's end); and the most readers of one slot.
+
+        One output per slot serves all its readers: the local server scores each row's own target at a shared
+        position from the one encoding of that position (`plan.plan_token_rows` rows).
+        """
+        p = self.placement
+        offset = [(b if p.binned else 0) * p.length + start for b, start in zip(p.bins, p.starts, strict=True)]
+        readers: dict[int, int] = {}
+        table = []  # per row: prefix slot, its length, rank among its readers; the same for the rest; own slot
+        for r in self.row_specs:
+            spec, row = p.specs[r], []
+            for ref in (spec.prefix, spec.rest):
+                if ref is None:
+                    row += [0, 0, 0]
+                    continue
+                if not isinstance(ref, int):
+                    raise ValueError("row_reads needs the shared parts in the stream, not in a stored context")
+                rank = readers[ref] = readers.get(ref, -1) + 1
+                row += [offset[ref], p.specs[ref].length, rank]
+            table.append(row + [offset[r]])
+        device = self.source[0].device
+        t = torch.tensor(table, dtype=torch.long).reshape(-1, 7).to(device).unsqueeze(-1).unbind(1)
+        prefix, prefix_len, prefix_rank, rest, rest_len, rest_rank, own = t
+        width = max(lengths, default=0)
+        j = torch.arange(width, device=device).unsqueeze(0)
+        in_prefix, in_rest = j < prefix_len, j < prefix_len + rest_len
+        slot = torch.where(
+            in_prefix, prefix + j, torch.where(in_rest, rest + j - prefix_len, own + j - prefix_len - rest_len)
+        )
+        reader = torch.where(in_prefix, prefix_rank, torch.where(in_rest, rest_rank, 0))
+        inside = j < torch.tensor(list(lengths), dtype=torch.long, device=device).unsqueeze(1)
+        return torch.where(inside, slot, 0), torch.where(inside, reader, 0), 1 + max(readers.values(), default=0)
 
     def attention_pairs(self) -> int:
         p = self.placement
@@ -169,7 +209,8 @@ def pack_chunk(
     if holes is None:
         holes = attention_mask is not None and _has_holes(attention_mask, prompt_width, kept)
     row_slots = [(placement.bins[i] if binned else 0, placement.starts[i], kept[r]) for r, i in enumerate(row_spec)]
-    return PackedBatch(placement, kind, row_slots, (input_ids, attention_mask, pad_token_id), holes)
+    source = (input_ids, attention_mask, pad_token_id)
+    return PackedBatch(placement, kind, row_slots, source, holes, row_specs=tuple(row_spec))
 
 
 def _has_holes(attention_mask: torch.Tensor, prompt_width: int, kept: Sequence[int]) -> bool:
@@ -210,11 +251,24 @@ def fit_to(packed: PackedBatch, model) -> PackedBatch:
 def choose_layout(model, packed: PackedBatch, attention_mask: torch.Tensor, stats: dict | None = None) -> bool:
     """Whether `packed` beats TRL's padded rows (``attention_mask``: their mask) by the cost model; fills `stats`
     (``tokens``, ``padded_tokens``, ``packed_cost``, ``padded_cost``) when given."""
-    config = _config_of(model)
-    cost = ModelCost.of(config)
     scored = _every_position_scored(attention_mask.device)
-    rows, width = attention_mask.shape
-    lengths = attention_mask.sum(1).tolist()
+    return packed_beats_padded(model, packed, attention_mask.sum(1).tolist(), attention_mask.size(1), scored, stats)
+
+
+def packed_beats_padded(
+    model,
+    packed: PackedBatch,
+    lengths: Sequence[int],
+    width: int,
+    every_position_scored: bool,
+    stats: dict | None = None,
+) -> bool:
+    """Whether `packed` beats padded rows of `width` slots holding `lengths` real tokens each, by the cost model
+    (`cost`); `every_position_scored`: the LM head runs on every slot of either layout. `stats` as
+    `choose_layout`'s."""
+    cost = ModelCost.of(_config_of(model))
+    scored = every_position_scored
+    rows = len(lengths)
     padded_cost = layout_cost(
         cost, rows * width, padded_pairs(packed.kind, lengths, width, any(n < width for n in lengths)), 0, scored
     )
@@ -326,28 +380,3 @@ def pack_rows(
     ids, mask, width = trl_tensors(plan.prompts, completions, completion_masks, pad_token_id, device)
     kept = [len(c) for c in completions]
     return pack_chunk(plan, ids, mask, width, kept, kind, max_packed_tokens, pad_token_id)
-
-
-def shared_prefix_logits(
-    model,
-    prompts: Sequence[Sequence[int]],
-    completions: Sequence[Sequence[int]],
-    max_packed_tokens: int | None = None,
-    pad_token_id: int = 0,
-) -> list[torch.Tensor]:
-    """Next-token logits for each row's completion from one shared encoding of the rows' prompts.
-
-    ``result[r][j]`` (vocab,) are the logits that score ``completions[r][j]`` given ``prompts[r] +
-    completions[r][:j]``, as ``model(prompts[r] + completions[r]).logits[len(prompts[r]) - 1 + j]`` would give
-    them. Rows need not be padded or grouped; gradients flow to the model. Raises ``ValueError`` where
-    `packed_unsupported_reason` gives a reason (check it first to fall back).
-    """
-    reason = packed_unsupported_reason(model)
-    if reason is not None:
-        raise ValueError(f"shared_prefix_logits: {reason}")
-    plan = plan_prefix(prompts)
-    device = next(model.parameters()).device
-    attn = _config_of(model)._attn_implementation
-    packed = fit_to(pack_rows(plan, completions, None, max_packed_tokens, pad_token_id, device, attn), model)
-    logits = model(**packed.forward_kwargs(model)).logits
-    return [logits[b, first : first + n] for b, first, n in packed.row_slots]

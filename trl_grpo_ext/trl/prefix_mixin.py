@@ -127,11 +127,6 @@ class PrefixSharingMixin:
         metrics["train"]["prefix/saved_tokens"].append(float(step["padded"] - step["run"]))
         metrics["train"]["prefix/shared_fraction"].append(1.0 - step["encoded"] / max(1, step["prompt"]))
 
-    def _prefix_layout(self) -> str:
-        """``"auto"`` (the cost model picks packed or TRL's padded rows per chunk) or ``"packed"`` (whenever
-        something is shared; tests use it to exercise the packed path at tiny shapes)."""
-        return getattr(self, "prefix_layout", "auto")
-
     def _max_packed_tokens(self) -> int | None:
         return getattr(self, "max_packed_tokens", getattr(self.args, "max_packed_tokens", None))
 
@@ -284,7 +279,7 @@ class PrefixSharingMixin:
                             limit,
                             pad_token_id,
                             plan,
-                            self._prefix_layout(),
+                            "auto",
                             info,
                         )
                 self._count_prefix_tokens(plan, ids.size(0), result is not None)

@@ -2,8 +2,8 @@
 
 `ModelEngine` loads the model once and serves every training run and sampler on it. Its parts, one module each:
 `adapters` (LoRA adapters per run and sampler slots, `LoraSnapshot`), `forward` (forward / forward_backward on
-right-padded, prefix-shared batches) and `decoding` (sampling, decode batches). This module holds what ties them:
-the model, the lock, the training runs and their optimizer steps.
+right-padded batches, prefix-shared through `trl_grpo_ext.prefix`) and `decoding` (sampling, decode batches). This
+module holds what ties them: the model, the lock, the training runs and their optimizer steps.
 A single re-entrant lock serialises every use of the model: PEFT's active adapter is global state.
 """
 
@@ -17,7 +17,7 @@ import torch
 
 from trl_grpo_ext.compat import cache_keyword
 from trl_grpo_ext.cpu_threads import govern_cpu_threads
-from trl_grpo_ext.prefix import sharing_unsupported_reason
+from trl_grpo_ext.prefix import packed_unsupported_reason
 from trl_grpo_ext.pytrio.server.adapters import LoraAdapters, LoraSettings, LoraSnapshot, TrainingRun
 from trl_grpo_ext.pytrio.server.decoding import SampleSpec, Sampling, default_stop_ids
 from trl_grpo_ext.pytrio.server.errors import EngineError
@@ -68,10 +68,10 @@ class ModelEngine(LoraAdapters, ForwardBackward, Sampling, TokenLogprobs):
         self.max_seq_len = int(getattr(model.config, "max_position_embeddings", 0) or 0) or None
         # padded tokens per forward/backward batch: bounds the (batch, length, vocab) logits held for backward
         self.max_batch_tokens = max(1, int(max_batch_tokens))
-        # forward/backward: rows sharing >= min_shared_prefix leading tokens encode them once (`_pieces`)
+        # forward/backward: rows sharing >= min_shared_prefix leading tokens encode them once (`forward._plan`)
         self.share_prefix = bool(share_prefix)
         self.min_shared_prefix = max(1, int(min_shared_prefix))
-        self.prefix_sharing_reason = sharing_unsupported_reason(model)  # None where the shared forward is exact
+        self.prefix_sharing_reason = packed_unsupported_reason(model)  # None where the packed forward is exact
         self.cache_kw = cache_keyword(model)
         # log-probs from hidden states, the output layer a chunk of positions at a time (`logprobs`), where exact
         self.split_head = split_head_exact(model, self.vocab_size)

@@ -2,25 +2,29 @@
 
 `ForwardBackward` is the part of `ModelEngine` that runs ``trainer.forward`` / ``trainer.forward_backward`` data
 (`ForwardDatum`) on a run's adapter. Data run in chunks of at most ``max_batch_tokens`` padded tokens; within a chunk,
-rows that share a token prefix (a GRPO group's prompt) encode it once (`_pieces`, two levels: a head common to all
-groups, then each group's prompt), and their suffixes run on copies of its KV cache. Outputs and gradients equal the
-unshared computation to float rounding (tests/test_pytrio_server_prefix.py).
+rows that share a token prefix (a GRPO group's prompt) encode it once through the prefix engine the TRL path uses
+(`trl_grpo_ext.prefix`): `plan_token_rows` groups them (two levels: a head common to all groups, then each group's
+prompt), `pack_rows` lays them out as segments of one packed forward, its cost model keeps the right-padded batch
+where that is cheaper, and `PackedBatch.row_reads` says where each row's positions lie in the output. Outputs and
+gradients equal the unshared computation to float rounding (tests/test_pytrio_server_prefix.py).
 """
 
 from __future__ import annotations
 
-import copy
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 from trl_grpo_ext.prefix import log_fallback_once
+from trl_grpo_ext.prefix.packing import PackedBatch, fit_to, pack_rows, packed_beats_padded
+from trl_grpo_ext.prefix.plan import plan_token_rows
+from trl_grpo_ext.prefix.support import _config_of
 from trl_grpo_ext.pytrio.server.errors import EngineError
 from trl_grpo_ext.pytrio.server.losses import LossSpec, per_token_loss
 
-# Leading tokens forward/backward rows must share before they are encoded once: below this the extra model call
-# costs more than the tokens it saves.
+# Leading tokens forward/backward rows must share before they form a group whose prompt is encoded once: fewer
+# save less than a segment of the packed layout costs.
 MIN_SHARED_PREFIX = 8
 
 
@@ -94,7 +98,7 @@ class ForwardBackward:
 
     def _chunk_bytes(self, rows: int, width: int, backward: bool) -> int:
         tokens = rows * width
-        # rows sharing a prefix run on its KV cache: their layers cannot be recomputed (upper bound: all shared)
+        # rows sharing a prefix run packed without layer recomputation (upper bound: all shared)
         shared = self.share_prefix and rows > 1 and self.prefix_sharing_reason is None
         recomputed = not shared and self.can_checkpoint and tokens > self.checkpoint_tokens
         return self.memory_model.chunk_bytes(tokens, backward, recomputed)
@@ -127,106 +131,52 @@ class ForwardBackward:
             raise EngineError("non_finite_loss", f"loss is {loss.item()}; check logprobs and advantages")
         return loss, loss_tok, mask
 
-    def _pieces(self, chunk: list[ForwardDatum]) -> list[tuple[list[int], int]]:
-        """The chunk's rows as (indices, shared prefix length): groups that share at least `min_shared_prefix`
-        leading tokens (encoded once, `_shared_target_logprobs`), then every other row in one plain batch (0).
-
-        A chunk in which nothing is shared is one plain piece: exactly the computation without sharing.
-        """
-        everything = [(list(range(len(chunk))), 0)]
+    def _plan(self, chunk: list[ForwardDatum]) -> tuple[PackedBatch | None, list[int], list[int]]:
+        """The chunk's shared rows packed for one forward (``None`` when none share), those rows, and the others:
+        the rows `plan_token_rows` groups, packed by `pack_rows`, where the cost model finds that cheaper than their
+        right-padded batch. Otherwise every row is plain: exactly the computation without sharing."""
+        everything = list(range(len(chunk)))
         if not self.share_prefix or len(chunk) < 2:
-            return everything
+            return None, [], everything
         reason = self.prefix_sharing_reason
         if reason is not None:
             log_fallback_once(f"local PyTRIO server forward: {reason}")
-            return everything
-        groups: list[list] = []  # [member indices, representative tokens, shared length]
-        for i, datum in enumerate(chunk):
-            best, best_shared = None, 0
-            for group in groups:
-                shared = min(group[2], _common_prefix(group[1], datum.tokens), len(datum.tokens) - 1)
-                # a row may not shorten a group's shared prefix (another prompt with the same system head would
-                # otherwise pull the whole group down to the head): it starts its own group instead
-                if shared > best_shared and (len(group[0]) == 1 or shared == group[2]):
-                    best, best_shared = group, shared
-            if best is not None and best_shared >= self.min_shared_prefix:
-                best[0].append(i)
-                best[2] = best_shared
-            else:
-                groups.append([[i], datum.tokens, len(datum.tokens) - 1])
-        shared = [(g[0], g[2]) for g in groups if len(g[0]) > 1]
-        plain = sorted(i for g in groups if len(g[0]) == 1 for i in g[0])
-        if not shared:
-            return everything
-        return shared + ([(plain, 0)] if plain else [])
+            return None, [], everything
+        sequences = [d.tokens for d in chunk]
+        rows = plan_token_rows(sequences, self.min_shared_prefix)
+        if rows.plan is None:
+            return None, [], everything
+        attn = _config_of(self.base)._attn_implementation
+        packed = pack_rows(rows.plan, rows.completions(sequences), device=self.device, attn_implementation=attn)
+        fit_to(packed, self.base)
+        lengths = [len(sequences[i]) for i in rows.shared]
+        # the LM head runs on every slot of either layout (log-probs of every position)
+        if not packed_beats_padded(self.base, packed, lengths, max(lengths), every_position_scored=True):
+            return None, [], everything
+        return packed, list(rows.shared), list(rows.plain)
 
-    def _head_length(self, chunk: list[ForwardDatum], groups: list[tuple[list[int], int]]) -> int:
-        """Leading tokens common to every group of the chunk (system prompt, one-shot example): encoded once for
-        all of them; 0 when fewer than `min_shared_prefix` or only one group."""
-        if len(groups) < 2:
-            return 0
-        first = chunk[groups[0][0][0]].tokens
-        head = min(shared for _, shared in groups)
-        for rows, _ in groups[1:]:
-            head = min(head, _common_prefix(first, chunk[rows[0]].tokens))
-        return head if head >= self.min_shared_prefix else 0
+    def _packed_target_logprobs(self, data: list[ForwardDatum], packed: PackedBatch, auto_shift: bool):
+        """`_batch_target_logprobs` of `data` from one forward of their packed layout.
 
-    def _shared_target_logprobs(
-        self, groups: list[list[ForwardDatum]], shared: list[int], head: int, auto_shift: bool
-    ) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """`_batch_target_logprobs` of each group, whose rows' first ``shared[g]`` tokens are equal, those encoded
-        once; with ``head > 0`` the first `head` tokens, common to all groups, are encoded once for all.
-
-        Level 1, the head, runs as one row; level 2, each group's rest of prefix, as one row on a copy of the head's
-        KV cache; that cache is repeated to the group's rows (a differentiable copy: every row's gradient flows back
-        into the one prefix encoding) and the rows' suffixes run on top, right-padded, with their own positions.
-        Log-probs at prefix positions come from the prefix's logits, gathered with each row's own targets.
+        A shared position's output is computed once; the output layer runs on it once and each row reading it
+        gathers its own target there (`PackedBatch.row_reads`), so rows may differ in their targets anywhere.
         """
-        head_cache = head_hidden = None
-        if head:
-            ids = torch.tensor([groups[0][0].tokens[:head]], device=self.device)
-            head_hidden, head_cache = self.decode(input_ids=ids, use_cache=True)
-        results = []
-        for data, length in zip(groups, shared, strict=True):
-            tokens = data[0].tokens
-            if head:
-                cache, prefix_hidden = _copy_cache(head_cache), head_hidden
-                if length > head:
-                    ids = torch.tensor([tokens[head:length]], device=self.device)
-                    hidden, cache = self.decode(input_ids=ids, attention_mask=torch.ones(1, length, dtype=torch.long, device=self.device),
-                                                position_ids=torch.arange(head, length, device=self.device)[None],
-                                                use_cache=True, **{self.cache_kw: cache})  # fmt: skip
-                    prefix_hidden = torch.cat([head_hidden, hidden], dim=1)
-            else:
-                ids = torch.tensor([tokens[:length]], device=self.device)
-                prefix_hidden, cache = self.decode(input_ids=ids, use_cache=True)  # (1, length, H)
-            results.append(self._suffix_target_logprobs(data, length, cache, prefix_hidden, auto_shift))
-        return results
-
-    def _suffix_target_logprobs(self, data, shared: int, cache, prefix_hidden: torch.Tensor, auto_shift: bool):
-        """Rows `data` continuing a cached one-row prefix of `shared` tokens whose last hidden states are
-        `prefix_hidden`."""
-        n_rows = len(data)
         lengths = [len(d.tokens) for d in data]
         width = max(lengths)
-        cache.batch_repeat_interleave(n_rows)
-        suffix_width = width - shared
-        ids = self._padded([d.tokens[shared:] for d in data], suffix_width, torch.long)
-        mask = (torch.arange(width) < torch.tensor(lengths).unsqueeze(1)).long().to(self.device)
-        positions = (shared + torch.arange(suffix_width, device=self.device)).expand(n_rows, -1)
-        suffix_hidden, _ = self.decode(
-            input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True, **{self.cache_kw: cache}
-        )  # fmt: skip  (rows, width - shared, H)
+        features, _ = self.decode(**packed.forward_kwargs(self.base), use_cache=False)
+        features = features.reshape(-1, features.shape[-1])  # (bins * slots, F)
+        slot, reader, readers = packed.row_reads(lengths)
         targets = self._padded([d.targets for d in data], width, torch.long, fill=-100)
         # the target each position's logits score: its own (no shift) or the next position's (auto_shift)
-        scored = torch.cat([targets[:, 1:], targets.new_full((n_rows, 1), -100)], 1) if auto_shift else targets
-        index = scored.clamp(min=0).unsqueeze(-1)
-        # prefix positions: their logits once, each row's own target gathered from them ((shared, rows) -> (rows, shared))
-        head = self.token_logprobs(prefix_hidden[0], index[:, :shared, 0].T).T
-        tail = self.token_logprobs(suffix_hidden, index[:, shared:, 0])
-        gathered = torch.cat([head, tail], dim=1)
+        scored = torch.cat([targets[:, 1:], targets.new_full((len(data), 1), -100)], 1) if auto_shift else targets
+        inside = (
+            torch.arange(width, device=self.device).unsqueeze(0) < torch.tensor(lengths, device=self.device)[:, None]
+        )
+        index = torch.zeros(features.shape[0], readers, dtype=torch.long, device=self.device)
+        index[slot[inside], reader[inside]] = scored[inside].clamp(min=0)
+        gathered = self.token_logprobs(features, index)[slot, reader]  # (rows, width)
         if auto_shift:  # position i reports the logits of position i - 1 scoring target i
-            gathered = torch.cat([gathered.new_zeros(n_rows, 1), gathered[:, :-1]], dim=1)
+            gathered = torch.cat([gathered.new_zeros(len(data), 1), gathered[:, :-1]], dim=1)
         valid = targets != -100
         if auto_shift:
             valid[:, 0] = False
@@ -257,25 +207,18 @@ class ForwardBackward:
             outputs, loss_sum, token_count = [], 0.0, 0
             for chunk in self._chunks([d for d in data if d.tokens], backward, budget):
                 chunk_outputs: list[dict | None] = [None] * len(chunk)
-                pieces = self._pieces(chunk)
-                groups = [(rows, shared) for rows, shared in pieces if shared]
-                plain = [rows for rows, shared in pieces if not shared]
+                packed, shared, plain = self._plan(chunk)
                 results = []  # (rows, logprobs, loss, per-token loss, mask)
                 with torch.set_grad_enabled(backward):
-                    if groups:  # one backward for all groups: they may share the head's encoding
-                        head = self._head_length(chunk, groups)
-                        members = [[chunk[i] for i in rows] for rows, _ in groups]
-                        shared_rows = self._shared_target_logprobs(members, [s for _, s in groups], head, auto_shift)
-                        total = 0
-                        for (rows, _), piece, (logprobs, valid) in zip(groups, members, shared_rows, strict=True):
-                            loss, loss_tok, mask = self._piece_loss(piece, spec, logprobs, valid)
-                            results.append((rows, logprobs, loss, loss_tok, mask))
-                            total = total + loss
-                        if backward:
-                            total.backward()
-                    for rows in plain:  # the loss is a sum: a backward per piece accumulates the same gradient
+                    # the loss is a sum: a backward per piece accumulates the same gradient
+                    for rows, layout in ((shared, packed), (plain, None)):
+                        if not rows:
+                            continue
                         piece = [chunk[i] for i in rows]
-                        logprobs, valid = self._batch_target_logprobs(piece, auto_shift)
+                        if layout is not None:
+                            logprobs, valid = self._packed_target_logprobs(piece, layout, auto_shift)
+                        else:
+                            logprobs, valid = self._batch_target_logprobs(piece, auto_shift)
                         loss, loss_tok, mask = self._piece_loss(piece, spec, logprobs, valid)
                         if backward:
                             loss.backward()
@@ -312,20 +255,3 @@ def chunk_shapes(lengths: list[int], fits) -> list[tuple[int, int]]:
     if rows:
         shapes.append((rows, width))
     return shapes
-
-
-def _common_prefix(a: list[int], b: list[int]) -> int:
-    n = 0
-    for x, y in zip(a, b, strict=False):
-        if x != y:
-            break
-        n += 1
-    return n
-
-
-def _copy_cache(cache):
-    """A cache holding the same KV tensors as `cache`, which appending to leaves `cache` as it is (DynamicLayer's
-    update concatenates into new tensors)."""
-    twin = copy.copy(cache)
-    twin.layers = [copy.copy(layer) for layer in cache.layers]
-    return twin
