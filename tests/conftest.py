@@ -112,3 +112,26 @@ def packed_layout(monkeypatch):
     it keeps padded rows (one more attention call outweighs the few tokens saved), and these tests are of the packed
     path (the TRL trainer's and the local PyTRIO server's)."""
     monkeypatch.setattr("trl_grpo_ext.prefix.packing.packed_is_cheaper", lambda packed, padded: True)
+
+
+@pytest.fixture
+def prefix_engine_calls(monkeypatch):
+    """Counts of the prefix engine's token-row planner and packed forwards that the local PyTRIO server's `forward`
+    calls (``{"plan": n, "packed": m}``), so a test fails if the server stops sharing through the engine."""
+    from trl_grpo_ext.prefix.packing import PackedBatch
+    from trl_grpo_ext.pytrio.server import forward as server_forward
+
+    calls = {"plan": 0, "packed": 0}
+    plan, forward_kwargs = server_forward.plan_token_rows, PackedBatch.forward_kwargs
+
+    def counted_plan(*args, **kwargs):
+        calls["plan"] += 1
+        return plan(*args, **kwargs)
+
+    def counted_forward(self, model):
+        calls["packed"] += 1
+        return forward_kwargs(self, model)
+
+    monkeypatch.setattr(server_forward, "plan_token_rows", counted_plan)
+    monkeypatch.setattr(PackedBatch, "forward_kwargs", counted_forward)
+    return calls

@@ -1,4 +1,5 @@
-"""Parity of the local PyTRIO server with the TRL path on one batch.
+"""Parity of the local PyTRIO server with the TRL path on one batch: three distinct prompts (each row alone), and
+a GRPO group (one prompt, three completions), which the server runs through the prefix engine's packed forward.
 
 Reference ("TRL path"): the same LoRA weights on a freshly loaded transformers model, a padded batch forward as
 TRL's GRPOTrainer does it, per-token logprobs of the completion tokens, `trl_grpo_ext.grpo.losses.policy_loss`, and the
@@ -20,6 +21,8 @@ from trl_grpo_ext.pytrio.server import running_server  # noqa: E402
 
 PROMPTS = ["What is 3 + 4?", "Natalia sold 48 clips in April", "Solve the problem step by step."]
 COMPLETIONS = [" The answer is \\boxed{7}.", " and half as many in May. #### 72", " so x = 18"]
+# a GRPO group: every completion follows one prompt, whose tokens the server encodes once
+GROUP_PROMPT = "Natalia sold 48 clips in April, and half as many in May. How many clips in all?"
 PARITY_LOSSES = ("importance_sampling", "ppo", "cispo")
 # ppo runs on the defaults (0.8 / 1.2); cispo through Tinker's config keys, tight enough that the batch clips
 LOSS_CONFIG = {
@@ -48,13 +51,14 @@ def service(server):
     client._runtime.shutdown()
 
 
-@pytest.fixture(scope="module")
-def batch(service, server):
+@pytest.fixture(scope="module", params=["distinct", "group"])
+def batch(service, server, request):
     """Token rows with prompt/completion split, sampling logprobs off-policy enough to clip, mixed advantages."""
     tok = service.create_sampling_client(base_model=server.model_alias).get_tokenizer()
     rng = np.random.default_rng(0)
     rows = []
-    for i, (prompt, completion) in enumerate(zip(PROMPTS, COMPLETIONS, strict=True)):
+    prompts = PROMPTS if request.param == "distinct" else [GROUP_PROMPT] * len(COMPLETIONS)
+    for i, (prompt, completion) in enumerate(zip(prompts, COMPLETIONS, strict=True)):
         p, c = tok.encode(prompt), tok.encode(completion)
         advantage = [1.3, -0.7, 0.4][i]
         rows.append({"prompt": p, "completion": c, "advantage": advantage, "noise": rng.normal(0, 0.4, len(c))})
@@ -144,13 +148,16 @@ def _reference(server, tiny_model_path, run_id, batch, old_logprobs, loss_type):
     return float(loss), grads
 
 
+@pytest.mark.usefixtures("packed_layout")  # the group's rows packed at the tiny model's shapes too
 @pytest.mark.parametrize("loss_type", PARITY_LOSSES)
 def test_builtin_loss_and_gradients_match_the_trl_path(
-    server, service, batch, trained_state, tiny_model_path, loss_type
+    server, service, batch, trained_state, tiny_model_path, loss_type, prefix_engine_calls
 ):
     path, old_logprobs = trained_state
     tc = service.create_training_client_from_state(path)
     out = tc.forward_backward(_policy_data(batch, old_logprobs), loss_type, LOSS_CONFIG[loss_type]).result()
+    grouped = len({tuple(r["prompt"]) for r in batch}) == 1
+    assert prefix_engine_calls["packed"] == int(grouped)  # the group through the prefix engine, once
     ref_loss, ref_grads = _reference(server, tiny_model_path, tc.training_run_cuid, batch, old_logprobs, loss_type)
     assert out.metrics["loss_sum"] == pytest.approx(ref_loss, rel=1e-5, abs=1e-5)
     grads = _server_grads(server, tc.training_run_cuid)
@@ -165,6 +172,7 @@ def test_builtin_loss_and_gradients_match_the_trl_path(
         assert bool(((ratio < low) | (ratio > high)).any())
 
 
+@pytest.mark.usefixtures("packed_layout")
 @pytest.mark.parametrize("loss_type", PARITY_LOSSES)
 def test_custom_loss_path_gives_the_builtin_gradient(server, service, batch, trained_state, loss_type):
     path, old_logprobs = trained_state

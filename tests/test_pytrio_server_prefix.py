@@ -16,7 +16,6 @@ import pytest
 import torch
 
 from trl_grpo_ext.prefix import plan_token_rows
-from trl_grpo_ext.prefix.packing import PackedBatch
 from trl_grpo_ext.pytrio.server import forward as server_forward
 from trl_grpo_ext.pytrio.server.adapters import LoraSettings
 from trl_grpo_ext.pytrio.server.engine import ModelEngine
@@ -89,54 +88,39 @@ def test_grouping_finds_the_shared_prompts():
     assert plan_token_rows([d.tokens for d in data], 12).plan is None
 
 
-@pytest.fixture
-def engine_calls(monkeypatch):
-    """Counts of the prefix engine's planner and packed forwards the server's `forward` calls."""
-    calls = {"plan": 0, "packed": 0}
-    plan, forward_kwargs = server_forward.plan_token_rows, PackedBatch.forward_kwargs
-
-    def counted_plan(*args, **kwargs):
-        calls["plan"] += 1
-        return plan(*args, **kwargs)
-
-    def counted_forward(self, model):
-        calls["packed"] += 1
-        return forward_kwargs(self, model)
-
-    monkeypatch.setattr(server_forward, "plan_token_rows", counted_plan)
-    monkeypatch.setattr(PackedBatch, "forward_kwargs", counted_forward)
-    return calls
-
-
-def test_the_server_shares_through_the_prefix_engine(engine, engine_calls, packed_layout):
+def test_the_server_shares_through_the_prefix_engine(engine, prefix_engine_calls, packed_layout):
     """The server has no prefix code of its own: its forward plans with `plan_token_rows` and runs `pack_rows`'
     layout, once per chunk."""
     for name in ("_pieces", "_head_length", "_shared_target_logprobs", "_suffix_target_logprobs"):
         assert not hasattr(engine, name), name
     assert not hasattr(server_forward, "_copy_cache") and not hasattr(server_forward, "_common_prefix")
     _run(engine, _grpo_batch(), "ppo", False, share=True)
-    assert engine_calls == {"plan": 1, "packed": 1}
+    assert prefix_engine_calls == {"plan": 1, "packed": 1}
     _run(engine, _grpo_batch(), "ppo", False, share=False)
-    assert engine_calls == {"plan": 1, "packed": 1}
+    assert prefix_engine_calls == {"plan": 1, "packed": 1}
 
 
 @pytest.mark.parametrize("head", [True, False])
 @pytest.mark.parametrize("auto_shift", [False, True])
 @pytest.mark.parametrize("loss", LOSSES)
-def test_shared_prefix_forward_backward_equals_unshared(engine, engine_calls, packed_layout, loss, auto_shift, head):
+def test_shared_prefix_forward_backward_equals_unshared(
+    engine, prefix_engine_calls, packed_layout, loss, auto_shift, head
+):
     data = _grpo_batch(head)
     shared_out, shared_metrics, shared_grads = _run(engine, data, loss, auto_shift, share=True)
-    assert engine_calls["packed"] == 1
+    assert prefix_engine_calls["packed"] == 1
     plain_out, plain_metrics, plain_grads = _run(engine, data, loss, auto_shift, share=False)
     _assert_close(shared_out, shared_metrics, shared_grads, plain_out, plain_metrics, plain_grads)
 
 
-def test_shared_prefix_forward_backward_equals_unshared_under_eager(tiny_model_path, engine_calls, packed_layout):
+def test_shared_prefix_forward_backward_equals_unshared_under_eager(
+    tiny_model_path, prefix_engine_calls, packed_layout
+):
     eager = ModelEngine(tiny_model_path, min_shared_prefix=4)
     eager.base.set_attn_implementation("eager")
     data = _grpo_batch()
     shared_out, shared_metrics, shared_grads = _run(eager, data, "importance_sampling", True, share=True)
-    assert engine_calls["packed"] == 1
+    assert prefix_engine_calls["packed"] == 1
     plain = _run(eager, data, "importance_sampling", True, share=False)
     _assert_close(shared_out, shared_metrics, shared_grads, *plain)
 
@@ -167,17 +151,17 @@ def _assert_identical(engine, data):
         assert torch.equal(shared_grads[name], grad)
 
 
-def test_nothing_shared_gives_exactly_the_unshared_result(engine, engine_calls):
+def test_nothing_shared_gives_exactly_the_unshared_result(engine, prefix_engine_calls):
     data = [_datum([i + 1, i + 9, i + 20, 30, 31, 32, 33, 34], 2, i) for i in range(4)]  # differing first tokens
     assert plan_token_rows([d.tokens for d in data], 4).plan is None
     _assert_identical(engine, data)
-    assert engine_calls == {"plan": 1, "packed": 0}
+    assert prefix_engine_calls == {"plan": 1, "packed": 0}
 
 
-def test_padded_by_the_cost_model_gives_exactly_the_unshared_result(engine, engine_calls, monkeypatch):
+def test_padded_by_the_cost_model_gives_exactly_the_unshared_result(engine, prefix_engine_calls, monkeypatch):
     monkeypatch.setattr("trl_grpo_ext.prefix.packing.packed_is_cheaper", lambda packed, padded: False)
     _assert_identical(engine, _grpo_batch())
-    assert engine_calls == {"plan": 1, "packed": 0}
+    assert prefix_engine_calls == {"plan": 1, "packed": 0}
 
 
 def test_greedy_samples_equal_model_generate(engine):

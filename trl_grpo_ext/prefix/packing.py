@@ -40,10 +40,10 @@ class PackedBatch:
     row_slots: list[tuple[int, int, int]]
     source: tuple[torch.Tensor, torch.Tensor | None, int]
     holes: bool = False
-    row_specs: tuple[int, ...] = ()
     context_keys: list[torch.Tensor] | None = None
     context_values: list[torch.Tensor] | None = None
     call_overhead: int = BUCKET_OVERHEAD_PAIRS
+    row_specs: tuple[int, ...] = ()
     _stream: Stream | None = None
     _attention: SegmentAttention | None = None
 
