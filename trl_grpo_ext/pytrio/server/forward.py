@@ -19,7 +19,6 @@ import torch
 from trl_grpo_ext.prefix import log_fallback_once
 from trl_grpo_ext.prefix.packing import PackedBatch, fit_to, pack_rows, packed_beats_padded
 from trl_grpo_ext.prefix.plan import plan_token_rows
-from trl_grpo_ext.prefix.support import _config_of
 from trl_grpo_ext.pytrio.server.errors import EngineError
 from trl_grpo_ext.pytrio.server.losses import LossSpec, per_token_loss
 
@@ -146,7 +145,7 @@ class ForwardBackward:
         rows = plan_token_rows(sequences, self.min_shared_prefix)
         if rows.plan is None:
             return None, [], everything
-        attn = _config_of(self.base)._attn_implementation
+        attn = self.base.config._attn_implementation
         packed = pack_rows(rows.plan, rows.completions(sequences), device=self.device, attn_implementation=attn)
         fit_to(packed, self.base)
         lengths = [len(sequences[i]) for i in rows.shared]
