@@ -1,4 +1,6 @@
-"""The cost model that picks, per micro-batch, the packed layout or TRL's padded one (`packed_is_cheaper`).
+"""The cost model that picks, per micro-batch, the packed layout or TRL's padded one (`packed_is_cheaper`); the local
+PyTRIO server asks it the same about its right-padded batch (`packing.packed_beats_padded`), whose rows of
+``width`` slots cost what TRL's do.
 
 Both layouts run the same kernels, so their forward FLOPs compare them (backward costs about twice the forward in
 both): tokens through the linear layers, positions through the LM head where TRL's fused head scores every

@@ -8,11 +8,11 @@ import logging
 # the package's name, as when this was the one module `trl_grpo_ext/prefix.py` (log filters and tests use it)
 logger = logging.getLogger(__package__)
 
-# KV-cache sharing (generation, the local PyTRIO server): attention implementations that take a 2D mask with holes
+# KV-cache sharing (generation): attention implementations that take a 2D mask with holes
 # and a cache exactly as the plain forward does (tested).
 SUPPORTED_ATTENTION = ("sdpa", "eager")
-# The packed forward (training log-probs): sdpa, flash-attention and flex-attention run it through
-# `attention.SegmentAttention`, eager through a dense 4D mask.
+# The packed forward (training log-probs, the local PyTRIO server's forward/backward): sdpa, flash-attention and
+# flex-attention run it through `attention.SegmentAttention`, eager through a dense 4D mask.
 PACKED_ATTENTION = ("sdpa", "eager", "flash_attention_2", "flash_attention_3", "flex_attention")
 # Decoder families with standard RoPE on explicit position_ids and one full-attention mask for every layer.
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral", "granite", "olmo2", "phi3", "smollm3")
@@ -75,7 +75,7 @@ def _model_unsupported_reason(model) -> str | None:
 
 
 def sharing_unsupported_reason(model) -> str | None:
-    """Why a shared KV cache (`shared_prefix_generate`, the local PyTRIO server's forward) would not reproduce
+    """Why a shared KV cache (`shared_prefix_generate`) would not reproduce
     `model`'s plain forward exactly, or ``None`` if it would."""
     reason = _model_unsupported_reason(model)
     if reason is None:
@@ -86,8 +86,8 @@ def sharing_unsupported_reason(model) -> str | None:
 
 
 def packed_unsupported_reason(model) -> str | None:
-    """Why a packed forward (`shared_prefix_logps_and_entropies`, `PromptContext`) would not reproduce `model`'s
-    plain forward exactly, or ``None`` if it would."""
+    """Why a packed forward (`shared_prefix_logps_and_entropies`, `PromptContext`, `pack_rows` for the local PyTRIO
+    server) would not reproduce `model`'s plain forward exactly, or ``None`` if it would."""
     reason = _model_unsupported_reason(model)
     if reason is not None:
         return reason
