@@ -177,3 +177,33 @@ def test_greedy_samples_equal_model_generate(engine):
     stop = next((i for i, t in enumerate(expected) if t in engine.stop_ids), None)
     expected = expected[: stop + 1] if stop is not None else expected
     assert [r.tokens for r in results] == [expected] * 3
+
+
+def test_cost_model_packs_grpo_groups_at_the_embedded_model_shapes():
+    """The server's sharing at real shapes rests on the cost model: SmolLM2-135M's shapes (no weights needed), the
+    batch of bench/pytrio_server.py (3 prompts sharing a 58-token head, 4 completions each, 117 + 48 tokens) packs;
+    rows that share only a few tokens of long completions stay padded."""
+    import types
+
+    from transformers import LlamaConfig
+
+    from trl_grpo_ext.prefix import pack_rows
+    from trl_grpo_ext.prefix.packing import fit_to, packed_beats_padded
+
+    config = LlamaConfig(hidden_size=576, num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3,
+                         head_dim=64, intermediate_size=1536, vocab_size=49152)  # fmt: skip
+    config._attn_implementation = "sdpa"
+    model = types.SimpleNamespace(config=config, parameters=lambda: iter([torch.zeros(1)]))
+    g = torch.Generator().manual_seed(0)
+
+    def packs(prompts, group, completion):
+        sequences = [p + torch.randint(5, 49000, (completion,), generator=g).tolist() for p in prompts
+                     for _ in range(group)]  # fmt: skip
+        rows = plan_token_rows(sequences, 8)
+        packed = fit_to(pack_rows(rows.plan, rows.completions(sequences), attn_implementation="sdpa"), model)
+        lengths = [len(sequences[i]) for i in rows.shared]
+        return packed_beats_padded(model, packed, lengths, max(lengths), every_position_scored=True)
+
+    head = list(range(100, 158))
+    assert packs([head + list(range(1000 * i, 1000 * i + 59)) for i in range(1, 4)], 4, 48)
+    assert not packs([list(range(200, 208)) + list(range(1000 * i, 1000 * i + 4)) for i in range(1, 3)], 2, 400)

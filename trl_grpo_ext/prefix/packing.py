@@ -269,9 +269,8 @@ def packed_beats_padded(
     cost = ModelCost.of(_config_of(model))
     scored = every_position_scored
     rows = len(lengths)
-    padded_cost = layout_cost(
-        cost, rows * width, padded_pairs(packed.kind, lengths, width, any(n < width for n in lengths)), 0, scored
-    )
+    pairs = padded_pairs(packed.kind, lengths, width, any(n < width for n in lengths))
+    padded_cost = layout_cost(cost, rows * width, pairs, 0, scored)
     gathered = 0 if packed.binned else packed.attention().gathered_slots()
     tokens = packed.placement.tokens
     packed_cost = layout_cost(cost, tokens, packed.attention_pairs(), gathered, scored)
