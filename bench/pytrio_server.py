@@ -96,7 +96,7 @@ def bench_forward_backward(engine, prompts, args) -> tuple[float, float, float]:
 
     from trl_grpo_ext.pytrio.server.adapters import LoraSettings
     from trl_grpo_ext.pytrio.server.forward import ForwardDatum
-    from trl_grpo_ext.pytrio.server.losses import parse_loss
+    from trl_grpo_ext.pytrio.server.loss_fns import parse_loss
 
     g = torch.Generator().manual_seed(0)
     data = []

@@ -20,7 +20,7 @@ from pytrio.errors.event import EventFailedError  # noqa: E402
 
 from trl_grpo_ext.pytrio.server.adapters import LoraSettings  # noqa: E402
 from trl_grpo_ext.pytrio.server.forward import ForwardDatum  # noqa: E402
-from trl_grpo_ext.pytrio.server.losses import parse_loss  # noqa: E402
+from trl_grpo_ext.pytrio.server.loss_fns import parse_loss  # noqa: E402
 
 KEY = {"Authorization": "Bearer k"}
 

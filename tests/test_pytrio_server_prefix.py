@@ -20,7 +20,7 @@ from trl_grpo_ext.pytrio.server import forward as server_forward
 from trl_grpo_ext.pytrio.server.adapters import LoraSettings
 from trl_grpo_ext.pytrio.server.engine import ModelEngine
 from trl_grpo_ext.pytrio.server.forward import ForwardDatum
-from trl_grpo_ext.pytrio.server.losses import parse_loss
+from trl_grpo_ext.pytrio.server.loss_fns import parse_loss
 
 LOSSES = ["cross_entropy", "importance_sampling", "ppo", "cispo", "dro"]
 

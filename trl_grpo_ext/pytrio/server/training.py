@@ -20,7 +20,7 @@ from trl_grpo_ext.pytrio.server.adapters import LoraSettings
 from trl_grpo_ext.pytrio.server.errors import ApiError, EngineError, EventFailure
 from trl_grpo_ext.pytrio.server.events import EventRecord
 from trl_grpo_ext.pytrio.server.forward import ForwardDatum
-from trl_grpo_ext.pytrio.server.losses import LossConfigError, parse_loss
+from trl_grpo_ext.pytrio.server.loss_fns import LossConfigError, parse_loss
 from trl_grpo_ext.pytrio.server.registry import KIND_FOLDERS, CheckpointRecord, checkpoint_uri, new_id, safe_name
 from trl_grpo_ext.pytrio.server.wire import prompt_tokens, validation_message, wire_tensor
 
