@@ -5,12 +5,14 @@ The TRL path extends `trl.GRPOTrainer` by overriding its hooks (`OVERRIDDEN_HOOK
 needs of TRL beyond TRL's public API is here, so a TRL upgrade re-checks this module:
 
 - **Copies.** Each function copied from TRL is marked ``@mirrors(TRL function, {TRL version: source hash})``;
-  `MIRRORS` lists them, and also the copies in the path-independent core, which the PyTRIO loop imports without
-  TRL and which therefore cannot live here (`MIRRORED_ELSEWHERE`). The hash is the SHA-256 (first 16 hex digits)
-  of ``inspect.getsource`` of the installed TRL function with every run of whitespace made one space.
-  ``tests/test_trl_internals.py`` recomputes it and fails, naming the TRL function and our copy, when the installed
-  TRL's source is not the one the copy was checked against, or when the installed TRL version has no recorded hash.
-  After re-checking a copy against the new TRL, add the new version's hash (the failure prints it).
+  `MIRRORS` lists them and the code elsewhere that mirrors TRL (`MIRRORED_ELSEWHERE`: the copies in the
+  path-independent core, which the PyTRIO loop imports without TRL and which therefore cannot live here, and two
+  TRL-path hooks that follow a TRL function's layout). The copies were made from TRL 1.16.0. The hash is the
+  SHA-256 (first 16 hex digits) of ``inspect.getsource`` of the installed TRL function with every run of whitespace
+  made one space. ``tests/test_trl_internals.py`` recomputes it and fails, naming the TRL function and our copy,
+  when the installed TRL's source is not the one the copy was checked against, or when the installed TRL version
+  has no recorded hash. After re-checking a copy against the new TRL, add the new version's hash (the failure
+  prints it).
 - **Private state.** Named accessors (`log_metric`, `buffered_inputs`, `pad_token_id`, ...) for every private
   attribute of TRL's (or transformers') trainer that the TRL path reads or writes; `PRIVATE_STATE` names them, and
   the same test checks that a built trainer has each one.
@@ -272,15 +274,6 @@ def train_dataloader(trainer, sampler_fn: Callable, description: str):
         sampler_fn=sampler_fn,
         is_training=True,
     )
-
-
-@mirrors(f"{TRL_GRPO}.__init__", {"1.16.0": "14a358d3b256d96a"}, part="reward_funcs and reward_weights")
-def given_reward_count(reward_funcs) -> int:
-    """How many reward functions TRL 1.16 weighs with ``reward_weights``: the ``reward_funcs`` argument (one, a
-    list, or none). A reward an environment owns comes after them, with weight 1 and no entry in ``reward_weights``."""
-    if reward_funcs is None:
-        return 0
-    return len(reward_funcs) if isinstance(reward_funcs, list) else 1
 
 
 # Per-completion tensors of a TRL 1.16 generation batch (`_generate_and_score_completions`' output) and the value

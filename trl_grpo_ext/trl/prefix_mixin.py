@@ -249,7 +249,7 @@ class PrefixSharingMixin:
             log_fallback_once(reason)
             return plain(model, input_ids, attention_mask, logits_to_keep, batch_size, compute_entropy,
                          compute_aux_loss, **model_inputs)  # fmt: skip
-        # TRL 1.16 chunks the rows by `batch_size` to bound memory; so do we
+        # TRL 1.16 chunks the rows by `batch_size` to bound memory; so do we (a mirror `internals.MIRRORS` checks)
         batch_size = batch_size or input_ids.size(0)
         pad_token_id = internals.pad_token_id(self) or 0
         prompt_length = input_ids.size(1) - logits_to_keep

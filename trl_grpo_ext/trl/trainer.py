@@ -31,7 +31,7 @@ from trl.trainer.utils import get_config_model_id
 from trl_grpo_ext.grpo.loss_table import loss_type_of_trl_name, ratio_bounds
 from trl_grpo_ext.grpo.losses import degenerate_group_mask, policy_loss_from_log_ratio, ratio_metrics
 from trl_grpo_ext.grpo.reward_aggregation import weighted_rewards
-from trl_grpo_ext.grpo.spec import curriculum_pass_reward, raise_problems, reward_index, reward_option_problems
+from trl_grpo_ext.grpo.spec import curriculum_pass_reward, raise_problems, reward_index, reward_name_problems
 from trl_grpo_ext.task.rewards import reward_names
 from trl_grpo_ext.trl import internals
 from trl_grpo_ext.trl.config import EXTRA_LOSS_TYPES, GRPOConfig, trl_loss_type
@@ -59,7 +59,6 @@ class GRPOTrainer(DynamicSamplingMixin, CurriculumMixin, PrefixSharingMixin, trl
             model_name = model if isinstance(model, str) else get_config_model_id(model.config)
             args = GRPOConfig(f"{model_name.split('/')[-1]}-GRPO")
         extended = isinstance(args, GRPOConfig)
-        weighted = internals.given_reward_count(reward_funcs)  # counted first: TRL appends to a list it is given
         super().__init__(model, reward_funcs, args, *pos_args, **kwargs)
 
         self.ext_loss_type = args.loss_type if extended and args.loss_type in EXTRA_LOSS_TYPES else None
@@ -73,18 +72,18 @@ class GRPOTrainer(DynamicSamplingMixin, CurriculumMixin, PrefixSharingMixin, trl
             args, "zero_degenerate_advantages", defaults["zero_degenerate_advantages"].default
         )
         self.degenerate_reward = getattr(args, "degenerate_reward", None)
-        self.mixin_state = self._resolve_reward_options(args, weighted)
+        self.mixin_state = self._resolve_reward_options(args)
 
         self._capture_logps = False
         self._captured_logps = None
         self._train_tokens_window = None
 
-    def _resolve_reward_options(self, args, weighted: int) -> MixinState:
+    def _resolve_reward_options(self, args) -> MixinState:
         """The one check of the options that name reward columns, and the columns they name (the mixins' shared
         state starts here). Every column TRL scores (the reward_funcs given, then the rewards environments own) may be
-        named; reward_weights covers the given ones, as TRL counts them."""
+        named. ``reward_weights`` TRL's constructor has checked already (against the reward_funcs given)."""
         names = reward_names(func_names=self.reward_func_names)
-        raise_problems("GRPOTrainer", reward_option_problems(args, names, weighted))
+        raise_problems("GRPOTrainer", reward_name_problems(args, names))
 
         def column(name):
             return None if name is None else reward_index(name, names)
