@@ -18,7 +18,7 @@ CELLS := vllm floor
 # (tests/test_prefix_*.py) stays in.
 CELL_TESTS = $(wildcard $(addprefix tests/,test_trainer*.py test_prefix*.py test_losses*.py test_dynamic_sampling*.py \
 	test_recipes*.py test_gpu_recipes*.py test_eval*.py test_multiprocess*.py test_models*.py \
-	test_pytrio_parity*.py test_pytrio_server_prefix*.py))
+	test_pytrio_parity*.py test_pytrio_server_prefix*.py test_trl_internals*.py))
 
 comma := ,
 # $(call install_venv,VENV,EXTRA_CONSTRAINT_FLAGS,MORE_EXTRAS): the venv with the CPU torch, this package and the

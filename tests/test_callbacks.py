@@ -5,9 +5,10 @@ import json
 import pytest
 from transformers import TrainerControl, TrainerState, TrainingArguments
 
+from trl_grpo_ext.evaluation import HFGenerator, as_problems, evaluate, greedy_summary
 from trl_grpo_ext.runs import EVAL_METRICS_FILENAME, METRICS_FILENAME, read_metrics_file
 from trl_grpo_ext.runs.tracking import swanlab_mode
-from trl_grpo_ext.trl.callbacks import MetricsJsonlCallback, greedy_accuracy
+from trl_grpo_ext.trl.callbacks import MetricsJsonlCallback
 
 
 def _rows(path):
@@ -84,6 +85,14 @@ def test_swanlab_mode_precedence(monkeypatch):
     assert swanlab_mode() == "online"
     monkeypatch.setenv("SWANLAB_MODE", "disabled")
     assert swanlab_mode() == "disabled"
+
+
+def greedy_accuracy(model, tokenizer, problems: list[dict], max_new_tokens: int, batch_size: int = 16) -> dict:
+    """Greedy held-out figures of a model in memory, as `BeforeAfterEvalCallback` computes them: the generator
+    borrows the model (and gives back its mode and the tokenizer's padding side), `evaluate`, `greedy_summary`."""
+    with HFGenerator.borrowing(model, tokenizer, max_new_tokens) as gen:
+        results, _ = evaluate(as_problems(problems), gen, 1, batch_size, progress=False)
+    return greedy_summary(results)
 
 
 def test_greedy_accuracy_on_tiny_model(tiny_model_path):

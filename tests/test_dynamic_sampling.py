@@ -168,7 +168,7 @@ class RecordingTrainer(GRPOTrainer):
 
     def _generate_and_score_completions(self, inputs):
         output = super()._generate_and_score_completions(inputs)
-        self.generated.append((self.state.global_step, self._last_degenerate_groups.tolist()))
+        self.generated.append((self.state.global_step, self.mixin_state.degenerate_groups.tolist()))
         return output
 
     def _compute_loss(self, model, inputs):

@@ -9,6 +9,7 @@ from trl_grpo_ext.grpo.losses import (
     DEFAULT_CLIP,
     DEFAULT_DRO_BETA,
     LOSS_FUNCTIONS,
+    degenerate_group_mask,
     degenerate_groups,
     group_advantages,
     policy_loss,
@@ -194,3 +195,20 @@ def test_tolerance_and_nan_and_degenerate_rewards():
     both = torch.stack([correct, shaping], dim=1)
     assert degenerate_groups(both, 4).tolist() == [False, False]
     assert math.isclose(degenerate.float().mean().item(), 0.5)
+
+
+def test_degenerate_group_mask_is_the_one_rule_of_both_paths():
+    """Flat totals, or a flat named reward column; (N, K) rewards (TRL's normalize_then_sum) need every column flat.
+    `group_advantages` (the PyTRIO loop) applies this rule, as the TRL trainer does."""
+    shaping = torch.tensor([0.1, 0.3, 0.2, 0.0, 0.5, 0.5, 0.5, 0.5, 0.0, 0.0, 0.0, 0.0])
+    correct = torch.tensor([1.0, 1.0, 1.0, 1.0, 1.0, 0.0, 1.0, 0.0, 0.0, 0.0, 0.0, 0.0])
+    totals = correct + shaping  # group 0 varies through shaping only, group 1 through correct only, group 2 flat
+    assert degenerate_group_mask(totals, 4).tolist() == [False, False, True]
+    assert degenerate_group_mask(totals, 4, named_reward=correct).tolist() == [True, False, True]
+    assert degenerate_group_mask(totals, 4, named_reward=shaping).tolist() == [False, True, True]
+    per_func = torch.stack([correct, shaping], dim=1)
+    assert degenerate_group_mask(per_func, 4).tolist() == [False, False, True]
+    assert degenerate_group_mask(per_func, 4, 1e-6, per_func[:, 0]).tolist() == [True, False, True]
+    for named in (None, correct, shaping):
+        _, degenerate = group_advantages(totals, 4, degenerate_rewards=named)
+        assert degenerate.tolist() == degenerate_group_mask(totals, 4, named_reward=named).tolist()

@@ -386,10 +386,8 @@ def test_environment_owned_reward_is_weighted_as_trl_weighs_it(tiny_model_path, 
     # the environment's column can be named like any reward; a name that is no column is still refused
     named = GRPOConfig(output_dir=str(tmp_path / "out"), **COMMON, degenerate_reward="ScoredEnvironment")
     kwargs = dict(processing_class=tool_calling_tokenizer(tiny_model_path), environment_factory=ScoredEnvironment)
-    assert (
-        GRPOTrainer(tiny_model_path, [length_reward], args=named, train_dataset=dataset(), **kwargs)._degenerate_column
-        == 1
-    )
+    trainer = GRPOTrainer(tiny_model_path, [length_reward], args=named, train_dataset=dataset(), **kwargs)
+    assert trainer.mixin_state.degenerate_column == trainer.mixin_state.curriculum_column == 1
     for bad, message in (
         (
             {"reward_weights": [1.0, 1.0]},

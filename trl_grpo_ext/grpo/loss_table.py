@@ -1,6 +1,7 @@
 """The one table of loss names: which execution path takes each, who computes it, and where its ratio bounds come
 from. The TRL config, the trainer, `trl_grpo_ext.grpo.losses`, the PyTRIO config and loop and the local PyTRIO server all
-read it; no other module lists loss names.
+read it; no other module lists loss names. A name TRL gives another loss (`trl_meaning`: our two-sided ``cispo``) gets
+a startup notice on both paths (`print_loss_type_notice`).
 
 Imports neither torch nor TRL, so configs validate and the server parses requests without loading either.
 """
@@ -149,6 +150,37 @@ def ratio_bounds(config, loss_type: str | None = None) -> tuple[float | None, fl
     if kind == EPSILON_HIGH_CAP:
         return None, high_epsilon
     return None, None
+
+
+def trl_meaning(loss_type: str) -> LossType | None:
+    """The loss TRL 1.16 means by the name `loss_type` under `trl.GRPOConfig` when this package's `loss_type` is another
+    one (our ``cispo`` is two-sided; TRL's one-sided ``cispo`` is our ``trl_cispo``), else ``None``."""
+    loss = LOSSES.get(loss_type)
+    if loss is None or loss.trl_name == loss_type:
+        return None
+    return next((other for other in LOSS_TYPES if other.trl_name == loss_type), None)
+
+
+def loss_type_notice(config) -> str | None:
+    """The startup line of a ``loss_type`` whose name TRL gives another loss (`trl_meaning`): which loss this package
+    runs, with its ratio bounds, and the name TRL's loss goes by here. ``None`` for every other loss type."""
+    theirs = trl_meaning(config.loss_type)
+    if theirs is None:
+        return None
+    ours = LOSSES[config.loss_type]
+    low, high = ratio_bounds(config)
+    return (
+        f"loss_type {ours.name}: this package's {ours.help} (ratio bounds [{low}, {high}]). Under trl.GRPOConfig, "
+        f"'{ours.name}' is TRL's {theirs.help.removeprefix('its ')}; here that one is loss_type {theirs.name} "
+        f"(TRL path only)."
+    )
+
+
+def print_loss_type_notice(config) -> None:
+    """Print `loss_type_notice` at a run's start (the TRL recipe, the PyTRIO loop), when there is one."""
+    notice = loss_type_notice(config)
+    if notice is not None:
+        print(notice, flush=True)
 
 
 def wire_loss_config(loss_type: str, clip_low: float | None, clip_high: float | None) -> dict | None:

@@ -1,4 +1,4 @@
-"""Per-token policy losses, their metrics, token-level aggregation and group advantages.
+"""Per-token policy losses, their metrics, token-level aggregation, group advantages and the degenerate-group rule.
 
 Shared by the TRL trainer subclass (`trl_grpo_ext.trl.trainer`) and the PyTRIO path (loop and local server), so
 both execution paths compute the same numbers. Depends on torch only: the PyTRIO loop imports it without TRL.
@@ -214,7 +214,8 @@ def token_level_mean(
 
 
 def _nanstd(x: torch.Tensor, dim: int | None = None) -> torch.Tensor:
-    # Bessel-corrected std that ignores NaN, as trl.trainer.utils.nanstd (NaN with fewer than two values).
+    # Bessel-corrected std that ignores NaN, as trl.trainer.utils.nanstd (NaN with fewer than two values); checked
+    # against TRL's source with the other copies (`trl_grpo_ext.trl.internals.MIRRORED_ELSEWHERE`).
     if dim is None:
         x, dim = x.reshape(-1), 0
     mean = torch.nanmean(x, dim=dim, keepdim=True)
@@ -238,6 +239,20 @@ def degenerate_groups(values: torch.Tensor, group_size: int, tol: float = 1e-6) 
     scored = (~nan).sum(1)
     flat = (spread <= tol) | (scored < 2)
     return flat if flat.dim() == 1 else flat.all(-1)
+
+
+def degenerate_group_mask(
+    rewards: torch.Tensor, group_size: int, tol: float = 1e-6, named_reward: torch.Tensor | None = None
+) -> torch.Tensor:
+    """The degenerate-group rule of both paths, bool (num_groups,): a group is degenerate when its ``rewards`` are flat
+    within ``tol`` (`degenerate_groups`: the weighted totals (N,), or every reward function's column (N, K)), or when
+    ``named_reward`` (N,), the column ``degenerate_reward`` names, is flat.
+
+    The TRL trainer applies it to the generation batch TRL scored, `group_advantages` (the PyTRIO loop) to its own."""
+    degenerate = degenerate_groups(rewards, group_size, tol)
+    if named_reward is not None:
+        degenerate = degenerate | degenerate_groups(named_reward, group_size, tol)
+    return degenerate
 
 
 def group_advantages(
@@ -281,11 +296,8 @@ def group_advantages(
         advantages = advantages / (std + eps)
     advantages = torch.nan_to_num(advantages, nan=0.0)
 
-    degenerate = degenerate_groups(rewards, group_size, degenerate_tol)
-    if degenerate_rewards is not None:
-        degenerate = degenerate | degenerate_groups(
-            torch.as_tensor(degenerate_rewards, dtype=torch.float32), group_size, degenerate_tol
-        )
+    named = None if degenerate_rewards is None else torch.as_tensor(degenerate_rewards, dtype=torch.float32)
+    degenerate = degenerate_group_mask(rewards, group_size, degenerate_tol, named)
     if zero_degenerate:
         advantages = advantages.masked_fill(degenerate.repeat_interleave(group_size), 0.0)
     return advantages, degenerate

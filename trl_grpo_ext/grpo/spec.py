@@ -346,7 +346,7 @@ def reward_option_problems(config, reward_names: Sequence[Collection[str]], weig
 
     `reward_names[i]` holds every name reward function i answers to: its ``reward_funcs`` entry and its function
     name (TRL's ``rewards/<name>/mean``), from `trl_grpo_ext.task.rewards.reward_names`. Both paths call this: the TRL
-    recipe before the model loads, the trainer when built, the PyTRIO config when parsed.
+    recipe before the model loads, the PyTRIO config when parsed (the trainer, when built, `reward_name_problems`).
 
     `weighted`: how many of the reward functions, from the first, ``reward_weights`` weighs (None: all). TRL's
     trainer weighs the ``reward_funcs`` it was given and appends a reward an environment owns (``environment_factory``
@@ -360,6 +360,14 @@ def reward_option_problems(config, reward_names: Sequence[Collection[str]], weig
         problems.append(
             f"reward_weights has {len(weights)} entries for {weighted} reward functions ({shown[:weighted]})"
         )
+    return problems + reward_name_problems(config, reward_names)
+
+
+def reward_name_problems(config, reward_names: Sequence[Collection[str]]) -> list[str]:
+    """``degenerate_reward`` and ``curriculum_reward`` of `config` against its reward functions (`reward_option_problems`
+    without ``reward_weights``: the TRL trainer's check, as TRL's constructor checks ``reward_weights`` itself)."""
+    shown = ["/".join(dict.fromkeys(names)) for names in reward_names]
+    problems = []
     for option in ("degenerate_reward", "curriculum_reward"):
         name = getattr(config, option, None)
         if isinstance(name, str) and name.strip() and reward_index(name, reward_names) is None:

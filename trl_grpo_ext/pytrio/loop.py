@@ -33,7 +33,7 @@ from pathlib import Path
 
 from trl_grpo_ext.grpo.curriculum import CurriculumPromptStream, curriculum_from_tasks, passed_values
 from trl_grpo_ext.grpo.dynamic_sampling import GroupFilter, GroupRef
-from trl_grpo_ext.grpo.loss_table import wire_loss_config
+from trl_grpo_ext.grpo.loss_table import print_loss_type_notice, wire_loss_config
 from trl_grpo_ext.grpo.spec import curriculum_pass_reward
 from trl_grpo_ext.models import check_local_model, is_embedded, resolve_model
 from trl_grpo_ext.pytrio import connection
@@ -718,6 +718,7 @@ class GRPOLoop:
         if self._checked is not None:
             return self._checked[0]
         c = self.config
+        print_loss_type_notice(c)  # our cispo is not TRL's: say which one runs, first
         # unknown names, bad reward options, a reward model that is no classifier, a judge that does not answer
         preflight_rewards(reward_functions(c.reward_funcs, c, settings=c))
         self._rows = self._load_rows()

@@ -44,6 +44,7 @@ from trl_grpo_ext.runs import (
 )
 from trl_grpo_ext.runs.metrics import RunLogger
 from trl_grpo_ext.runs.tracking import jsonable
+from trl_grpo_ext.trl.internals import completions_log
 
 # Keys of the end-of-training summary log (not a step's metrics).
 _SUMMARY_KEYS = {"train_runtime", "train_samples_per_second", "train_steps_per_second", "total_flos", "train_loss"}
@@ -86,14 +87,13 @@ class SwanLabCompletionsCallback(TrainerCallback):
         self.max_rows = max_rows
 
     def on_log(self, args, state, control, logs=None, **kwargs):
-        trainer = self.trainer
-        if trainer is None or not state.is_world_process_zero or not hasattr(trainer, "_logs"):
+        batch = None if self.trainer is None else completions_log(self.trainer)
+        if batch is None or not state.is_world_process_zero:
             return
         import swanlab
 
         if not swanlab.has_run():
             return
-        batch = trainer._logs
         prompts, completions = list(batch["prompt"]), list(batch["completion"])
         if not completions:
             return
@@ -112,15 +112,6 @@ class SwanLabCompletionsCallback(TrainerCallback):
 
 
 # ------------------------------------------------------------------------------------ before/after eval
-
-
-def greedy_accuracy(model, tokenizer, problems: list[dict], max_new_tokens: int, batch_size: int = 16) -> dict:
-    """Greedy held-out figures of `model` on problems {'prompt', 'answer' (GSM8K style), optional 'task'}:
-    boxed accuracy, format-independent accuracy, boxed rate, mean completion length, per task. The same
-    eval as `trl-grpo-ext eval` (`trl_grpo_ext.evaluation.evaluate`)."""
-    with HFGenerator.borrowing(model, tokenizer, max_new_tokens) as gen:
-        results, _ = evaluate(as_problems(problems), gen, 1, batch_size, progress=False)
-    return greedy_summary(results)
 
 
 class BeforeAfterEvalCallback(TrainerCallback):

@@ -13,6 +13,7 @@ from trl_grpo_ext.prefix.generation import generation_unsupported_reason, shared
 from trl_grpo_ext.prefix.packing import shared_prefix_logps_and_entropies
 from trl_grpo_ext.prefix.plan import PrefixPlan, plan_prefix, prompts_from_left_padded
 from trl_grpo_ext.prefix.support import log_fallback_once, log_prefix_once, packed_unsupported_reason
+from trl_grpo_ext.trl import internals
 
 
 @dataclass
@@ -121,11 +122,10 @@ class PrefixSharingMixin:
         training forwards minus those run (shared prompt parts and padding left out); ``prefix/shared_fraction``:
         the fraction of the step's prompt tokens not encoded (encoded once for several rows instead)."""
         step, self._prefix_step = self._prefix_step, collections.Counter()
-        metrics = getattr(self, "_metrics", None)
-        if not step["padded"] or metrics is None:
+        if not step["padded"]:
             return
-        metrics["train"]["prefix/saved_tokens"].append(float(step["padded"] - step["run"]))
-        metrics["train"]["prefix/shared_fraction"].append(1.0 - step["encoded"] / max(1, step["prompt"]))
+        internals.log_metric(self, "train", "prefix/saved_tokens", float(step["padded"] - step["run"]))
+        internals.log_metric(self, "train", "prefix/shared_fraction", 1.0 - step["encoded"] / max(1, step["prompt"]))
 
     def _max_packed_tokens(self) -> int | None:
         return getattr(self, "max_packed_tokens", getattr(self.args, "max_packed_tokens", None))
@@ -190,10 +190,9 @@ class PrefixSharingMixin:
             torch.autograd.backward(tensors, grads)
 
     def _generation_batch_prompts(self, prompts: list) -> list:
-        """The prompts of the buffered generation batch (TRL's ``_buffered_inputs``, all its micro-batches) and
-        `prompts`."""
+        """The prompts of the buffered generation batch (all its micro-batches) and `prompts`."""
         everything = list(prompts)
-        for micro_batch in getattr(self, "_buffered_inputs", None) or []:
+        for micro_batch in internals.buffered_inputs(self):
             ids, mask = micro_batch.get("prompt_ids"), micro_batch.get("prompt_mask")
             if isinstance(ids, torch.Tensor) and isinstance(mask, torch.Tensor):
                 everything.extend(prompts_from_left_padded(ids, mask, ids.size(1)) or [])
@@ -245,9 +244,9 @@ class PrefixSharingMixin:
             log_fallback_once(reason)
             return plain(model, input_ids, attention_mask, logits_to_keep, batch_size, compute_entropy,
                          compute_aux_loss, **model_inputs)  # fmt: skip
-        # TRL 1.16 chunks the rows by `batch_size` to bound memory; so do we
+        # TRL 1.16 chunks the rows by `batch_size` to bound memory; so do we (a mirror `internals.MIRRORS` checks)
         batch_size = batch_size or input_ids.size(0)
-        pad_token_id = getattr(getattr(self, "_tokenizer", None), "pad_token_id", None) or 0
+        pad_token_id = internals.pad_token_id(self) or 0
         prompt_length = input_ids.size(1) - logits_to_keep
         context = self._call_context(model, input_ids, attention_mask, prompt_length, batch_size, pad_token_id)
         limit = self._max_packed_tokens()
@@ -325,7 +324,7 @@ class PrefixSharingMixin:
             reason = ""  # off, or vLLM, which caches prefixes itself: nothing to log
         elif self.use_transformers_continuous_batching:
             reason = "transformers continuous batching manages its own cache"
-        elif images is not None or multimodal_fields or has_tool_images or getattr(self, "_is_vlm", False):
+        elif images is not None or multimodal_fields or has_tool_images or internals.is_vlm(self):
             reason = "multimodal inputs"
         else:
             reason = generation_unsupported_reason(self.model, self.generation_config)
@@ -339,41 +338,16 @@ class PrefixSharingMixin:
         return self._shared_prefix_generate_single_turn(prompt_ids)
 
     def _shared_prefix_generate_single_turn(self, prompt_ids):
-        """TRL 1.16 ``_generate_single_turn``'s transformers-generate branch, text only, with the shared-prefix
-        prefill (`shared_prefix_generate`) in place of ``unwrapped_model.generate``."""
-        from trl.extras.profiling import profiling_context
-        from trl.models import unwrap_model_for_generation
+        """TRL 1.16 ``_generate_single_turn``'s transformers-generate branch (`internals.generate_single_turn`), text
+        only, with the shared-prefix prefill (`shared_prefix_generate`) in place of ``unwrapped_model.generate``."""
 
-        with (
-            profiling_context(self, "transformers.generate"),
-            unwrap_model_for_generation(
-                self.model_wrapped,
-                self.accelerator,
-                gather_deepspeed3_params=self.args.ds3_gather_for_generation,
-                generation_kwargs=self.generation_kwargs,
-                gradient_checkpointing_kwargs=self.args.gradient_checkpointing_kwargs,
-            ) as unwrapped_model,
-            torch.no_grad(),
-            self._dist.summon_full_params(self.model_wrapped, recurse=False),
-        ):
-            prompt_completion_ids = shared_prefix_generate(
+        def generate(unwrapped_model, prompts):
+            return shared_prefix_generate(
                 unwrapped_model,
-                prompt_ids,
-                self._tokenizer.pad_token_id,
+                prompts,
+                internals.pad_token_id(self),
                 generation_config=self.generation_config,
                 pad_to_multiple_of=self.pad_to_multiple_of,
             )
-        prompt_length = max(len(p) for p in prompt_ids)
-        if self.pad_to_multiple_of:
-            prompt_length = -(-prompt_length // self.pad_to_multiple_of) * self.pad_to_multiple_of
-        completion_ids = prompt_completion_ids[:, prompt_length:]
-        # Mask everything after the first EOS token (as TRL does)
-        is_eos = torch.isin(completion_ids, torch.tensor(self.eos_token_ids, device=completion_ids.device))
-        eos_idx = torch.full((is_eos.size(0),), is_eos.size(1), dtype=torch.long, device=completion_ids.device)
-        eos_idx[is_eos.any(dim=1)] = is_eos.int().argmax(dim=1)[is_eos.any(dim=1)]
-        sequence_indices = torch.arange(is_eos.size(1), device=completion_ids.device).expand(is_eos.size(0), -1)
-        completion_mask = (sequence_indices <= eos_idx.unsqueeze(1)).int()
-        completion_ids = [
-            c[m].tolist() for c, m in zip(completion_ids.cpu(), completion_mask.bool().cpu(), strict=True)
-        ]
-        return completion_ids, None
+
+        return internals.generate_single_turn(self, prompt_ids, generate)

@@ -16,6 +16,7 @@ from pathlib import Path
 
 from trl_grpo_ext.cpu_threads import current_governor, govern_cpu_threads, runs_on_cpu
 from trl_grpo_ext.evaluation import HELDOUT_SEED, heldout_lines, problems_from_rows
+from trl_grpo_ext.grpo.loss_table import print_loss_type_notice
 from trl_grpo_ext.grpo.reward_aggregation import reward_func_name
 from trl_grpo_ext.grpo.spec import raise_problems, reward_option_problems
 from trl_grpo_ext.models import resolve_model
@@ -54,6 +55,7 @@ def prepare_run(script_args, training_args, model_args) -> PreparedRun:
 
     Nothing is written to the run folder and no model weights are loaded here.
     """
+    print_loss_type_notice(training_args)  # our cispo is not TRL's: say which one runs, first
     names = list(script_args.reward_funcs)
     # unknown names, bad reward options, a reward model that is missing or no classifier: before anything slow;
     # then a judge that does not answer, before the embedded model is converted or anything is loaded

@@ -1,9 +1,11 @@
 """TRL-trainer mixins for what a step samples: dynamic sampling (DAPO's group filter) and the adaptive curriculum.
 
-Both sit between `trl_grpo_ext.trl.trainer.GRPOTrainer` and `trl.GRPOTrainer` in the MRO and override TRL hooks that
-our trainer does not: ``_prepare_inputs`` (dynamic sampling), ``_get_train_sampler`` and ``_calculate_rewards``
-(curriculum). The decisions live in `trl_grpo_ext.grpo.dynamic_sampling` and `trl_grpo_ext.grpo.curriculum`, which
-the PyTRIO loop uses too.
+Both sit between `trl_grpo_ext.trl.trainer.GRPOTrainer` and `trl.GRPOTrainer` in the MRO. Dynamic sampling overrides
+``_prepare_inputs``, the curriculum ``_get_train_sampler``, ``_calculate_rewards`` (which the trainer overrides too:
+its override runs first and calls this one through ``super()``) and the checkpoint hooks. They read what the trainer
+resolves and computes through ``mixin_state`` (`trl_grpo_ext.trl.internals.MixinState`), and TRL's private state
+through `trl_grpo_ext.trl.internals`. The decisions live in `trl_grpo_ext.grpo.dynamic_sampling` and
+`trl_grpo_ext.grpo.curriculum`, which the PyTRIO loop uses too.
 
 Dynamic sampling, TRL path. When TRL would generate (every ``steps_per_generation * num_iterations`` micro-steps)
 the mixin generates and scores the dataloader's generation batch, reads the degenerate mask our trainer computed
@@ -12,7 +14,8 @@ seeded order; with the curriculum, drawn by its weights) until `GroupFilter` is 
 groups it generated, so no tensors cross processes; every process takes the same decision from the gathered
 mask, so every process generates the same number of batches. The kept groups are concatenated (prompts re-padded
 on the left, completions on the right) into a generation batch of TRL's usual shape, which TRL's own
-``_prepare_inputs`` logic then shuffles, splits over ``steps_per_generation`` and reuses for ``num_iterations``.
+``_prepare_inputs`` logic (`trl_grpo_ext.trl.internals.prepare_train_inputs`) then shuffles, splits over
+``steps_per_generation`` and reuses for ``num_iterations``.
 When ``max_generation_batches`` runs out first, the missing groups are filled with degenerate ones whose
 completion mask is zeroed: they keep the batch shape but add no loss, no gradient and no token to the ``dapo``
 normaliser (``num_items_in_batch`` is recounted). Advantages are the ones TRL computed in each group's own
@@ -29,32 +32,19 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import torch
-from trl.trainer.utils import RepeatSampler, shuffle_sequence_dict, split_tensor_dict
+from trl.trainer.utils import RepeatSampler
 
 from trl_grpo_ext.grpo.curriculum import Curriculum, TaskPools, curriculum_from_tasks, draw_tasks, passed_values
 from trl_grpo_ext.grpo.dynamic_sampling import GroupFilter, GroupRef
 from trl_grpo_ext.grpo.reward_aggregation import weighted_rewards
-from trl_grpo_ext.grpo.spec import curriculum_pass_reward, reward_index
 from trl_grpo_ext.runs import CURRICULUM_STATE_FILENAME, atomic_write_json, checkpoint_dir
 from trl_grpo_ext.task.data.synthetic import parse_task_mix
-from trl_grpo_ext.task.rewards import reward_names
+from trl_grpo_ext.trl import internals
+from trl_grpo_ext.trl.internals import GENERATION_BATCH_LEFT_PADDED as _LEFT_PADDED
+from trl_grpo_ext.trl.internals import GENERATION_BATCH_RIGHT_PADDED as _RIGHT_PADDED
+from trl_grpo_ext.trl.internals import log_metric
 
 logger = logging.getLogger(__name__)
-
-
-# Per-completion tensors of a TRL 1.16 generation batch and the value that pads them. Prompts are left-padded,
-# completions right-padded, as TRL builds them in `_generate_and_score_completions`.
-_LEFT_PADDED = {"prompt_ids": "pad", "prompt_mask": 0}
-_RIGHT_PADDED = {
-    "completion_ids": "pad",
-    "completion_mask": 0,
-    "tool_mask": 1,
-    "old_per_token_logps": 0.0,
-    "ref_per_token_logps": 0.0,
-    "sampling_per_token_logps": 0.0,
-    "importance_sampling_ratio": 0.0,
-    "advantages": 0.0,
-}
 
 
 def _pad_to(tensor: torch.Tensor, width: int, value, left: bool) -> torch.Tensor:
@@ -164,7 +154,7 @@ class CurriculumSampler(torch.utils.data.Sampler):
 class DynamicSamplingMixin:
     """``dynamic_sampling``: degenerate groups are dropped and more prompts generated (see the module docstring).
 
-    Needs our trainer's degenerate mask of each generation batch (``self._last_degenerate_groups``, set by
+    Needs our trainer's degenerate mask of each generation batch (``mixin_state.degenerate_groups``, set by
     `trl_grpo_ext.trl.trainer.GRPOTrainer._generate_and_score_completions`)."""
 
     def __init__(self, *args, **kwargs):
@@ -187,14 +177,9 @@ class DynamicSamplingMixin:
     def _next_extra_prompts(self) -> list[dict]:
         for _ in range(2):  # the stream restarts (next epoch, new order) when the dataset is used up
             if self._extra_prompts is None:
-                loader = self._get_dataloader(
-                    dataset=self.train_dataset,
-                    description="Dynamic sampling",
-                    batch_size=self._train_batch_size * self.args.steps_per_generation,
-                    sampler_fn=self._extra_prompt_sampler,
-                    is_training=True,
+                self._extra_prompts = iter(
+                    internals.train_dataloader(self, self._extra_prompt_sampler, "Dynamic sampling")
                 )
-                self._extra_prompts = iter(loader)
             try:
                 return next(self._extra_prompts)
             except StopIteration:
@@ -205,12 +190,12 @@ class DynamicSamplingMixin:
         mode = "train"
         groups = self.args.generation_batch_size // self.num_generations
         filt = GroupFilter(groups, self.max_generation_batches, self.accelerator.num_processes)
-        logged = len(self._metrics[mode]["frac_degenerate"])
+        logged = internals.metric_count(self, mode, "frac_degenerate")
         outputs = []
         while True:
-            self._last_degenerate_groups = None
+            self.mixin_state.degenerate_groups = None
             outputs.append(self._generate_and_score_completions(generation_batch))
-            degenerate = self._last_degenerate_groups
+            degenerate = self.mixin_state.degenerate_groups
             if degenerate is None:
                 raise RuntimeError("dynamic_sampling: the trainer did not report the batch's degenerate groups")
             filt.add(degenerate.tolist())
@@ -218,15 +203,12 @@ class DynamicSamplingMixin:
                 break
             generation_batch = self._next_extra_prompts()
         selection = filt.selection(self.accelerator.process_index)
-        merged = merge_groups(outputs, selection, self.num_generations, self._tokenizer.pad_token_id)
-        mask = (
-            merged["completion_mask"] if "tool_mask" not in merged else merged["completion_mask"] * merged["tool_mask"]
-        )
-        merged["num_items_in_batch"] = self.accelerator.gather(mask.sum()).sum()
+        merged = merge_groups(outputs, selection, self.num_generations, internals.pad_token_id(self))
+        merged["num_items_in_batch"] = self.accelerator.gather(internals.loss_mask(merged).sum()).sum()
         # each generated batch logged its own frac_degenerate; the step's is the one after the filter
-        del self._metrics[mode]["frac_degenerate"][logged:]
+        internals.drop_metric_values(self, mode, "frac_degenerate", logged)
         for name, value in filt.metrics().items():
-            self._metrics[mode][name].append(value)
+            log_metric(self, mode, name, value)
         if not filt.full and not self._warned_budget:
             self._warned_budget = True
             logger.warning(
@@ -241,14 +223,8 @@ class DynamicSamplingMixin:
     def _prepare_inputs(self, generation_batch):
         if not (self.dynamic_sampling and self.model.training):
             return super()._prepare_inputs(generation_batch)
-        # TRL 1.16 `GRPOTrainer._prepare_inputs` (train mode), with the generation replaced by the filtered one;
-        # no multimodal split (merge_groups refuses image fields).
-        generate_every = self.args.steps_per_generation * self.num_iterations
-        if self._step % generate_every == 0 or self._buffered_inputs is None:
-            generation_batch = self._generate_filtered(generation_batch)
-            generation_batch = shuffle_sequence_dict(generation_batch)
-            self._buffered_inputs = split_tensor_dict(generation_batch, self.args.steps_per_generation)
-        return self._buffered_inputs[self._step % self.args.steps_per_generation]
+        # TRL's own logic with the generation replaced by the filtered one (merge_groups refuses image fields).
+        return internals.prepare_train_inputs(self, generation_batch, self._generate_filtered)
 
 
 class CurriculumMixin:
@@ -270,12 +246,8 @@ class CurriculumMixin:
         self.curriculum = curriculum_from_tasks(
             self._curriculum_tasks, ema=self.args.curriculum_ema, floor=self.args.curriculum_floor
         )
-        # A curriculum_reward naming no reward column leaves None here; `trl_grpo_ext.trl.trainer.GRPOTrainer` checks
-        # the options that name rewards right after this (it knows which columns reward_weights covers).
-        name = curriculum_pass_reward(self.args)
-        self._curriculum_column = (
-            None if name is None else reward_index(name, reward_names(func_names=self.reward_func_names))
-        )
+        # The reward column that decides a pass is checked and resolved by the trainer, with the other options that
+        # name rewards, right after this (``mixin_state.curriculum_column``).
 
     # Checkpoints carry the pass-rate estimates, as TRL 1.16 does its adaptive-entropy state (same two hooks), so a
     # resumed run keeps its adapted weights. The prompt order after a resume still differs from an uninterrupted
@@ -283,7 +255,7 @@ class CurriculumMixin:
     def _save_checkpoint(self, model, trial):
         super()._save_checkpoint(model, trial)
         if self.curriculum is not None and self.args.should_save:
-            folder = checkpoint_dir(self._get_output_dir(trial=trial), self.state.global_step)
+            folder = checkpoint_dir(internals.checkpoint_root(self, trial), self.state.global_step)
             atomic_write_json(folder / CURRICULUM_STATE_FILENAME, self.curriculum.state_dict())
 
     def _load_optimizer_and_scheduler(self, checkpoint):
@@ -313,12 +285,13 @@ class CurriculumMixin:
             return rewards_per_func
         from accelerate.utils import gather_object
 
-        if self._curriculum_column is None:
+        column = self.mixin_state.curriculum_column
+        if column is None:
             rewards = weighted_rewards(rewards_per_func, self.reward_weights)
         else:
-            rewards = rewards_per_func[:, self._curriculum_column]
+            rewards = rewards_per_func[:, column]
         tasks = gather_object([example["task"] for example in inputs])  # rewards_per_func is all processes'
         self.curriculum.update(tasks, passed_values(rewards.tolist(), self.args.curriculum_pass_threshold))
         for name, value in self.curriculum.metrics().items():
-            self._metrics["train"][name].append(value)
+            log_metric(self, "train", name, value)
         return rewards_per_func
