@@ -60,6 +60,7 @@ class PrefixSharingMixin:
         self.share_prompt_prefix_across_microbatches = getattr(
             self.args, "share_prompt_prefix_across_microbatches", True
         )
+        self.max_packed_tokens = getattr(self.args, "max_packed_tokens", None)
         self._prefix_cycle: _Cycle | None = None
         self._in_training_step = False
         self._micro_batches_in_step = 0  # training_step calls since the last optimizer step
@@ -128,10 +129,10 @@ class PrefixSharingMixin:
         internals.log_metric(self, "train", "prefix/shared_fraction", 1.0 - step["encoded"] / max(1, step["prompt"]))
 
     def _max_packed_tokens(self) -> int | None:
-        return getattr(self, "max_packed_tokens", getattr(self.args, "max_packed_tokens", None))
+        return self.max_packed_tokens
 
     def _sharing_enabled(self) -> bool:
-        return getattr(self, "share_prompt_prefix", getattr(self.args, "share_prompt_prefix", True))
+        return self.share_prompt_prefix
 
     def _prefix_sharing_reason(self, model, model_inputs: dict) -> str | None:
         if any(value is not None for value in model_inputs.values()):
@@ -140,7 +141,7 @@ class PrefixSharingMixin:
 
     def _cycle_unsupported_reason(self, grad: bool) -> str | None:
         """Why the prompt context can't serve many chunks exactly and simply ("" when switched off), or ``None``."""
-        if not getattr(self, "share_prompt_prefix_across_microbatches", True):
+        if not self.share_prompt_prefix_across_microbatches:
             return ""
         if self.accelerator.num_processes != 1:
             return "more than one process (each process's backward must see its own gradient sync)"
