@@ -23,11 +23,12 @@ import torch
 import trl
 from trl.trainer.utils import get_config_model_id
 
+from trl_grpo_ext.errors import raise_problems
 from trl_grpo_ext.grpo.loss_table import loss_type_of_trl_name, ratio_bounds
 from trl_grpo_ext.grpo.losses import degenerate_groups, policy_loss_from_log_ratio, ratio_metrics, token_level_mean
 from trl_grpo_ext.grpo.reward_aggregation import weighted_rewards
-from trl_grpo_ext.grpo.spec import raise_problems, reward_index, reward_option_problems
-from trl_grpo_ext.task.rewards import reward_names
+from trl_grpo_ext.grpo.spec import reward_option_problems
+from trl_grpo_ext.task.rewards import reward_index, reward_names
 from trl_grpo_ext.trl.config import EXTRA_LOSS_TYPES, GRPOConfig, trl_loss_type
 from trl_grpo_ext.trl.prefix_mixin import PrefixSharingMixin
 from trl_grpo_ext.trl.sampling import CurriculumMixin, DynamicSamplingMixin
