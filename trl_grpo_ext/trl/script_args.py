@@ -179,7 +179,7 @@ def parse_recipe_args(argv: list[str] | None = None, default_config: str | None 
     known = _known_keys(parser)
     for arg in argv:
         if arg.startswith("--") and arg[2:].split("=", 1)[0].replace("-", "_") not in known:
-            renamed = renamed_key_problem(arg)
+            renamed = renamed_key_problem(arg.split("=", 1)[0])
             if renamed:
                 raise ValueError(renamed)
     if "--config" not in argv:
