@@ -121,7 +121,7 @@ class PyTrioGRPOConfig(GRPOSpec, DataSpec):
         },
     )
 
-    def __post_init__(self):
+    def __post_init__(self):  # replaces DataSpec's: `validate` reports its problems with every other one
         self.validate()
 
     @property

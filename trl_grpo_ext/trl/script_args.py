@@ -49,6 +49,7 @@ class ScriptArguments(DataSpec):
     swanlab_mode: str | None = swanlab_mode_field()
 
     def __post_init__(self):
+        # DataSpec.__post_init__ is replaced, not extended: its problems and this class's make one error line
         normalize_swanlab_mode(self)  # cloud -> online, with a deprecation warning
         problems = self.data_problems() + swanlab_mode_problems(self.swanlab_mode)
         if self.prompt_format not in PROMPT_FORMATS:
