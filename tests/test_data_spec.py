@@ -112,3 +112,13 @@ def test_a_recipe_data_block_means_the_same_on_both_paths(tmp_path):
     sampled = dataclasses.replace(moved, dynamic_sampling=True, max_generation_batches=3)
     assert prompt_pool_factor(sampled) == 3 and sampled.train_samples(trl_prompts, sampled) == 3 * 240 + 64
     assert dataclasses.replace(moved, dataset_name="openai/gsm8k").train_samples(240, moved) is None  # all rows
+
+
+def test_a_loop_state_saved_under_lora_rank_still_pins_the_rank(tmp_path):
+    from trl_grpo_ext.pytrio.checkpoint import LoopState, check_resumable
+
+    config = PyTrioGRPOConfig(output_dir=str(tmp_path), lora_r=16)
+    old = LoopState(step=2, state_path="trio://x", pinned={"lora_rank": 32, "seed": config.seed})
+    with pytest.raises(ValueError, match="lora_r: 32 -> 16"):
+        check_resumable(old, config)
+    check_resumable(LoopState(step=2, state_path="trio://x", pinned={"lora_rank": 16}), config)
