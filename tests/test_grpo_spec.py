@@ -6,6 +6,7 @@ import warnings
 import pytest
 import trl
 
+from trl_grpo_ext.errors import ConfigError
 from trl_grpo_ext.grpo.loss_table import (
     LOCAL_LOSS_TYPES,
     LOSS_TYPES,
@@ -16,7 +17,6 @@ from trl_grpo_ext.grpo.loss_table import (
     ratio_bounds,
     valid_loss_types,
 )
-from trl_grpo_ext.errors import ConfigError
 from trl_grpo_ext.grpo.spec import GRPOSpec, reward_option_problems
 from trl_grpo_ext.pytrio.config import PyTrioGRPOConfig
 from trl_grpo_ext.runs.tracking import SWANLAB_MODES
