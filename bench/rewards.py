@@ -23,7 +23,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from trl_grpo_ext import answers  # noqa: E402
+from trl_grpo_ext.task import answers  # noqa: E402
 from trl_grpo_ext.task.answers.verifier import VERIFIER  # noqa: E402
 from trl_grpo_ext.task.rewards import boxed_reward  # noqa: E402
 

@@ -491,7 +491,7 @@ def test_pytrio_run_on_local_server_logs_both_options(tiny_model_path, tmp_path,
         for i in range(N_PROMPTS)
     ]  # fmt: skip
     config = PyTrioGRPOConfig(
-        base_model=tiny_model_path, lora_rank=4, num_generations=4, per_device_train_batch_size=8,
+        base_model=tiny_model_path, lora_r=4, num_generations=4, per_device_train_batch_size=8,
         max_completion_length=6, max_steps=2, save_every=1, reward_funcs=[PYTRIO_REWARD], learning_rate=5e-3,
         output_dir=str(tmp_path / "run"), seed=3, dynamic_sampling=True, max_generation_batches=4, curriculum=True,
     )  # fmt: skip

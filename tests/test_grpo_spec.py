@@ -6,6 +6,7 @@ import warnings
 import pytest
 import trl
 
+from trl_grpo_ext.errors import ConfigError
 from trl_grpo_ext.grpo.loss_table import (
     LOCAL_LOSS_TYPES,
     LOSS_TYPES,
@@ -16,15 +17,10 @@ from trl_grpo_ext.grpo.loss_table import (
     ratio_bounds,
     valid_loss_types,
 )
-from trl_grpo_ext.grpo.spec import (
-    SWANLAB_MODES,
-    ConfigError,
-    GRPOSpec,
-    reward_index,
-    reward_option_problems,
-)
+from trl_grpo_ext.grpo.spec import GRPOSpec, reward_option_problems
 from trl_grpo_ext.pytrio.config import PyTrioGRPOConfig
-from trl_grpo_ext.task.rewards import reward_names
+from trl_grpo_ext.runs.tracking import SWANLAB_MODES
+from trl_grpo_ext.task.rewards import reward_index, reward_names
 from trl_grpo_ext.trl.config import VALID_LOSS_TYPES, GRPOConfig
 from trl_grpo_ext.trl.script_args import ScriptArguments
 

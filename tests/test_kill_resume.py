@@ -93,8 +93,8 @@ def test_kill_at_three_points_then_resume_loses_and_repeats_no_step(tiny_model_p
 def _pytrio_args(tiny_model_path, out):
     return [
         "--config", str(ROOT / "recipes" / "pytrio" / "embedded.yaml"), "--base_model", tiny_model_path,
-        "--lora_rank", "4", "--max_steps", "3", "--save_every", "1", "--max_completion_length", "8",
-        "--dataset_size", "16", "--output_dir", str(out),
+        "--lora_r", "4", "--max_steps", "3", "--save_every", "1", "--max_completion_length", "8",
+        "--num_train_samples", "16", "--output_dir", str(out),
     ]  # fmt: skip
 
 

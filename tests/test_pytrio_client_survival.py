@@ -85,7 +85,7 @@ def client(served, tmp_path):
 
 
 def _config(tiny_model_path, out: Path, **kw) -> PyTrioGRPOConfig:
-    options = dict(base_model=tiny_model_path, lora_rank=4, num_generations=2, per_device_train_batch_size=4,
+    options = dict(base_model=tiny_model_path, lora_r=4, num_generations=2, per_device_train_batch_size=4,
                    max_completion_length=8, max_steps=4, save_every=1, reward_funcs=["boxed"], seed=5,
                    output_dir=str(out), server_retry_budget_s=180)  # fmt: skip
     options.update(kw)
@@ -156,7 +156,7 @@ def test_a_server_that_stays_away_stops_the_recipe_with_one_line(tiny_model_path
     recipe = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(recipe)
     trio.configure(api_key=KEY, home=str(tmp_path / "trio-home"), retry_initial_delay_seconds=0.1)
-    args = ["--base_model", tiny_model_path, "--lora_rank", "4", "--max_completion_length", "8", "--dataset_size",
+    args = ["--base_model", tiny_model_path, "--lora_r", "4", "--max_completion_length", "8", "--num_train_samples",
             "8", "--output_dir", str(tmp_path / "run"), "--pytrio_base_url", dead, "--server_retry_budget_s", "4"]  # fmt: skip
     started = time.monotonic()
     try:
@@ -184,8 +184,8 @@ def test_a_full_output_disk_is_one_error_line_and_no_partial_row(served, tiny_mo
     outgrows after a row or two: one `error:` line naming what is kept, exit 1, metrics.jsonl of whole rows only (a
     resume from there is what the restart test does)."""
     out = tmp_path / "run"
-    args = [str(ROOT / "recipes" / "gsm8k_pytrio.py"), "--base_model", tiny_model_path, "--lora_rank", "4",
-            "--max_completion_length", "8", "--dataset_size", "8", "--max_steps", "4", "--save_every", "1",
+    args = [str(ROOT / "recipes" / "gsm8k_pytrio.py"), "--base_model", tiny_model_path, "--lora_r", "4",
+            "--max_completion_length", "8", "--num_train_samples", "8", "--max_steps", "4", "--save_every", "1",
             "--output_dir", str(out), "--pytrio_base_url", served.url]  # fmt: skip
     env = {**os.environ, "PYTRIO_API_KEY": KEY, "PYTHONDONTWRITEBYTECODE": "1", "OMP_NUM_THREADS": "1"}
     limit = 1700  # config.yaml ~1.4 KB, pytrio_state.json < 1 KB; metrics rows ~1 KB each

@@ -269,7 +269,7 @@ def test_builtin_loss_config_uses_ratio_bounds():
         ({"beta": 0.1}, "beta"),
         ({"loss_type": "nope"}, "loss_type"),
         ({"mode": "fast"}, "mode"),
-        ({"lora_rank": 2}, "lora_rank"),
+        ({"lora_r": 2}, "lora_r"),
         ({"scale_rewards": "std"}, "scale_rewards"),
         ({"reward_weights": [1.0, 2.0]}, "reward_weights"),
         ({"degenerate_reward": "format"}, "degenerate_reward"),
@@ -323,8 +323,8 @@ def test_loop_state_roundtrip_truncation_and_pinning(tmp_path):
     loaded = load_loop_state(tmp_path)
     assert loaded.step == 4 and loaded.state_path == "trio://ckpt/4"
     check_resumable(loaded, c)
-    with pytest.raises(ValueError, match="lora_rank: 32 -> 8"):
-        check_resumable(loaded, cfg(output_dir=str(tmp_path), lora_rank=8))
+    with pytest.raises(ValueError, match="lora_r: 16 -> 8"):
+        check_resumable(loaded, cfg(output_dir=str(tmp_path), lora_r=8))
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps({"step": s}) + "\n" for s in range(1, 7)) + '{"st')
     assert truncate_metrics(tmp_path / METRICS_FILENAME, 4) == 2
     assert [r["step"] for r in run_metrics(tmp_path)] == [1, 2, 3, 4]
@@ -392,7 +392,7 @@ ROWS = [
 def loop_config(tmp_path, **kw):
     base = dict(
         base_model="tiny",  # replaced by the fixture's path
-        lora_rank=4,
+        lora_r=4,
         num_generations=4,
         per_device_train_batch_size=8,
         max_completion_length=12,
@@ -511,8 +511,8 @@ def test_stop_after_checkpoint_then_resume(pytrio_client, tiny_model_path, tmp_p
     assert state.data_position == 4 * c.prompts_per_step
     assert [ck["step"] for ck in state.checkpoints] == [2, 4]
     # a resume with a different model shape is refused before anything runs
-    with pytest.raises(ValueError, match="lora_rank"):
-        run_loop(loop_config(tmp_path, base_model=tiny_model_path, max_steps=5, lora_rank=8, resume=True))
+    with pytest.raises(ValueError, match="lora_r"):
+        run_loop(loop_config(tmp_path, base_model=tiny_model_path, max_steps=5, lora_r=8, resume=True))
 
 
 @pytest.mark.slow
@@ -587,7 +587,7 @@ def test_recipe_runs_end_to_end_offline_from_one_command(pytrio_client, tiny_mod
     args = [
         "--base_model",
         tiny_model_path,
-        "--lora_rank",
+        "--lora_r",
         "4",
         "--max_steps",
         "2",
@@ -595,7 +595,7 @@ def test_recipe_runs_end_to_end_offline_from_one_command(pytrio_client, tiny_mod
         "1",
         "--max_completion_length",
         "8",
-        "--dataset_size",
+        "--num_train_samples",
         "16",
         "--output_dir",
         str(out),
@@ -625,14 +625,14 @@ def test_recipe_default_is_the_offline_embedded_yaml(tmp_path, monkeypatch):
         return {}
 
     monkeypatch.setattr(recipe, "run_from_config", fake_run)
-    assert recipe.main(["--dataset_size", "8", "--output_dir", str(tmp_path / "run")]) == 0
+    assert recipe.main(["--num_train_samples", "8", "--output_dir", str(tmp_path / "run")]) == 0
     from trl import TrlParser
 
     (expected,) = TrlParser((PyTrioGRPOConfig,)).parse_args_and_config(
         args=[
             "--config",
             str(ROOT / "recipes/pytrio/embedded.yaml"),
-            "--dataset_size",
+            "--num_train_samples",
             "8",
             "--output_dir",
             str(tmp_path / "run"),
@@ -680,7 +680,7 @@ def test_failing_rerun_loads_no_model_and_keeps_the_previous_run_files(tmp_path,
             data_position=3,
             state_path="trio://x",
             pinned=pinned_settings(
-                cfg(base_model="embedded", lora_rank=16, seed=0, num_generations=4, per_device_train_batch_size=12)
+                cfg(base_model="embedded", lora_r=16, seed=0, num_generations=4, per_device_train_batch_size=12)
             ),
         ),
     )
@@ -688,14 +688,15 @@ def test_failing_rerun_loads_no_model_and_keeps_the_previous_run_files(tmp_path,
     bad_data = tmp_path / "bad.jsonl"
     bad_data.write_text('{"question": "1 + 1?", "answer": "#### 2"}\n{"question": "Name it", "answer": "twelve"}\n')
     recipe = load_recipe()
-    base = ["--output_dir", str(out), "--dataset_size", "8"]
+    base = ["--output_dir", str(out), "--num_train_samples", "8"]
     cases = [
         (["--temperature", "0"], "temperature"),
         (["--reward_funcs", "boxed,nope"], "nope"),
-        (["--dataset_name", "gsm8k", "--dataset_path", str(bad_data)], "row 1"),
-        (["--dataset_name", "gsm8k", "--dataset_path", str(tmp_path / "missing.jsonl")], "missing.jsonl"),
+        (["--dataset_name", str(bad_data)], "row 1"),
+        (["--dataset_name", str(tmp_path / "missing.jsonl")], "missing.jsonl"),
+        (["--dataset_size", "8"], "'--dataset_size' is now 'num_train_samples'"),
         (["--base_model", str(tmp_path / "no-such-model")], "no-such-model"),
-        (["--resume", "true", "--lora_rank", "8"], "lora_rank: 16 -> 8"),
+        (["--resume", "true", "--lora_r", "8"], "lora_r: 16 -> 8"),
     ]
     for extra, match in cases:
         assert recipe.main(base + extra) == 2, extra
@@ -717,12 +718,12 @@ def test_pytrio_rows_are_the_trl_recipe_rows(tmp_path):
         + json.dumps({"question": "Why?", "answer": "because"})
         + "\n"
     )
-    c = cfg(dataset_name="gsm8k", dataset_path=str(data), dataset_size=None, on_malformed="drop", one_shot=False)
+    c = cfg(dataset_name=str(data), num_train_samples=None, on_malformed="drop", one_shot=False)
     rows = load_train_rows(c)
     assert rows == load_dataset_split(str(data), num_samples=None, one_shot=False, on_malformed="drop").to_list()
     assert len(rows) == 5 and set(rows[0]) == {"prompt", "question", "answer"}
     with pytest.raises(ValueError, match="row 5 has an unparseable answer"):
-        load_train_rows(cfg(dataset_name="gsm8k", dataset_path=str(data)))
-    synthetic = load_train_rows(cfg(dataset_size=6, synthetic_tasks="chain_sum:1", seed=3))
+        load_train_rows(cfg(dataset_name=str(data)))
+    synthetic = load_train_rows(cfg(num_train_samples=6, synthetic_tasks="chain_sum:1", seed=3))
     trl_rows = load_dataset_split("synthetic", num_samples=6, tasks="chain_sum:1", seed=3).to_list()
     assert synthetic == trl_rows and {r["task"] for r in synthetic} == {"chain_sum"}

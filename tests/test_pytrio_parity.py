@@ -16,7 +16,7 @@ import torch
 
 trio = pytest.importorskip("pytrio")
 
-from trl_grpo_ext import losses  # noqa: E402
+from trl_grpo_ext.grpo import losses  # noqa: E402
 from trl_grpo_ext.pytrio.server import running_server  # noqa: E402
 
 PROMPTS = ["What is 3 + 4?", "Natalia sold 48 clips in April", "Solve the problem step by step."]

@@ -24,7 +24,7 @@ from pytrio.protocol.actor.events.event import (  # noqa: E402
 )
 from pytrio_faults import FaultInjector  # noqa: E402
 
-from trl_grpo_ext import losses  # noqa: E402
+from trl_grpo_ext.grpo import losses  # noqa: E402
 from trl_grpo_ext.pytrio.server import LocalPyTrioServer, ServerConfig  # noqa: E402
 from trl_grpo_ext.pytrio.server.registry import safe_name  # noqa: E402
 

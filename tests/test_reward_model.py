@@ -196,7 +196,7 @@ def test_a_reward_model_folder_in_reward_funcs_trains_on_both_paths(
     if path == "trl":
         argv = ["--model_name_or_path", tiny_model_path, "--eval_num_samples", "0", "--synthetic_tasks", "chain_sum"]
     else:
-        argv = ["--base_model", tiny_model_path, "--lora_rank", "4", "--dataset_size", "16", "--save_every", "0"]
+        argv = ["--base_model", tiny_model_path, "--lora_r", "4", "--num_train_samples", "16", "--save_every", "0"]
     assert recipe.main(argv + common) == 0
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2]

@@ -109,7 +109,7 @@ def pytrio_argv(model, out, judge, *extra):
     return [
         "--config", str(ROOT / "recipes" / "pytrio" / "hybrid_judge.yaml"), "--base_model", model,
         "--output_dir", str(out), "--max_steps", "2", "--max_completion_length", "8", "--num_generations", "2",
-        "--per_device_train_batch_size", "4", "--lora_rank", "4", "--dataset_size", "16", "--save_every", "1",
+        "--per_device_train_batch_size", "4", "--lora_r", "4", "--num_train_samples", "16", "--save_every", "1",
         "--judge", json.dumps(judge), *extra,
     ]  # fmt: skip
 

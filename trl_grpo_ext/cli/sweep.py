@@ -9,15 +9,14 @@ from __future__ import annotations
 
 import sys
 
-import yaml
-
 from trl_grpo_ext.experiments.launch import LauncherError
 from trl_grpo_ext.experiments.launch.commands import describe_runs
 from trl_grpo_ext.experiments.launch.runner import cancel_sweep, format_status, run_sweep, sweep_status
 from trl_grpo_ext.experiments.launch.slurm import describe as describe_slurm
 from trl_grpo_ext.experiments.launch.slurm import preflight, require_slurm
-from trl_grpo_ext.experiments.sweep import RESERVED_KEYS, coerce_scalar, expand, load_sweep, validate_runs
+from trl_grpo_ext.experiments.sweep import RESERVED_KEYS, expand, load_sweep, validate_runs
 from trl_grpo_ext.experiments.sweep_options import LAUNCHERS
+from trl_grpo_ext.runs import yaml_loads
 
 
 def add_arguments(parser) -> None:
@@ -89,7 +88,7 @@ def parse_set_values(items: list[str]) -> dict:
             raise ValueError(f"--set expects KEY=VALUE, got {item!r}")
         if key.strip() in RESERVED_KEYS:
             raise ValueError(f"--set {key.strip()}: set by the sweep for each run")
-        out[key.strip()] = coerce_scalar(yaml.safe_load(value)) if value.strip() else None
+        out[key.strip()] = yaml_loads(value) if value.strip() else None
     return out
 
 

@@ -14,6 +14,7 @@ import typing
 from dataclasses import dataclass, field
 
 from trl_grpo_ext.evaluation.problems import EMBEDDED_DATA, GSM8K_TEST
+from trl_grpo_ext.task.spec import data_field
 
 # Problems per generate() call of the recipes' before/after eval (the CLI's default is `EvalOptions.batch_size`).
 RECIPE_EVAL_BATCH_SIZE = 32
@@ -44,9 +45,9 @@ class EvalOptions:
     temperature: float = field(default=0.7, metadata={"help": "sampling temperature for the k samples"})
     top_p: float = field(default=1.0, metadata={"help": "nucleus sampling for the k samples"})
     seed: int = field(default=0, metadata={"help": "seed of the k samples (and of a JSONL file's problem order)"})
-    one_shot: bool = field(
-        default=True,
-        metadata={"help": "prompt without the one-shot worked example (the training default includes it)"},
+    # the data spec's option (its name and default); the help describes the CLI's --no_one_shot flag
+    one_shot: bool = data_field(
+        "one_shot", help="prompt without the one-shot worked example (the training default includes it)"
     )
     cache: bool = field(
         default=True,

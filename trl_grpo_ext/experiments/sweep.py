@@ -36,15 +36,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-import yaml
-
 from trl_grpo_ext.evaluation import sweep_eval_options
 from trl_grpo_ext.experiments.sweep_options import LAUNCHERS, LEGACY_LAUNCHERS, SlurmOptions
 from trl_grpo_ext.pytrio.config import PyTrioGRPOConfig
 from trl_grpo_ext.runs import (
     latest_checkpoint,
+    load_yaml,
 )
 from trl_grpo_ext.runs.sweep_files import has_pytrio_state
+from trl_grpo_ext.task.spec import renamed_key_problem
 from trl_grpo_ext.trl.script_args import ScriptArguments
 
 MAX_NAME_LEN = 150
@@ -101,40 +101,6 @@ BACKENDS: dict[str, Backend] = {
 
 
 # --------------------------------------------------------------------------------------------- loading
-
-_NUMBER_RE = re.compile(r"[+-]?(\d+\.?\d*|\.\d+)([eE][+-]?\d+)?")
-
-
-def coerce_scalar(value: Any) -> Any:
-    """YAML 1.1 reads `4e-5` (no dot) as a string; a sweep means the number."""
-    if isinstance(value, str) and _NUMBER_RE.fullmatch(value.strip()):
-        text = value.strip()
-        try:
-            return int(text)
-        except ValueError:
-            return float(text)
-    return value
-
-
-def _coerce_tree(value: Any) -> Any:
-    if isinstance(value, dict):
-        return {k: _coerce_tree(v) for k, v in value.items()}
-    if isinstance(value, list):
-        return [_coerce_tree(v) for v in value]
-    return coerce_scalar(value)
-
-
-def load_yaml(path: str | os.PathLike) -> dict:
-    path = Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(f"YAML file not found: {path}")
-    with open(path) as f:
-        data = yaml.safe_load(f)
-    if data is None:
-        return {}
-    if not isinstance(data, dict):
-        raise ValueError(f"{path}: expected a mapping at top level, got {type(data).__name__}")
-    return _coerce_tree(data)
 
 
 @dataclass
@@ -405,6 +371,10 @@ def validate_runs(spec: SweepSpec, runs: list[RunSpec]) -> list[str]:
             continue
         for key in run.config:
             if key not in known:
+                renamed = renamed_key_problem(key)
+                if renamed:
+                    problems.append(f"{run.name}: {renamed}")
+                    continue
                 close = difflib.get_close_matches(str(key), sorted(known), n=1, cutoff=0.6)
                 hint = f" (did you mean '{close[0]}'?)" if close else ""
                 problems.append(f"{run.name}: the {run.backend} recipe has no key '{key}'{hint}")

@@ -15,14 +15,13 @@ default, and dapo's normaliser does not exist on PyTRIO, where 'importance_sampl
 loss) and ``max_completion_length`` (TRL's 512; the PyTRIO loop samples remotely and has always defaulted to 256).
 
 `spec_problems` is the one validator of these settings, `reward_option_problems` the one check of the options that
-name reward functions; each config collects every problem and raises one `ConfigError` listing them all, each
-problem starting with its YAML key.
+name reward functions; each config collects every problem and raises one `trl_grpo_ext.errors.ConfigError` listing
+them all, each problem starting with its YAML key.
 """
 
 from __future__ import annotations
 
 import math
-import warnings
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 
@@ -39,26 +38,6 @@ from trl_grpo_ext.grpo.loss_table import (
 )
 
 SCALE_REWARDS = ("group", "batch", "none")
-# SwanLab's own mode names (swanlab >= 0.10); both paths' `swanlab_mode` takes these.
-SWANLAB_MODES = ("online", "offline", "local", "disabled")
-# Old spellings of option values, accepted with a FutureWarning and replaced: {option: {old: new}}.
-DEPRECATED_VALUES: dict[str, dict[str, str]] = {
-    "swanlab_mode": {"cloud": "online"},  # the PyTRIO path's former name; SwanLab maps it to online too
-}
-
-
-class ConfigError(ValueError):
-    """Bad config values: every problem found, each starting with its YAML key, in one message."""
-
-    def __init__(self, what: str, problems: Sequence[str]):
-        self.problems = list(problems)
-        super().__init__(f"invalid {what}: " + "; ".join(self.problems))
-
-
-def raise_problems(what: str, problems: Sequence[str]) -> None:
-    """Raise one `ConfigError` listing `problems`, if there are any."""
-    if problems:
-        raise ConfigError(what, problems)
 
 
 @dataclass
@@ -199,29 +178,12 @@ def _name_problem(name: str, value) -> list[str]:
 
 
 def normalize_values(config) -> None:
-    """Before validation: TRL's boolean spellings of ``scale_rewards`` (also as CLI/YAML strings) and the deprecated
-    values of `DEPRECATED_VALUES`, replaced with a FutureWarning naming the new value."""
+    """Before validation: TRL's boolean spellings of ``scale_rewards`` (also as CLI/YAML strings)."""
     scale = getattr(config, "scale_rewards", None)
     if isinstance(scale, str) and scale.lower() in ("true", "false"):
         scale = scale.lower() == "true"
     if isinstance(scale, bool):
         config.scale_rewards = "group" if scale else "none"
-    for option, renamed in DEPRECATED_VALUES.items():
-        value = getattr(config, option, None)
-        if isinstance(value, str) and value in renamed:
-            warnings.warn(
-                f"{option}: {value!r} is deprecated, use {renamed[value]!r} (it means the same)",
-                FutureWarning,
-                stacklevel=3,
-            )
-            setattr(config, option, renamed[value])
-
-
-def swanlab_mode_problems(mode) -> list[str]:
-    """The one check of ``swanlab_mode`` (both paths; None: `trl_grpo_ext.runs.tracking.swanlab_mode` picks one)."""
-    if mode is None or mode in SWANLAB_MODES:
-        return []
-    return [f"swanlab_mode={mode!r} is not valid; valid values: {', '.join(SWANLAB_MODES)} (or unset)"]
 
 
 def _loss_problems(config, path: str) -> list[str]:
@@ -327,14 +289,6 @@ def spec_problems(config, path: str) -> list[str]:
 # ------------------------------------------------------------------------------------------ reward options
 
 
-def reward_index(name: str, reward_names: Sequence[Collection[str]]) -> int | None:
-    """Position of the reward function called `name` (`reward_names[i]`: every name function i answers to)."""
-    for index, names in enumerate(reward_names):
-        if name in names:
-            return index
-    return None
-
-
 def curriculum_pass_reward(config) -> str | None:
     """The reward whose value decides a curriculum pass: ``curriculum_reward``, else ``degenerate_reward``; None:
     the weighted total reward."""
@@ -370,13 +324,6 @@ def reward_name_problems(config, reward_names: Sequence[Collection[str]]) -> lis
     problems = []
     for option in ("degenerate_reward", "curriculum_reward"):
         name = getattr(config, option, None)
-        if isinstance(name, str) and name.strip() and reward_index(name, reward_names) is None:
+        if isinstance(name, str) and name.strip() and not any(name in names for names in reward_names):
             problems.append(f"{option}={name!r} is not one of the reward functions {shown}")
     return problems
-
-
-def reward_funcs_list(value) -> list[str]:
-    """``reward_funcs`` as a list of names: a string is split on commas (both paths take 'boxed,format')."""
-    if isinstance(value, str):
-        return [name.strip() for name in value.split(",") if name.strip()]
-    return list(value or [])

@@ -17,7 +17,9 @@ from trl_grpo_ext.runs import PYTRIO_STATE_FILENAME, atomic_write_json
 
 STATE_VERSION = 1
 # Settings that must not change across a resume: they define the model being trained and the data order.
-PINNED_KEYS = ("base_model", "lora_rank", "seed", "num_generations", "per_device_train_batch_size", "dataset_name")
+PINNED_KEYS = ("base_model", "lora_r", "seed", "num_generations", "per_device_train_batch_size", "dataset_name")
+# Pinned keys recorded under an older name by earlier versions: {old: new}.
+RENAMED_PINNED = {"lora_rank": "lora_r"}
 
 
 @dataclass
@@ -76,9 +78,8 @@ def check_resumable(state: LoopState, config) -> None:
     if not state.state_path:
         raise ValueError("the recorded loop state has no checkpoint URI to resume from")
     current = pinned_settings(config)
-    changed = {
-        k: (state.pinned.get(k), current[k]) for k in current if k in state.pinned and state.pinned[k] != current[k]
-    }
+    pinned = {RENAMED_PINNED.get(k, k): v for k, v in state.pinned.items()}
+    changed = {k: (pinned.get(k), current[k]) for k in current if k in pinned and pinned[k] != current[k]}
     if changed:
         detail = ", ".join(f"{k}: {old!r} -> {new!r}" for k, (old, new) in changed.items())
         raise ValueError(f"cannot resume: settings changed since the checkpoint ({detail}); use a new output_dir")

@@ -15,27 +15,25 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass, field
 
+from trl_grpo_ext.errors import raise_problems
 from trl_grpo_ext.grpo.loss_table import LOSSES, PYTRIO, ratio_bounds
-from trl_grpo_ext.grpo.spec import (
-    GRPOSpec,
-    normalize_values,
-    number_problem,
-    raise_problems,
-    reward_funcs_list,
-    reward_index,
-    reward_option_problems,
-    spec_problems,
-    swanlab_mode_problems,
-)
+from trl_grpo_ext.grpo.spec import GRPOSpec, normalize_values, number_problem, reward_option_problems, spec_problems
 from trl_grpo_ext.models import EMBEDDED_NAME
-from trl_grpo_ext.runs.tracking import swanlab_mode_field, swanlab_project_field
-from trl_grpo_ext.task.rewards import RewardSettings, reward_names, reward_settings_problems
+from trl_grpo_ext.runs.tracking import (
+    normalize_swanlab_mode,
+    swanlab_mode_field,
+    swanlab_mode_problems,
+    swanlab_project_field,
+)
+from trl_grpo_ext.task.rewards import reward_index, reward_names
+from trl_grpo_ext.task.spec import DataSpec
 
 
 @dataclass
-class PyTrioGRPOConfig(GRPOSpec, RewardSettings):
-    """The PyTRIO loop's options: the shared GRPO spec (`trl_grpo_ext.grpo.spec.GRPOSpec`, TRL's names) plus where
-    the model lives, the data, the optimizer and the run."""
+class PyTrioGRPOConfig(GRPOSpec, DataSpec):
+    """The PyTRIO loop's options: the shared GRPO spec (`trl_grpo_ext.grpo.spec.GRPOSpec`, TRL's names) and data
+    spec (`trl_grpo_ext.task.spec.DataSpec`: data, prompt and reward options, as the TRL recipe's) plus where the
+    model lives, the optimizer and the run."""
 
     # --- where the model lives ---
     base_model: str = field(
@@ -45,7 +43,7 @@ class PyTrioGRPOConfig(GRPOSpec, RewardSettings):
             "With the local server: 'embedded' (offline SmolLM2-135M-Instruct), a hub id or a local path."
         },
     )
-    lora_rank: int = field(default=32, metadata={"help": "LoRA rank, 4..64 (pytrio's range)."})
+    lora_r: int = field(default=16, metadata={"help": "LoRA rank, 4..64 (pytrio's range; TRL's ModelConfig name)."})
     pytrio_base_url: str | None = field(
         default=None,
         metadata={
@@ -67,33 +65,6 @@ class PyTrioGRPOConfig(GRPOSpec, RewardSettings):
             "submitted at once and forward_backward + optim_step are queued back to back."
         },
     )
-    # --- data ---
-    dataset_name: str = field(
-        default="synthetic",
-        metadata={
-            "help": "'gsm8k' (`dataset_path` JSONL, else the hub's openai/gsm8k) or 'synthetic' (GSM8K-style "
-            "reasoning-gym problems generated offline, tasks from `synthetic_tasks`)."
-        },
-    )
-    dataset_path: str | None = field(
-        default=None, metadata={"help": "Local GSM8K JSONL (question / answer rows) for dataset_name 'gsm8k'."}
-    )
-    dataset_split: str = field(default="train", metadata={"help": "Split to train on."})
-    dataset_size: int | None = field(
-        default=512,
-        metadata={
-            "help": "Problems to generate ('synthetic'; None: 1024), or the first N rows to keep ('gsm8k'; None: all)."
-        },
-    )
-    synthetic_tasks: str = field(
-        default="chain_sum,basic_arithmetic",
-        metadata={"help": "Task mix for 'synthetic', e.g. 'chain_sum:2,gsm_symbolic:1'."},
-    )
-    one_shot: bool = field(default=True, metadata={"help": "Prepend the one-shot worked example to each prompt."})
-    on_malformed: str = field(
-        default="error",
-        metadata={"help": "GSM8K rows without a question or a parseable answer: 'error' (name the row) or 'drop'."},
-    )
     # --- GRPO: the shared fields are `GRPOSpec`'s; these are the PyTRIO path's own ---
     use_builtin_loss: bool = field(
         default=True,
@@ -111,13 +82,6 @@ class PyTrioGRPOConfig(GRPOSpec, RewardSettings):
         metadata={
             "help": "Completions per optimizer step (TRL: per_device_train_batch_size x gradient_accumulation_steps "
             "x processes; the service splits large batches itself). Prompts per step = this / num_generations."
-        },
-    )
-    reward_funcs: list[str] = field(
-        default_factory=lambda: ["boxed"],
-        metadata={
-            "help": "Reward function names from `trl_grpo_ext.task.rewards.REWARD_REGISTRY`, 'judge', 'cost', or a reward "
-            "model's folder or hub id, as in TRL (options: judge, reward_model, hybrid, cost)."
         },
     )
     # --- optimizer (TRL spelling, sent as pytrio AdamParams) ---
@@ -157,7 +121,7 @@ class PyTrioGRPOConfig(GRPOSpec, RewardSettings):
         },
     )
 
-    def __post_init__(self):
+    def __post_init__(self):  # replaces DataSpec's: `validate` reports its problems with every other one
         self.validate()
 
     @property
@@ -180,17 +144,14 @@ class PyTrioGRPOConfig(GRPOSpec, RewardSettings):
     def validate(self) -> None:
         """Raise one ValueError listing every bad value (the shared GRPO spec's and this path's own)."""
         normalize_values(self)
-        self.reward_funcs = reward_funcs_list(self.reward_funcs)
-        problems = spec_problems(self, PYTRIO)
-        if not self.reward_funcs:
-            problems.append("reward_funcs is empty; name at least one reward (e.g. boxed)")
+        normalize_swanlab_mode(self)
+        problems = spec_problems(self, PYTRIO) + self.data_problems()  # data_problems: reward_funcs made a list
         problems += reward_option_problems(self, reward_names(self.reward_funcs))
-        problems += reward_settings_problems(self)
         problems += self._run_problems()
         raise_problems("PyTRIO GRPO config", problems)
 
     def _run_problems(self) -> list[str]:
-        """This path's own rules: the service, the batch, the optimizer, data and logging options."""
+        """This path's own rules: the service, the batch, the optimizer and logging options."""
         problems = []
         if self.beta != 0.0:
             problems.append(f"beta={self.beta!r}: a KL penalty is not supported on the PyTRIO path; set beta: 0.0")
@@ -198,8 +159,8 @@ class PyTrioGRPOConfig(GRPOSpec, RewardSettings):
             problems.append(f"loss_aggregation must be 'token_mean' or 'sum', got {self.loss_aggregation!r}")
         if self.mode not in ("sync", "async"):
             problems.append(f"mode must be 'sync' or 'async', got {self.mode!r}")
-        if not 4 <= self.lora_rank <= 64:
-            problems.append(f"lora_rank must be in [4, 64] (pytrio's range), got {self.lora_rank}")
+        if not 4 <= self.lora_r <= 64:
+            problems.append(f"lora_r must be in [4, 64] (pytrio's range), got {self.lora_r}")
         if (
             isinstance(self.num_generations, int)
             and self.num_generations >= 2
@@ -223,12 +184,6 @@ class PyTrioGRPOConfig(GRPOSpec, RewardSettings):
             problems.append("max_steps must be >= 1")
         if self.save_every < 0:
             problems.append("save_every must be >= 0")
-        if self.dataset_name not in ("gsm8k", "synthetic"):
-            problems.append(f"dataset_name must be 'gsm8k' or 'synthetic', got {self.dataset_name!r}")
-        if self.dataset_size is not None and self.dataset_size < 1:
-            problems.append(f"dataset_size must be >= 1 or None, got {self.dataset_size}")
-        if self.on_malformed not in ("error", "drop"):
-            problems.append(f"on_malformed must be 'error' or 'drop', got {self.on_malformed!r}")
         if self.report_to not in ("none", "swanlab"):
             problems.append(f"report_to must be 'none' or 'swanlab', got {self.report_to!r}")
         problems += swanlab_mode_problems(self.swanlab_mode)

@@ -788,7 +788,7 @@ class GRPOLoop:
             service.create_lora_training_client,
             "create_lora_training_client",
             c.base_model,
-            rank=c.lora_rank,
+            rank=c.lora_r,
             seed=c.seed,
         )
         return training_client, LoopState(pinned=pinned_settings(c))

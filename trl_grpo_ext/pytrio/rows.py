@@ -9,24 +9,15 @@ columns other than ``prompt`` reach the reward functions as keyword arguments, a
 from __future__ import annotations
 
 from trl_grpo_ext.task.data import load_dataset_split
-from trl_grpo_ext.task.data.gsm8k import HUB_ID
-from trl_grpo_ext.task.data.loading import SYNTHETIC_SOURCE
-
-
-def data_source(config) -> str:
-    """`load_dataset_split`'s source for the config: 'synthetic', the ``dataset_path`` JSONL, or the hub's GSM8K."""
-    if config.dataset_name == "synthetic":
-        return SYNTHETIC_SOURCE
-    if config.dataset_name == "gsm8k":
-        return config.dataset_path or HUB_ID
-    raise ValueError(f"dataset_name must be 'gsm8k' or 'synthetic', got {config.dataset_name!r}")
 
 
 def load_train_rows(config) -> list[dict]:
+    """The training rows of `config`'s data spec (`trl_grpo_ext.task.spec.DataSpec`) as the TRL recipe builds them:
+    ``num_train_samples`` unset and synthetic data: enough problems for ``max_steps`` (`DataSpec.train_samples`)."""
     dataset = load_dataset_split(
-        data_source(config),
-        config.dataset_split,
-        num_samples=config.dataset_size,
+        config.dataset_name,
+        config.dataset_train_split,
+        num_samples=config.train_samples(config.max_steps * config.prompts_per_step, config),
         tasks=config.synthetic_tasks,
         seed=config.seed,
         one_shot=config.one_shot,

@@ -22,7 +22,15 @@ from trl_grpo_ext.runs.checkpoints import (
     latest_checkpoint,
     resolve_resume_checkpoint,
 )
-from trl_grpo_ext.runs.files import atomic_write_json, atomic_write_text, read_jsonl, write_jsonl, write_run_config
+from trl_grpo_ext.runs.files import (
+    atomic_write_json,
+    atomic_write_text,
+    load_yaml,
+    read_jsonl,
+    write_jsonl,
+    write_run_config,
+    yaml_loads,
+)
 from trl_grpo_ext.runs.metrics import RunLogger, append_jsonl_row, read_metrics_file, run_metrics, truncate_metrics
 from trl_grpo_ext.runs.names import (
     ADAPTER_CONFIG_FILENAME,
@@ -57,6 +65,8 @@ from trl_grpo_ext.runs.names import (
 )
 
 __all__ = [
+    "load_yaml",
+    "yaml_loads",
     "RunLogger",
     "ADAPTER_CONFIG_FILENAME",
     "CHECKPOINT_PATTERN",

@@ -1,10 +1,12 @@
-"""SwanLab for both execution paths: which mode, and starting the run that logs under `<output_dir>/swanlog`."""
+"""SwanLab for both execution paths: the ``swanlab_*`` options and their checks, which mode, and starting the run
+that logs under `<output_dir>/swanlog`."""
 
 from __future__ import annotations
 
 import logging
 import math
 import os
+import warnings
 from dataclasses import field
 from pathlib import Path
 
@@ -13,6 +15,10 @@ from trl_grpo_ext.runs.names import METRICS_FILENAME, SWANLAB_DIRNAME
 logger = logging.getLogger(__name__)
 
 DEFAULT_SWANLAB_PROJECT = "trl-grpo-ext"
+# SwanLab's own mode names (swanlab >= 0.10); both paths' `swanlab_mode` takes these.
+SWANLAB_MODES = ("online", "offline", "local", "disabled")
+# Old spellings of ``swanlab_mode``, accepted with a FutureWarning and replaced: {old: new}.
+DEPRECATED_SWANLAB_MODES = {"cloud": "online"}  # the PyTRIO path's former name; SwanLab maps it to online too
 
 
 def swanlab_project_field():
@@ -21,7 +27,7 @@ def swanlab_project_field():
 
 
 def swanlab_mode_field():
-    """The ``swanlab_mode`` option, as both paths' configs declare it (values: `trl_grpo_ext.grpo.spec`)."""
+    """The ``swanlab_mode`` option, as both paths' configs declare it (values: `SWANLAB_MODES`)."""
     return field(
         default=None,
         metadata={
@@ -30,6 +36,23 @@ def swanlab_mode_field():
             "offline."
         },
     )
+
+
+def normalize_swanlab_mode(config) -> None:
+    """Before validation: a deprecated ``swanlab_mode`` value (`DEPRECATED_SWANLAB_MODES`) replaced, with a
+    FutureWarning naming the new one."""
+    mode = getattr(config, "swanlab_mode", None)
+    if isinstance(mode, str) and mode in DEPRECATED_SWANLAB_MODES:
+        new = DEPRECATED_SWANLAB_MODES[mode]
+        warnings.warn(f"swanlab_mode: {mode!r} is deprecated, use {new!r} (it means the same)", FutureWarning, 3)
+        config.swanlab_mode = new
+
+
+def swanlab_mode_problems(mode) -> list[str]:
+    """The one check of ``swanlab_mode`` (both paths; None: `swanlab_mode` picks one)."""
+    if mode is None or mode in SWANLAB_MODES:
+        return []
+    return [f"swanlab_mode={mode!r} is not valid; valid values: {', '.join(SWANLAB_MODES)} (or unset)"]
 
 
 def jsonable(value):
@@ -43,7 +66,7 @@ def jsonable(value):
 
 
 def swanlab_mode(requested: str | None = None) -> str:
-    """The SwanLab mode to use: `requested` (a config's `swanlab_mode`, checked by `grpo_spec`), else $SWANLAB_MODE,
+    """The SwanLab mode to use: `requested` (a config's `swanlab_mode`, checked by `swanlab_mode_problems`), else $SWANLAB_MODE,
     else online with an API key (SWANLAB_API_KEY or one saved by `swanlab login`), else offline."""
     if requested:
         return requested

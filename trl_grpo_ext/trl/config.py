@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 
 import trl
 
+from trl_grpo_ext.errors import raise_problems
 from trl_grpo_ext.grpo.loss_table import (
     LOCAL_LOSS_TYPES,
     LOSSES,
@@ -24,7 +25,6 @@ from trl_grpo_ext.grpo.spec import (
     GRPOSpec,
     normalize_values,
     number_problem,
-    raise_problems,
     spec_field,
     spec_problems,
 )

@@ -15,10 +15,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from trl_grpo_ext.cpu_threads import current_governor, govern_cpu_threads, runs_on_cpu
+from trl_grpo_ext.errors import raise_problems
 from trl_grpo_ext.evaluation import HELDOUT_SEED, heldout_lines, problems_from_rows
 from trl_grpo_ext.grpo.loss_table import print_loss_type_notice
 from trl_grpo_ext.grpo.reward_aggregation import reward_func_name
-from trl_grpo_ext.grpo.spec import raise_problems, reward_option_problems
+from trl_grpo_ext.grpo.spec import reward_option_problems
 from trl_grpo_ext.models import resolve_model
 from trl_grpo_ext.runs import (
     EVAL_BEFORE_AFTER_FILENAME,
@@ -30,7 +31,6 @@ from trl_grpo_ext.runs import (
 )
 from trl_grpo_ext.task.data import load_dataset_split, load_problems
 from trl_grpo_ext.task.rewards import preflight_rewards, reward_functions, reward_names
-from trl_grpo_ext.trl.sampling import prompt_pool_factor
 
 _START = time.time()
 
@@ -137,10 +137,8 @@ def build_datasets(script_args, training_args, tokenizer):
     """(train dataset with `prompt`/`answer`, held-out eval `Problem`s (`evaluation.problems_from_rows`) or [])."""
     chat = _use_chat(script_args, tokenizer)
     num_train = script_args.num_train_samples
-    if num_train is None and script_args.dataset_name == "synthetic" and training_args.max_steps > 0:
-        num_train = (
-            prompts_per_run(training_args) * prompt_pool_factor(training_args, script_args.synthetic_tasks) + 64
-        )
+    if training_args.max_steps > 0:  # synthetic data: enough problems for max_steps (`DataSpec.train_samples`)
+        num_train = script_args.train_samples(prompts_per_run(training_args), training_args)
     common = dict(tasks=script_args.synthetic_tasks, seed=training_args.seed, on_malformed=script_args.on_malformed)
     train = load_dataset_split(
         script_args.dataset_name,

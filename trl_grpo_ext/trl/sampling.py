@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 import random
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -38,7 +37,6 @@ from trl_grpo_ext.grpo.curriculum import Curriculum, TaskPools, curriculum_from_
 from trl_grpo_ext.grpo.dynamic_sampling import GroupFilter, GroupRef
 from trl_grpo_ext.grpo.reward_aggregation import weighted_rewards
 from trl_grpo_ext.runs import CURRICULUM_STATE_FILENAME, atomic_write_json, checkpoint_dir
-from trl_grpo_ext.task.data.synthetic import parse_task_mix
 from trl_grpo_ext.trl import internals
 from trl_grpo_ext.trl.internals import GENERATION_BATCH_LEFT_PADDED as _LEFT_PADDED
 from trl_grpo_ext.trl.internals import GENERATION_BATCH_RIGHT_PADDED as _RIGHT_PADDED
@@ -91,18 +89,6 @@ def merge_groups(outputs: list[dict], selection: list[GroupRef], group_size: int
         zero = padding if advantages.dim() == 1 else padding.unsqueeze(1)
         merged["advantages"] = advantages.masked_fill(zero.to(advantages.device), 0.0)
     return merged
-
-
-def prompt_pool_factor(training_args, task_mix=None) -> int:
-    """How many times a plain run's prompts a generated training set should hold so that no prompt repeats:
-    dynamic sampling may use ``max_generation_batches`` generation batches a step, and the curriculum may draw
-    every prompt from the task with the smallest share of ``task_mix`` ('task:weight,...')."""
-    factor = 1
-    if getattr(training_args, "dynamic_sampling", False):
-        factor *= training_args.max_generation_batches
-    if getattr(training_args, "curriculum", False) and task_mix:
-        factor *= math.ceil(1.0 / min(parse_task_mix(task_mix).values()) - 1e-9)
-    return factor
 
 
 class CurriculumSampler(torch.utils.data.Sampler):

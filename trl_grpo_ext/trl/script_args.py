@@ -14,57 +14,30 @@ import types
 import typing
 from dataclasses import dataclass, field
 
-import yaml
-
-from trl_grpo_ext.grpo.spec import normalize_values, raise_problems, reward_funcs_list, swanlab_mode_problems
-from trl_grpo_ext.runs.tracking import swanlab_mode_field, swanlab_project_field
-from trl_grpo_ext.task.rewards.settings import RewardSettings, reward_settings_problems
+from trl_grpo_ext.errors import raise_problems
+from trl_grpo_ext.runs import load_yaml
+from trl_grpo_ext.runs.tracking import (
+    normalize_swanlab_mode,
+    swanlab_mode_field,
+    swanlab_mode_problems,
+    swanlab_project_field,
+)
+from trl_grpo_ext.task.spec import DataSpec, renamed_key_problem
 
 PROMPT_FORMATS = ("auto", "chat", "text")
 
 
 @dataclass
-class ScriptArguments(RewardSettings):
-    """Data, prompt, reward and logging options of `recipes/gsm8k_grpo.py` (training options live in GRPOConfig)."""
+class ScriptArguments(DataSpec):
+    """Options of `recipes/gsm8k_grpo.py` beside GRPOConfig and ModelConfig: the data spec (`DataSpec`: data,
+    prompt and reward options, shared with the PyTRIO path) plus this recipe's prompt format, before/after eval and
+    logging options."""
 
-    dataset_name: str = field(
-        default="synthetic",
-        metadata={
-            "help": "'synthetic' (offline reasoning-gym problems, see synthetic_tasks), 'openai/gsm8k' (hub) or a "
-            "local JSONL file / folder of <split>.jsonl with question/answer rows."
-        },
-    )
-    dataset_train_split: str = field(default="train", metadata={"help": "Split used for training."})
-    dataset_test_split: str = field(default="test", metadata={"help": "Split used for the before/after eval."})
-    num_train_samples: int | None = field(
-        default=None,
-        metadata={"help": "Training problems to use (synthetic: to generate; default enough for max_steps)."},
-    )
-    synthetic_tasks: str = field(
-        default="chain_sum_easy:2,chain_sum:2,basic_arithmetic:1,gsm_symbolic:1",
-        metadata={
-            "help": "Synthetic task mix 'task:weight,...' (tasks: chain_sum_easy, chain_sum, basic_arithmetic, "
-            "gsm_symbolic). Each problem draws its task by weight: an easy-to-hard mix in every batch."
-        },
-    )
-    on_malformed: str = field(
-        default="error",
-        metadata={"help": "Rows without question/answer or with an unparseable answer: 'error' or 'drop'."},
-    )
-    one_shot: bool = field(
-        default=True, metadata={"help": "Put one worked example (answer in \\boxed{}) in the prompt."}
-    )
     prompt_format: str = field(
         default="auto",
         metadata={"help": "'chat' messages, plain 'text', or 'auto' (chat if the tokenizer has a chat template)."},
     )
-    reward_funcs: list[str] = field(
-        default_factory=lambda: ["boxed", "format"],
-        metadata={
-            "help": "Reward names from trl_grpo_ext.REWARD_REGISTRY, 'judge', 'cost', or a reward model's folder or "
-            "hub id, as in TRL (weights: GRPOConfig.reward_weights; options: judge, reward_model, hybrid, cost)."
-        },
-    )
+    dataset_test_split: str = field(default="test", metadata={"help": "Split used for the before/after eval."})
     eval_num_samples: int = field(
         default=0,
         metadata={"help": "Held-out problems scored greedily before and after training (0: no eval)."},
@@ -76,19 +49,14 @@ class ScriptArguments(RewardSettings):
     swanlab_mode: str | None = swanlab_mode_field()
 
     def __post_init__(self):
-        if self.on_malformed not in ("error", "drop"):
-            raise ValueError(f"on_malformed must be 'error' or 'drop', got {self.on_malformed!r}")
+        # DataSpec.__post_init__ is replaced, not extended: its problems and this class's make one error line
+        normalize_swanlab_mode(self)  # cloud -> online, with a deprecation warning
+        problems = self.data_problems() + swanlab_mode_problems(self.swanlab_mode)
         if self.prompt_format not in PROMPT_FORMATS:
-            raise ValueError(f"prompt_format must be one of {PROMPT_FORMATS}, got {self.prompt_format!r}")
-        normalize_values(self)  # swanlab_mode: cloud -> online, with a deprecation warning
-        raise_problems("script arguments", swanlab_mode_problems(self.swanlab_mode) + reward_settings_problems(self))
-        self.reward_funcs = reward_funcs_list(self.reward_funcs)
-        if not self.reward_funcs:
-            raise ValueError("reward_funcs is empty; name at least one reward (e.g. boxed)")
+            problems.append(f"prompt_format must be one of {PROMPT_FORMATS}, got {self.prompt_format!r}")
         if self.eval_num_samples < 0:
-            raise ValueError(f"eval_num_samples must be >= 0, got {self.eval_num_samples}")
-        if self.num_train_samples is not None and self.num_train_samples <= 0:
-            raise ValueError(f"num_train_samples must be > 0, got {self.num_train_samples}")
+            problems.append(f"eval_num_samples must be >= 0, got {self.eval_num_samples}")
+        raise_problems("script arguments", problems)
 
 
 def _known_keys(parser) -> set[str]:
@@ -103,26 +71,15 @@ def check_config_keys(config: dict, known: set[str], path: str) -> None:
     unknown = [key for key in config if key not in known and key != "env"]
     if not unknown:
         return
+    for key in unknown:
+        renamed = renamed_key_problem(key)
+        if renamed:
+            raise ValueError(f"{path}: {renamed}")
     lines = []
     for key in unknown:
         close = difflib.get_close_matches(str(key), sorted(known), n=1, cutoff=0.6)
         lines.append(f"'{key}'" + (f" (did you mean '{close[0]}'?)" if close else ""))
     raise ValueError(f"{path}: unknown key(s) {', '.join(lines)}")
-
-
-def load_yaml_config(path: str) -> dict:
-    try:
-        with open(path, encoding="utf-8") as handle:
-            config = yaml.safe_load(handle) or {}
-    except UnicodeDecodeError as err:
-        raise ValueError(f"{path} is not UTF-8 text (byte {err.start}); a YAML recipe is expected") from None
-    except yaml.YAMLError as err:
-        where = getattr(err, "problem_mark", None)
-        at = f" (line {where.line + 1})" if where is not None else ""
-        raise ValueError(f"{path} is not valid YAML{at}: {getattr(err, 'problem', None) or err}") from None
-    if not isinstance(config, dict):
-        raise ValueError(f"{path} must hold a YAML mapping of option: value, got {type(config).__name__}")
-    return config
 
 
 def _field_types(dataclass_types) -> dict:
@@ -220,14 +177,29 @@ def parse_recipe_args(argv: list[str] | None = None, default_config: str | None 
     parser.error = _raise_value_error  # a bad flag value is one ValueError line, not usage text and SystemExit
     if "--config" not in argv and default_config:
         argv = ["--config", str(default_config), *argv]
-    if "--config" in argv:
-        index = argv.index("--config")
-        if index + 1 >= len(argv):
-            raise ValueError("--config needs a YAML path")
-        path = argv[index + 1]
-        if not os.path.isfile(path):
-            raise FileNotFoundError(f"recipe not found: {path}")
-        config = load_yaml_config(path)
-        check_config_keys(config, _known_keys(parser), path)
-        check_config_types(config, classes, path)
-    return parser.parse_args_and_config(argv, fail_with_unknown_args=True)
+    known = _known_keys(parser)
+    for arg in argv:
+        if arg.startswith("--") and arg[2:].split("=", 1)[0].replace("-", "_") not in known:
+            renamed = renamed_key_problem(arg.split("=", 1)[0])
+            if renamed:
+                raise ValueError(renamed)
+    if "--config" not in argv:
+        return parser.parse_args_and_config(argv, fail_with_unknown_args=True)
+    index = argv.index("--config")
+    if index + 1 >= len(argv):
+        raise ValueError("--config needs a YAML path")
+    path = argv[index + 1]
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"recipe not found: {path}")
+    config = load_yaml(path)  # the one YAML reader (`4e-5` is a number), not TrlParser's own yaml.safe_load
+    check_config_keys(config, known, path)
+    check_config_types(config, classes, path)
+    # TRL 1.16 `TrlParser.parse_args_and_config` from here on, with the config read above: `env` set, the other
+    # values applied as defaults (every key is known: checked above), then the command line parsed (flags win).
+    env = config.pop("env", {})
+    if not isinstance(env, dict):
+        raise ValueError(f"{path}: env must be a mapping of variable: value")
+    for key, value in env.items():
+        os.environ[key] = str(value)
+    parser.set_defaults_with_config(**config)
+    return parser.parse_args_into_dataclasses(args=argv[:index] + argv[index + 2 :])

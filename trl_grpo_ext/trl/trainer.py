@@ -28,11 +28,12 @@ import torch
 import trl
 from trl.trainer.utils import get_config_model_id
 
+from trl_grpo_ext.errors import raise_problems
 from trl_grpo_ext.grpo.loss_table import loss_type_of_trl_name, ratio_bounds
 from trl_grpo_ext.grpo.losses import degenerate_group_mask, policy_loss_from_log_ratio, ratio_metrics
 from trl_grpo_ext.grpo.reward_aggregation import weighted_rewards
-from trl_grpo_ext.grpo.spec import curriculum_pass_reward, raise_problems, reward_index, reward_name_problems
-from trl_grpo_ext.task.rewards import reward_names
+from trl_grpo_ext.grpo.spec import curriculum_pass_reward, reward_name_problems
+from trl_grpo_ext.task.rewards import reward_index, reward_names
 from trl_grpo_ext.trl import internals
 from trl_grpo_ext.trl.config import EXTRA_LOSS_TYPES, GRPOConfig, trl_loss_type
 from trl_grpo_ext.trl.internals import MixinState, log_metric

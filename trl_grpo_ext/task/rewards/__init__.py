@@ -15,6 +15,7 @@ from trl_grpo_ext.task.rewards.registry import (
     get_reward,
     get_reward_funcs,
     register_reward,
+    reward_index,
     reward_names,
 )
 from trl_grpo_ext.task.rewards.reward_model import RewardModelOptions, RewardModelReward, trl_reward_inputs
@@ -49,5 +50,6 @@ __all__ = [
     "make_hybrid_reward",
     "register_reward",
     "reward_functions",
+    "reward_index",
     "reward_names",
 ]

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import difflib
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Collection, Iterable, Sequence
 
 REWARD_REGISTRY: dict[str, Callable] = {}
 
@@ -99,3 +99,12 @@ def reward_names(entries: Iterable | None = None, func_names: Iterable[str] | No
             own.append(entries[index].strip())
         names.append(tuple(dict.fromkeys(own)))
     return names
+
+
+def reward_index(name: str, names: Sequence[Collection[str]]) -> int | None:
+    """Position of the reward function called `name` (`names[i]`: every name function i answers to, from
+    `reward_names`); None when none is."""
+    for index, own in enumerate(names):
+        if name in own:
+            return index
+    return None
