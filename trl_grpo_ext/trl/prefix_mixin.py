@@ -349,6 +349,7 @@ class PrefixSharingMixin:
         from trl.extras.profiling import profiling_context
         from trl.models import unwrap_model_for_generation
 
+        recorder = self._sampler_logprob_recorder()  # bf16 sampler: its token log-probs (trl.sampler_precision)
         with (
             profiling_context(self, "transformers.generate"),
             unwrap_model_for_generation(
@@ -367,6 +368,7 @@ class PrefixSharingMixin:
                 self._tokenizer.pad_token_id,
                 generation_config=self.generation_config,
                 pad_to_multiple_of=self.pad_to_multiple_of,
+                **(recorder.generate_kwargs() if recorder is not None else {}),
             )
         prompt_length = max(len(p) for p in prompt_ids)
         if self.pad_to_multiple_of:
@@ -381,4 +383,4 @@ class PrefixSharingMixin:
         completion_ids = [
             c[m].tolist() for c, m in zip(completion_ids.cpu(), completion_mask.bool().cpu(), strict=True)
         ]
-        return completion_ids, None
+        return completion_ids, recorder.per_row(completion_ids) if recorder is not None else None
