@@ -166,6 +166,13 @@ def test_bf16_auto_trains_in_autocast_with_fp32_master_weights_and_logs_the_mism
     assert states and {v.dtype for v in states} == {torch.float32}  # Adam's moments
     rows = [row for row in trainer.state.log_history if "loss" in row]
     assert len(rows) == 2
+    # deterministic in bf16 too: the same inputs and threads give the same figures
+    again = _trainer(tiny_model_path, tmp_path, max_steps=2, vllm_importance_sampling_mode="token_truncate")
+    again.train()
+    rows_again = [row for row in again.state.log_history if "loss" in row]
+    assert [{k: v for k, v in r.items() if k != "step_time"} for r in rows] == [
+        {k: v for k, v in r.items() if k != "step_time"} for r in rows_again
+    ]
     for row in rows:
         for key in SAMPLER_MISMATCH_KEYS:
             assert math.isfinite(row[key]), key
@@ -231,6 +238,24 @@ def test_detection_off_keeps_the_fp32_path(tiny_model_path, tmp_path, units):
 
 
 @pytest.mark.slow
+@pytest.mark.slow
+def test_eval_generator_samples_in_bf16_where_asked(tiny_model_path):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from trl_grpo_ext.evaluation import HFGenerator
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_path)
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_path)
+    seen = []
+    model.model.layers[0].mlp.register_forward_hook(lambda m, i, o: seen.append(o.dtype))
+    for bf16 in (False, True):
+        seen.clear()
+        with HFGenerator.borrowing(model, tokenizer, 3, bf16=bf16) as gen:
+            gen.generate(["What is 3 + 4?", "What is 5 + 6?"], 1, greedy=True)
+        assert set(seen) == {torch.bfloat16 if bf16 else torch.float32}
+    assert {p.dtype for p in model.parameters()} == {torch.float32}
+
+
 def test_recipe_prints_and_records_the_precision(tiny_model_path, tmp_path, units, capsys):
     import importlib.util
     from pathlib import Path

@@ -124,6 +124,11 @@ def greedy_accuracy(model, tokenizer, problems: list[dict], max_new_tokens: int,
     return greedy_summary(results)
 
 
+def _eval_bf16(args) -> bool:
+    """Whether the run's evals sample in bf16 autocast, as its generation does (`precision.sampler_bf16`)."""
+    return bool(getattr(args, "bf16", False)) and sampler_bf16(True, args.device.type)
+
+
 class BeforeAfterEvalCallback(TrainerCallback):
     """Greedy held-out eval at the start and the end of training, and the paired gain between the two.
 
@@ -177,9 +182,7 @@ class BeforeAfterEvalCallback(TrainerCallback):
         eval_set = self._eval_set()
         identity = live_model_identity(model) if o.cache else None
         settings = live_model_settings(model, o.max_new_tokens)
-        if sampler_bf16(
-            args.bf16, args.device.type
-        ):  # bf16 results are not fp32's: their own cache entry (fp32 keys stay as they were)
+        if _eval_bf16(args):  # bf16 results are not fp32's: their own cache entry (fp32 keys stay as they were)
             settings["autocast"] = "bfloat16"
         start = time.perf_counter()
         if state.global_step > 0:  # resumed: the weights are no longer the "before" model's
@@ -202,9 +205,7 @@ class BeforeAfterEvalCallback(TrainerCallback):
 
                 def borrow():
                     return stack.enter_context(
-                        HFGenerator.borrowing(
-                            model, processing_class, o.max_new_tokens, bf16=sampler_bf16(args.bf16, args.device.type)
-                        )
+                        HFGenerator.borrowing(model, processing_class, o.max_new_tokens, bf16=_eval_bf16(args))
                     )
 
                 results, info = cached_greedy_eval(
@@ -231,9 +232,7 @@ class BeforeAfterEvalCallback(TrainerCallback):
     def on_train_end(self, args, state, control, model=None, processing_class=None, **kwargs):
         o, main = self.options, state.is_world_process_zero
         start = time.perf_counter()
-        with HFGenerator.borrowing(
-            model, processing_class, o.max_new_tokens, bf16=sampler_bf16(args.bf16, args.device.type)
-        ) as gen:
+        with HFGenerator.borrowing(model, processing_class, o.max_new_tokens, bf16=_eval_bf16(args)) as gen:
             results, _ = evaluate(self.problems, gen, 1, o.batch_size, progress=o.progress and main, desc="eval after")
         entry = {
             **greedy_summary(results),
