@@ -10,7 +10,7 @@
 3. Mismatch: one generation batch of our trainer with the bf16 sampler against the trainer's log-probs:
    sampler-vs-trainer KL, the raw importance ratio's mean/min/max, the fraction the correction truncates.
 
-A CPU without bf16 units emulates bf16 (about 60x slower than fp32 on AVX2), so there the bf16 rows are skipped
+A CPU without bf16 units emulates bf16 (its large matmuls 30-60x slower than fp32 on AVX2), so there the bf16 rows are skipped
 unless ``--quick`` (tiny random model, forced bf16: the mismatch and code paths, not speeds) and the figures that
 need them print ``n/a``; the run says so.
 
@@ -33,7 +33,15 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch  # noqa: E402
-from step_time import PINNED_BATCH, build_trainer, fastest_rate, measure_rates, report, run_config  # noqa: E402
+from step_time import (  # noqa: E402
+    PINNED_BATCH,
+    build_trainer,
+    fastest_rate,
+    group_configs,
+    measure_rates,
+    report,
+    run_precisions,
+)
 
 ROWS = (12, 24)
 
@@ -177,7 +185,7 @@ def main(argv=None):
     run_bf16 = units or args.quick
     if not units:
         print(
-            "this CPU has no bf16 matrix units: torch emulates bf16 (about 60x slower than fp32 here), so `bf16: "
+            "this CPU has no bf16 matrix units: torch emulates bf16 (large matmuls 30-60x slower than fp32), so `bf16: "
             "auto` is fp32 and "
             + (
                 "the bf16 rows below are forced on the tiny model: code paths and mismatch only, not speed"
@@ -188,16 +196,7 @@ def main(argv=None):
     rates = {"fp32": [], "bf16": []}
     measure_rates(rates, 1.0)
     precisions = [("fp32", ["--bf16", "false"])] + ([("bf16", ["--bf16", "true"])] if run_bf16 else [])
-    configs = [
-        ("G=4", base),
-        ("G=8", [*base, "--num_generations", "8", "--gradient_accumulation_steps", "6"]),
-    ]
-    results = {
-        (name, label): run_config(f"{label}, {name}", [*overrides, *flags], args.steps, rates)
-        for name, flags in precisions
-        for label, overrides in configs
-    }
-    measure_rates(rates, 1.0)
+    results = run_precisions(precisions, group_configs(base, "G=4", "G=8"), args.steps, rates)
     for name, values in rates.items():
         print(f"{name} matmul rate: {max(values) / 1e9:.1f} GFLOP/s (best of {len(values)})")
     bf16_rate = max(rates["bf16"])

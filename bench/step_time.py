@@ -254,7 +254,7 @@ def measure_rates(rates: dict, seconds: float) -> None:
     rates["fp32"].append(matmul_rate(seconds))
     if cpu_bf16_units()[0]:
         rates["bf16"].append(matmul_rate(seconds, torch.bfloat16))
-    elif not rates["bf16"]:  # emulated bf16 is ~60x slower than fp32 on AVX2: one small product says so
+    elif not rates["bf16"]:  # emulated bf16 (AVX2: 30-60x slower than fp32): one small product says so
         rates["bf16"].append(matmul_rate(0.0, torch.bfloat16, rows=32))
 
 
@@ -272,6 +272,22 @@ def precision_runs(base: list[str]) -> tuple[list[tuple[str, list[str]]], str]:
     if auto_args.bf16:
         runs.append(("bf16 (auto)", ["--bf16", "auto"]))
     return runs, precision_line(auto_args)
+
+
+def group_configs(base: list[str], g4: str, g8: str) -> list[tuple[str, list[str]]]:
+    """The two timed configurations: the recipe (G=4) and G=8 with the same prompts per step."""
+    return [(g4, base), (g8, [*base, "--num_generations", "8", "--gradient_accumulation_steps", "6"])]
+
+
+def run_precisions(precisions, configs, steps: int, rates: dict) -> dict:
+    """`run_config` for every (precision, configuration), keyed so; the matmul rates measured once more after."""
+    results = {
+        (name, label): run_config(f"{label}, {name}", [*overrides, *flags], steps, rates)
+        for name, flags in precisions
+        for label, overrides in configs
+    }
+    measure_rates(rates, 1.0)
+    return results
 
 
 def report(result, rate):
@@ -368,16 +384,8 @@ def main(argv=None):
     print(f"recipe's {auto_line}")
     if len(precisions) == 1:
         print("bf16: auto is fp32 on this machine: the auto rows are the fp32 rows")
-    configs = [
-        ("embedded default (G=4)", base),
-        ("num_generations: 8", [*base, "--num_generations", "8", "--gradient_accumulation_steps", "6"]),
-    ]
-    results = {
-        (name, label): run_config(f"{label}, {name}", [*overrides, *flags], args.steps, rates)
-        for name, flags in precisions
-        for label, overrides in configs
-    }
-    measure_rates(rates, 1.0)
+    configs = group_configs(base, "embedded default (G=4)", "num_generations: 8")
+    results = run_precisions(precisions, configs, args.steps, rates)
     rate, fastest = fastest_rate(rates)
     for name, values in rates.items():
         print(
