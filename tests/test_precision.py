@@ -85,6 +85,9 @@ def test_config_resolves_auto_before_trl(units, monkeypatch):
     args = GRPOConfig(output_dir="unused", report_to="none", use_cpu=True)
     assert args.bf16 is True and args.to_dict()["bf16"] is True
     assert args.precision.line().startswith("precision: bf16 autocast (fp32 master weights")
+    if not torch.cuda.is_available():  # transformers trains bf16 on the CPU only with use_cpu: auto stays valid
+        args = GRPOConfig(output_dir="unused", report_to="none")
+        assert args.bf16 is False and "use_cpu: true" in args.precision.reason
     with pytest.raises(ValueError, match=r"^invalid GRPOConfig: bf16='often' must be auto, true or false$"):
         GRPOConfig(output_dir="unused", report_to="none", use_cpu=True, bf16="often")
     monkeypatch.setenv(ENV_CPU_BF16, "perhaps")

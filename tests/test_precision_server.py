@@ -58,6 +58,10 @@ def test_forced_bf16_server_trains_and_samples_in_autocast(tiny_model_path, monk
     handle.remove()
     assert seen and set(seen) == {torch.bfloat16}  # sampling and training ran in bf16
     assert {p.dtype for _, p in run.params} == {torch.float32}  # LoRA weights: fp32 master weights
+    from trl_grpo_ext.pytrio.server.adapters import LoraSettings
+
+    second = engine.create_run("r2", LoraSettings(rank=4, seed=7))  # PEFT's add_adapter, not get_peft_model
+    assert {p.dtype for _, p in second.params} == {torch.float32}
     moments = [v for s in run.optimizer.state.values() for v in s.values() if torch.is_tensor(v) and v.dim()]
     assert moments and {v.dtype for v in moments} == {torch.float32}
     # the server's trainer log-probs of the sampled tokens: the sampler's to bf16 rounding

@@ -118,10 +118,18 @@ class GRPOConfig(GRPOSpec, trl.GRPOConfig):
         # Every problem at once, before TRL's own setup (which would fail later, one at a time, and less clearly).
         raise_problems("GRPOConfig", spec_problems(self, TRL) + self._trl_path_problems())
         # `auto` becomes TRL's bool (or None: TRL's default) here; `precision` keeps the choice and its reason
-        self.precision: Precision = resolve_precision(self.bf16, on_cpu=runs_on_cpu(self))
+        self.precision: Precision = self._resolve_precision()
         self.bf16 = self.precision.bf16
         super().__post_init__()
         raise_problems("GRPOConfig", self._generation_batch_problems())
+
+    def _resolve_precision(self) -> Precision:
+        precision = resolve_precision(self.bf16, on_cpu=runs_on_cpu(self))
+        if precision.setting == "auto" and precision.bf16 and not self.use_cpu:
+            # transformers refuses bf16 on a machine without a GPU unless use_cpu is set: auto stays valid
+            reason = f"{precision.reason}, but transformers trains bf16 on the CPU only with use_cpu: true"
+            precision = Precision(False, precision.setting, reason)
+        return precision
 
     def _trl_path_problems(self) -> list[str]:
         problems = number_problem("learning_rate", self.learning_rate, lambda v: v >= 0, "a finite number >= 0")
