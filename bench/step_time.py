@@ -15,11 +15,18 @@ Per phase, wall seconds per optimizer step (median over the timed steps; the fir
 - ``other``: the rest of the step (optimizer, advantages, bookkeeping).
 
 FLOPs: the warm-up step of each trainer runs under ``torch.utils.flop_counter.FlopCounterMode`` (matmuls,
-attention; untimed); the compute bound is those FLOPs at the fp32 matmul rate measured in this run (best of
-repeated ``(2048 x 576) @ (576 x 1536)`` products, the embedded model's MLP shape, before and between steps).
+attention; untimed); the compute bound is those FLOPs at the fastest matmul rate the machine offers, measured in
+this run (best of repeated ``(2048 x 576) @ (576 x 1536)`` products, the embedded model's MLP shape, before and
+between steps): fp32 and bf16 are both measured and printed, and the faster one is the bound (bf16 where the CPU
+has bf16 matrix units; without them torch emulates bf16, slower than fp32).
 
-Last line: ``step time ours/vanilla: <x> (G=4), <y> (G=8); ours at <z>x the compute bound`` (z for G=4).
-Targets (issue 11): x <= 0.55, y <= 0.40, z <= 1.5.
+Precision (issue 28): each configuration runs in fp32 (``--bf16 false``) and in the recipe's ``bf16: auto`` choice
+(`trl_grpo_ext.precision`) when that is bf16; vanilla TRL gets the same resolved ``bf16``, so for the bf16 rows
+its peer is vanilla TRL with ``bf16: true``. Where auto is fp32 the auto rows are the fp32 rows (said so, not run
+twice).
+
+Last line: ``step time ours/vanilla: <x> (G=4), <y> (G=8); ours at <z>x the compute bound`` (z for G=4), for the
+auto choice. Targets (issue 11): x <= 0.55, y <= 0.40, z <= 1.5.
 
 ``--eval N`` also times the eval's greedy pass (``trl-grpo-ext eval``'s generator, batches of 8, 64 new tokens)
 over N held-out problems with plain ``generate`` (before this change) and with the shared prefix, alternated.
@@ -70,10 +77,10 @@ WRAPPED = {
 }
 
 
-def matmul_rate(seconds: float = 1.0) -> float:
-    """fp32 FLOP/s of a (2048 x 576) @ (576 x 1536) product, best of repeated timings."""
-    a, b = torch.randn(2048, 576), torch.randn(576, 1536)
-    flops = 2 * 2048 * 576 * 1536
+def matmul_rate(seconds: float = 1.0, dtype: torch.dtype = torch.float32, rows: int = 2048) -> float:
+    """FLOP/s of a (rows x 576) @ (576 x 1536) product in `dtype`, best of repeated timings."""
+    a, b = torch.randn(rows, 576, dtype=dtype), torch.randn(576, 1536, dtype=dtype)
+    flops = 2 * rows * 576 * 1536
     best = float("inf")
     deadline = time.perf_counter() + seconds
     for _ in range(3):
@@ -202,7 +209,7 @@ def run_config(label, overrides, steps, rates):
     seed = 1234
 
     def between_steps():
-        rates.append(matmul_rate(0.3))
+        measure_rates(rates, 0.3)
 
     with tempfile.TemporaryDirectory() as tmp:
         for name, cls in (("vanilla", trl.GRPOTrainer), ("ours", trl_grpo_ext.GRPOTrainer)):
@@ -238,6 +245,49 @@ def run_config(label, overrides, steps, rates):
         result["flops"][name] = clock.flops
     result["same_completions"] = clocks["vanilla"].completions == clocks["ours"].completions
     return result
+
+
+def measure_rates(rates: dict, seconds: float) -> None:
+    """Append one fp32 and one bf16 matmul rate to `rates` ({"fp32": [...], "bf16": [...]})."""
+    from trl_grpo_ext.precision import cpu_bf16_units
+
+    rates["fp32"].append(matmul_rate(seconds))
+    if cpu_bf16_units()[0]:
+        rates["bf16"].append(matmul_rate(seconds, torch.bfloat16))
+    elif not rates["bf16"]:  # emulated bf16 (AVX2: 30-60x slower than fp32): one small product says so
+        rates["bf16"].append(matmul_rate(0.0, torch.bfloat16, rows=32))
+
+
+def fastest_rate(rates: dict) -> tuple[float, str]:
+    """(the fastest matmul rate measured, its dtype): the compute bound's rate."""
+    return max((max(values), name) for name, values in rates.items() if values)
+
+
+def precision_runs(base: list[str]) -> tuple[list[tuple[str, list[str]]], str]:
+    """The precisions to time (fp32, and auto where it is bf16) and the auto choice's startup line."""
+    from trl_grpo_ext.trl.recipe import precision_line
+
+    _, auto_args, _ = recipe_args(base)
+    runs = [("fp32", ["--bf16", "false"])]
+    if auto_args.bf16:
+        runs.append(("bf16 (auto)", ["--bf16", "auto"]))
+    return runs, precision_line(auto_args)
+
+
+def group_configs(base: list[str], g4: str, g8: str) -> list[tuple[str, list[str]]]:
+    """The two timed configurations: the recipe (G=4) and G=8 with the same prompts per step."""
+    return [(g4, base), (g8, [*base, "--num_generations", "8", "--gradient_accumulation_steps", "6"])]
+
+
+def run_precisions(precisions, configs, steps: int, rates: dict) -> dict:
+    """`run_config` for every (precision, configuration), keyed so; the matmul rates measured once more after."""
+    results = {
+        (name, label): run_config(f"{label}, {name}", [*overrides, *flags], steps, rates)
+        for name, flags in precisions
+        for label, overrides in configs
+    }
+    measure_rates(rates, 1.0)
+    return results
 
 
 def report(result, rate):
@@ -328,18 +378,27 @@ def main(argv=None):
         tiny = build_tiny_model(Path(tempfile.mkdtemp()) / "tiny")
         base += ["--model_name_or_path", tiny, "--max_completion_length", "8"]
     print(f"torch threads: {torch.get_num_threads()}")
-    rates = [matmul_rate(1.0)]
-    configs = [
-        ("embedded default (G=4)", base),
-        ("num_generations: 8", [*base, "--num_generations", "8", "--gradient_accumulation_steps", "6"]),
-    ]
-    results = [run_config(label, overrides, args.steps, rates) for label, overrides in configs]
-    rates.append(matmul_rate(1.0))
-    rate = max(rates)
-    print(
-        f"fp32 matmul rate: {rate / 1e9:.1f} GFLOP/s (best of {len(rates)} measurements, median {statistics.median(rates) / 1e9:.1f})"
-    )
-    (x, z), (y, _) = (report(r, rate) for r in results)
+    rates = {"fp32": [], "bf16": []}
+    measure_rates(rates, 1.0)
+    precisions, auto_line = precision_runs(base)
+    print(f"recipe's {auto_line}")
+    if len(precisions) == 1:
+        print("bf16: auto is fp32 on this machine: the auto rows are the fp32 rows")
+    configs = group_configs(base, "embedded default (G=4)", "num_generations: 8")
+    results = run_precisions(precisions, configs, args.steps, rates)
+    rate, fastest = fastest_rate(rates)
+    for name, values in rates.items():
+        print(
+            f"{name} matmul rate: {max(values) / 1e9:.1f} GFLOP/s (best of {len(values)} measurements, median "
+            f"{statistics.median(values) / 1e9:.1f})"
+        )
+    print(f"compute bound at the fastest rate: {fastest}, {rate / 1e9:.1f} GFLOP/s")
+    ratios = {key: report(result, rate) for key, result in results.items()}
+    print(f"\n{'precision':<14}{'config':<26}{'ours/vanilla':>14}{'ours / bound':>14}")
+    for (name, label), (ratio, bound) in ratios.items():
+        print(f"{name:<14}{label:<26}{ratio:>14.2f}{bound:>14.2f}")
+    auto = precisions[-1][0]
+    (x, z), (y, _) = (ratios[(auto, label)] for label, _ in configs)
     if args.eval:
         model_name = base[1] if args.quick else "embedded"
         seconds, same = eval_time(model_name, args.eval)

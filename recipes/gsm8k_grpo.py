@@ -20,6 +20,7 @@ from trl_grpo_ext.task.rewards import JudgeUnavailableError, trl_reward_inputs  
 from trl_grpo_ext.trl import callbacks as cbs  # noqa: E402
 from trl_grpo_ext.trl.recipe import (  # noqa: E402
     load_model,
+    precision_line,
     prepare_run,
     report_run,
     save_run_config,
@@ -34,6 +35,7 @@ def main(argv=None) -> int:
     try:
         script_args, training_args, model_args = parse_recipe_args(argv, default_config=EMBEDDED_RECIPE)
         print(f"torch threads: {configure_cpu_threads(training_args)}", flush=True)
+        print(precision_line(training_args), flush=True)
         # Every input check, before the model loads and before anything in output_dir is written.
         run = prepare_run(script_args, training_args, model_args)
     except (ValueError, FileNotFoundError) as error:

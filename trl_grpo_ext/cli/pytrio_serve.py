@@ -73,6 +73,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--device", default=None, help="torch device (default cuda if available, else cpu)")
     parser.add_argument("--dtype", default="float32", help="model dtype: float32, bfloat16, float16")
+    parser.add_argument(
+        "--bf16",
+        default="auto",
+        choices=("auto", "true", "false"),
+        help="bf16 autocast of a float32 model in training and sampling: auto (where the CPU has bf16 matrix units), "
+        "true, false; LoRA weights and optimizer state stay fp32 (default auto)",
+    )
     parser.add_argument("--max-batch-size", type=int, default=None, help="per-event batch cap advertised to clients")
     parser.add_argument(
         "--max-request-mb",
@@ -116,6 +123,7 @@ def _config(args: argparse.Namespace) -> tuple[ServerConfig, bool]:
         keep_checkpoints=args.keep_checkpoints,
         device=args.device,
         dtype=args.dtype,
+        bf16=args.bf16,
         max_batch_size=args.max_batch_size,
         max_request_bytes=int(args.max_request_mb * MIB),
         **{field: getattr(args, field) for _flag, field, _kind, _what in LIMIT_FLAGS},

@@ -10,6 +10,7 @@ from typing import Any, Sequence
 from trl_grpo_ext.cpu_threads import govern_cpu_threads
 from trl_grpo_ext.evaluation.problems import Prompt
 from trl_grpo_ext.models import resolve_model
+from trl_grpo_ext.precision import bf16_autocast
 
 
 class HFGenerator:
@@ -24,6 +25,7 @@ class HFGenerator:
         top_p: float = 1.0,
         seed: int = 0,
         device: str | None = None,
+        bf16: bool = False,
     ):
         import torch
         from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -44,28 +46,37 @@ class HFGenerator:
             self.model = merge_and_unload(PeftModel.from_pretrained(self.model, adapter))
         self.model.to(self.device).eval()
         govern_cpu_threads(self.model)  # on the CPU: fewer threads while other processes are busy
-        self._settings(max_new_tokens, temperature, top_p, seed)
+        self._settings(max_new_tokens, temperature, top_p, seed, bf16)
 
-    def _settings(self, max_new_tokens: int, temperature: float, top_p: float, seed: int) -> None:
+    def _settings(self, max_new_tokens: int, temperature: float, top_p: float, seed: int, bf16: bool) -> None:
         self.chat = bool(self.tokenizer.chat_template)
         self.max_new_tokens = max_new_tokens
         self.temperature = temperature
         self.top_p = top_p
         self.seed = seed
+        # bf16 autocast around each generate call (the run's precision, `trl_grpo_ext.precision`); fp32 weights stay
+        self.bf16 = bool(bf16)
         self._calls = 0
         self.last_completion_tokens: list[int] | None = None
 
     @classmethod
     @contextlib.contextmanager
     def borrowing(
-        cls, model, tokenizer, max_new_tokens: int, temperature: float = 0.7, top_p: float = 1.0, seed: int = 0
+        cls,
+        model,
+        tokenizer,
+        max_new_tokens: int,
+        temperature: float = 0.7,
+        top_p: float = 1.0,
+        seed: int = 0,
+        bf16: bool = False,
     ):
         """A generator over a model already in memory (a trainer's), for the duration of a `with` block: eval mode
         and left padding inside, the model's train/eval mode and the tokenizer's padding side restored after."""
         gen = cls.__new__(cls)
         gen.model, gen.tokenizer = model, tokenizer
         gen.device = str(next(model.parameters()).device)
-        gen._settings(max_new_tokens, temperature, top_p, seed)
+        gen._settings(max_new_tokens, temperature, top_p, seed, bf16)
         was_training, side, pad = model.training, tokenizer.padding_side, tokenizer.pad_token
         model.eval()
         tokenizer.padding_side = "left"
@@ -114,7 +125,8 @@ class HFGenerator:
         rows = [ids[mask.bool()].tolist() for ids, mask in zip(enc["input_ids"], enc["attention_mask"], strict=True)]
         del kwargs["num_return_sequences"]
         rows = [row for row in rows for _ in range(num_samples)]
-        with torch.no_grad():
+        # one autocast region for the whole call: each weight is cast to bf16 once, not at every decode step
+        with torch.no_grad(), bf16_autocast(self.bf16, torch.device(self.device).type):
             out = shared_prefix_generate(self.model, rows, **kwargs)
         new = out[:, enc["input_ids"].shape[1] :]
         # Tokens up to the end of each completion (padding after EOS excluded), for the mean length.

@@ -301,3 +301,67 @@ def group_advantages(
     if zero_degenerate:
         advantages = advantages.masked_fill(degenerate.repeat_interleave(group_size), 0.0)
     return advantages, degenerate
+
+
+# --------------------------------------------------------------------------- sampler / trainer mismatch
+# TRL 1.16's importance-sampling modes for a sampler whose log-probs are not the trainer's (vLLM there, the bf16
+# sampler here): `token_*` weigh each token, `sequence_*` a whole completion; `*_truncate` caps the ratio,
+# `*_mask` zeroes weights outside [clip_min, clip_max].
+SAMPLER_CORRECTION_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
+# The mismatch metrics both paths log, one row per step (`sampler_correction`)
+SAMPLER_MISMATCH_KEYS = (
+    "sampling/sampler_kl",
+    "sampling/is_ratio_raw/mean",
+    "sampling/is_ratio_raw/min",
+    "sampling/is_ratio_raw/max",
+    "sampling/is_ratio_truncated_frac",
+)
+
+
+def sampler_correction(
+    trainer_logps: torch.Tensor,
+    sampler_logps: torch.Tensor,
+    mask: torch.Tensor,
+    mode: str = "token_truncate",
+    clip_min: float | None = None,
+    clip_max: float | None = 3.0,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Importance weights correcting for a sampler whose token log-probs differ from the trainer's, and the mismatch.
+
+    The weights are TRL 1.16's vLLM importance-sampling ratio (`GRPOTrainer._generate_and_score_completions`):
+    ``exp(trainer - sampler)`` per token (``token_*``) or per completion (``sequence_*``: the summed difference),
+    clamped to [clip_min, clip_max] (``*_truncate``) or zeroed outside it (``*_mask``); padding and NaN sampler
+    log-probs count as no difference. Shape (B, T) or (B, 1), detached; a loss multiplies its per-token terms by them.
+
+    Metrics (0-dim tensors, local to the rows given), keys `SAMPLER_MISMATCH_KEYS`: ``sampler_kl``, the k3 estimate
+    of KL(sampler || trainer) per token, ``mean(r - 1 - log r)`` with ``r = exp(trainer - sampler)`` (>= 0, unbiased
+    under the sampler's tokens); the raw ratio's mean/min/max before truncation (per token or per completion, as the
+    mode weighs); the fraction of them outside the bounds (truncated or masked).
+    """
+    if mode not in SAMPLER_CORRECTION_MODES:
+        raise ValueError(f"unknown importance sampling mode {mode!r}; valid: {', '.join(SAMPLER_CORRECTION_MODES)}")
+    trainer_logps, sampler_logps = trainer_logps.detach().float(), sampler_logps.detach().float()
+    valid = mask.bool() & ~torch.isnan(sampler_logps)
+    diff = torch.where(valid, trainer_logps - torch.nan_to_num(sampler_logps), torch.zeros_like(trainer_logps))
+    sequence = mode.startswith("sequence")
+    log_ratio = diff.sum(-1, keepdim=True) if sequence else diff
+    raw = torch.exp(log_ratio)
+    low = -float("inf") if clip_min is None else float(clip_min)
+    high = float("inf") if clip_max is None else float(clip_max)
+    outside = (raw < low) | (raw > high)
+    if mode.endswith("truncate"):
+        weights = raw.clamp(min=clip_min, max=clip_max)
+    else:
+        weights = raw.masked_fill(outside, 0.0)
+    counted = valid.any(-1, keepdim=True) if sequence else valid
+    ratios = raw[counted]
+    zero = raw.new_zeros(())
+    k3 = torch.expm1(diff) - diff  # r - 1 - log r per token, 0 where not counted
+    metrics = {
+        "sampling/sampler_kl": k3[valid].mean() if valid.any() else zero,
+        "sampling/is_ratio_raw/mean": ratios.mean() if ratios.numel() else zero,
+        "sampling/is_ratio_raw/min": ratios.min() if ratios.numel() else zero,
+        "sampling/is_ratio_raw/max": ratios.max() if ratios.numel() else zero,
+        "sampling/is_ratio_truncated_frac": outside[counted].float().mean() if ratios.numel() else zero,
+    }
+    return weights, metrics

@@ -230,7 +230,7 @@ def make_custom_loss(config: PyTrioGRPOConfig, rows: TokenRows, record: dict):
     completion tokens of the whole batch as ``loss_aggregation`` says. Metrics also land in ``record``."""
     import torch
 
-    from trl_grpo_ext.grpo.losses import policy_loss, token_level_mean  # torch: first step
+    from trl_grpo_ext.grpo.losses import policy_loss, sampler_correction, token_level_mean  # torch: first step
 
     clip_low, clip_high = config.clip_bounds
 
@@ -257,6 +257,10 @@ def make_custom_loss(config: PyTrioGRPOConfig, rows: TokenRows, record: dict):
             loss = token_level_mean(per_token, mask)
         metrics = {k: float(v) for k, v in loss_metrics.items()}
         metrics["loss"] = float(loss.detach())
+        # The sampler/trainer mismatch, as the TRL path logs it with a bf16 sampler. No weight is added: on this
+        # path the loss's ratio is already taken against the sampler's log-probs (the service's semantics).
+        _, mismatch = sampler_correction(new.detach(), old, mask)
+        metrics.update({k: float(v) for k, v in mismatch.items()})
         record.update(metrics)
         return loss, metrics
 

@@ -34,6 +34,7 @@ from trl_grpo_ext.evaluation import (
     read_results,
     write_results,
 )
+from trl_grpo_ext.precision import sampler_bf16
 from trl_grpo_ext.runs import (
     EVAL_AFTER_PROBLEMS_FILENAME,
     EVAL_BEFORE_AFTER_FILENAME,
@@ -114,6 +115,11 @@ class SwanLabCompletionsCallback(TrainerCallback):
 # ------------------------------------------------------------------------------------ before/after eval
 
 
+def _eval_bf16(args) -> bool:
+    """Whether the run's evals sample in bf16 autocast, as its generation does (`precision.sampler_bf16`)."""
+    return bool(getattr(args, "bf16", False)) and sampler_bf16(True, args.device.type)
+
+
 class BeforeAfterEvalCallback(TrainerCallback):
     """Greedy held-out eval at the start and the end of training, and the paired gain between the two.
 
@@ -167,6 +173,8 @@ class BeforeAfterEvalCallback(TrainerCallback):
         eval_set = self._eval_set()
         identity = live_model_identity(model) if o.cache else None
         settings = live_model_settings(model, o.max_new_tokens)
+        if _eval_bf16(args):  # bf16 results are not fp32's: their own cache entry (fp32 keys stay as they were)
+            settings["autocast"] = "bfloat16"
         start = time.perf_counter()
         if state.global_step > 0:  # resumed: the weights are no longer the "before" model's
             results, entry = self._resumed_before(out, eval_set)
@@ -187,7 +195,9 @@ class BeforeAfterEvalCallback(TrainerCallback):
             with contextlib.ExitStack() as stack:
 
                 def borrow():
-                    return stack.enter_context(HFGenerator.borrowing(model, processing_class, o.max_new_tokens))
+                    return stack.enter_context(
+                        HFGenerator.borrowing(model, processing_class, o.max_new_tokens, bf16=_eval_bf16(args))
+                    )
 
                 results, info = cached_greedy_eval(
                     self.problems,
@@ -213,7 +223,7 @@ class BeforeAfterEvalCallback(TrainerCallback):
     def on_train_end(self, args, state, control, model=None, processing_class=None, **kwargs):
         o, main = self.options, state.is_world_process_zero
         start = time.perf_counter()
-        with HFGenerator.borrowing(model, processing_class, o.max_new_tokens) as gen:
+        with HFGenerator.borrowing(model, processing_class, o.max_new_tokens, bf16=_eval_bf16(args)) as gen:
             results, _ = evaluate(self.problems, gen, 1, o.batch_size, progress=o.progress and main, desc="eval after")
         entry = {
             **greedy_summary(results),

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 
 import trl
 
+from trl_grpo_ext.cpu_threads import runs_on_cpu
 from trl_grpo_ext.errors import raise_problems
 from trl_grpo_ext.grpo.loss_table import (
     LOCAL_LOSS_TYPES,
@@ -28,6 +29,7 @@ from trl_grpo_ext.grpo.spec import (
     spec_field,
     spec_problems,
 )
+from trl_grpo_ext.precision import Precision, resolve_precision
 
 # Loss names on this path, from the one table (`trl_grpo_ext.grpo.loss_table`): TRL 1.16's own (handed to TRL unchanged),
 # the ones the subclass computes (`ppo` is Tinker's/PyTRIO's name, per token TRL's dapo, so one recipe sweeps the same
@@ -71,6 +73,17 @@ class GRPOConfig(GRPOSpec, trl.GRPOConfig):
     # The spec's help (both paths' loss names), TRL's default.
     loss_type: str = spec_field("loss_type", default="dapo")
 
+    # TRL's field (bool | None) also takes `auto`, resolved here before TRL sees it (`trl_grpo_ext.precision`); typed
+    # `str | None` so the command line passes `--bf16 auto` through (YAML true/false stay booleans).
+    bf16: str | None = field(
+        default="auto",
+        metadata={
+            "help": "bf16 mixed precision: bf16 autocast with fp32 master weights and fp32 optimizer state, in "
+            "training and in sampling. 'auto' (default): on the CPU, bf16 where the CPU has bf16 matrix units "
+            "(AVX512-BF16, AMX, Arm BF16), fp32 elsewhere; off the CPU, TRL's default (bf16 unless fp16). true / "
+            "false force it. The choice and its reason are printed at start and kept in run_summary.json."
+        },
+    )
     share_prompt_prefix: bool = field(
         default=True,
         metadata={
@@ -104,14 +117,29 @@ class GRPOConfig(GRPOSpec, trl.GRPOConfig):
         normalize_values(self)  # scale_rewards true/false (CLI / YAML strings too)
         # Every problem at once, before TRL's own setup (which would fail later, one at a time, and less clearly).
         raise_problems("GRPOConfig", spec_problems(self, TRL) + self._trl_path_problems())
+        # `auto` becomes TRL's bool (or None: TRL's default) here; `precision` keeps the choice and its reason
+        self.precision: Precision = self._resolve_precision()
+        self.bf16 = self.precision.bf16
         super().__post_init__()
         raise_problems("GRPOConfig", self._generation_batch_problems())
+
+    def _resolve_precision(self) -> Precision:
+        precision = resolve_precision(self.bf16, on_cpu=runs_on_cpu(self))
+        if precision.setting == "auto" and precision.bf16 and not self.use_cpu:
+            # transformers refuses bf16 on a machine without a GPU unless use_cpu is set: auto stays valid
+            reason = f"{precision.reason}, but transformers trains bf16 on the CPU only with use_cpu: true"
+            precision = Precision(False, precision.setting, reason)
+        return precision
 
     def _trl_path_problems(self) -> list[str]:
         problems = number_problem("learning_rate", self.learning_rate, lambda v: v >= 0, "a finite number >= 0")
         for name in ("share_prompt_prefix", "share_prompt_prefix_across_microbatches"):
             if not isinstance(getattr(self, name), bool):
                 problems.append(f"{name}={getattr(self, name)!r} must be true or false")
+        try:
+            resolve_precision(self.bf16, on_cpu=runs_on_cpu(self))
+        except ValueError as error:  # a bad bf16 value or TRL_GRPO_EXT_CPU_BF16
+            problems.append(str(error))
         packed = self.max_packed_tokens
         if packed is not None and (isinstance(packed, bool) or not isinstance(packed, int) or packed < 1):
             problems.append(f"max_packed_tokens={packed!r} must be a positive integer or None")

@@ -342,6 +342,8 @@ class PrefixSharingMixin:
         """TRL 1.16 ``_generate_single_turn``'s transformers-generate branch (`internals.generate_single_turn`), text
         only, with the shared-prefix prefill (`shared_prefix_generate`) in place of ``unwrapped_model.generate``."""
 
+        recorder = self._sampler_logprob_recorder()  # bf16 sampler: its token log-probs (trl.sampler_precision)
+
         def generate(unwrapped_model, prompts):
             return shared_prefix_generate(
                 unwrapped_model,
@@ -349,6 +351,8 @@ class PrefixSharingMixin:
                 internals.pad_token_id(self),
                 generation_config=self.generation_config,
                 pad_to_multiple_of=self.pad_to_multiple_of,
+                **(recorder.generate_kwargs() if recorder is not None else {}),
             )
 
-        return internals.generate_single_turn(self, prompt_ids, generate)
+        completion_ids, _ = internals.generate_single_turn(self, prompt_ids, generate)
+        return completion_ids, recorder.per_row(completion_ids) if recorder is not None else None

@@ -118,6 +118,21 @@ def load_model(path: str, model_args, training_args):
     return model
 
 
+def run_precision(training_args) -> dict | None:
+    """The run's precision choice and its reason (`trl_grpo_ext.precision.Precision`), as run_summary.json keeps it;
+    None for a plain `trl.GRPOConfig`, which has no `auto`."""
+    precision = getattr(training_args, "precision", None)
+    return precision.as_dict() if precision is not None else None
+
+
+def precision_line(training_args) -> str:
+    """The recipe's startup line on precision: the choice and why (`trl_grpo_ext.precision`)."""
+    precision = getattr(training_args, "precision", None)
+    if precision is None:
+        return f"precision: {'bf16' if training_args.bf16 else 'fp32'} (bf16: {training_args.bf16})"
+    return precision.line()
+
+
 def _use_chat(script_args, tokenizer) -> bool:
     if script_args.prompt_format == "auto":
         return bool(getattr(tokenizer, "chat_template", None))
@@ -222,6 +237,7 @@ def report_run(trainer, training_args) -> dict:
     summary["torch_threads"] = governor.cap if governor else torch.get_num_threads()
     if governor:  # the count followed the machine's load: how often, and how low
         summary["torch_threads_governor"] = {"changes": governor.changes, "lowest": governor.lowest}
+    summary["precision"] = run_precision(training_args)
     summary["wall_time_s"] = round(time.time() - _START, 1)
     usage = resource.getrusage(resource.RUSAGE_SELF)
     summary["cpu_time_s"] = round(usage.ru_utime + usage.ru_stime, 1)

@@ -38,6 +38,7 @@ from trl_grpo_ext.trl import internals
 from trl_grpo_ext.trl.config import EXTRA_LOSS_TYPES, GRPOConfig, trl_loss_type
 from trl_grpo_ext.trl.internals import MixinState, log_metric
 from trl_grpo_ext.trl.prefix_mixin import PrefixSharingMixin
+from trl_grpo_ext.trl.sampler_precision import SamplerPrecisionMixin
 from trl_grpo_ext.trl.sampling import CurriculumMixin, DynamicSamplingMixin
 
 
@@ -47,7 +48,7 @@ def _on_policy_ratio_metrics(clip_low, clip_high) -> dict[str, float]:
     return {name: value.item() for name, value in ratio_metrics(torch.ones(1), None, clip_low, clip_high).items()}
 
 
-class GRPOTrainer(DynamicSamplingMixin, CurriculumMixin, PrefixSharingMixin, trl.GRPOTrainer):
+class GRPOTrainer(DynamicSamplingMixin, CurriculumMixin, SamplerPrecisionMixin, PrefixSharingMixin, trl.GRPOTrainer):
     """TRL's `GRPOTrainer` plus ``loss_type`` ``importance_sampling`` / ``cispo`` (two-sided) / ``ppo``, degenerate groups.
 
     Takes the same arguments as `trl.GRPOTrainer`. With a `trl_grpo_ext.GRPOConfig` the names of
@@ -142,6 +143,7 @@ class GRPOTrainer(DynamicSamplingMixin, CurriculumMixin, PrefixSharingMixin, trl
         return result
 
     def _compute_loss(self, model, inputs):
+        inputs = self._with_sampler_correction(inputs)  # bf16 sampler: advantages weighed (trl.sampler_precision)
         if self.ext_loss_type is None:
             self._capture_logps, self._captured_logps = True, None
             try:

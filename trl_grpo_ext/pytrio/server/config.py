@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from trl_grpo_ext.models import cache_dir
+from trl_grpo_ext.precision import parse_bf16_setting
 from trl_grpo_ext.runs import PYTRIO_SERVER_DIRNAME
 
 API_KEY_ENV = "TRL_GRPO_EXT_PYTRIO_API_KEY"  # read by `trl-grpo-ext pytrio-serve`: keeps the key out of `ps`
@@ -38,6 +39,9 @@ class ServerConfig:
     ephemeral_storage: bool = False
     device: str | None = None
     dtype: str = "float32"
+    # bf16 autocast of an fp32 model in training and sampling: auto (where the CPU has bf16 matrix units), true,
+    # false (`trl_grpo_ext.precision`); the LoRA weights and their optimizer state stay fp32
+    bf16: str | bool = "auto"
     max_batch_size: int | None = None  # advertised to the client, which then splits batches into events
     max_tokens_per_request: int | None = None
     max_batch_tokens: int = 4096  # forward/backward: padded tokens per model call (memory of the logits)
@@ -83,6 +87,10 @@ class ServerConfig:
         problems = []
         if not str(self.model).strip():
             problems.append("model must be a model folder, a hub id or 'embedded'")
+        try:
+            parse_bf16_setting(self.bf16)
+        except ValueError as error:
+            problems.append(str(error))
         if any(not isinstance(n, str) or not n.strip() for n in self.served_names):
             problems.append(f"served_names must be non-empty strings, got {list(self.served_names)}")
         for name in ("max_batch_tokens", "snapshot_cache_size", "max_temporary_checkpoints", "max_request_bytes",

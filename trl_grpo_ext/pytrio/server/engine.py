@@ -9,6 +9,7 @@ A single re-entrant lock serialises every use of the model: PEFT's active adapte
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import threading
 import warnings
@@ -17,6 +18,7 @@ import torch
 
 from trl_grpo_ext.compat import cache_keyword
 from trl_grpo_ext.cpu_threads import govern_cpu_threads
+from trl_grpo_ext.precision import bf16_autocast, resolve_precision
 from trl_grpo_ext.prefix import packed_unsupported_reason
 from trl_grpo_ext.pytrio.server.adapters import LoraAdapters, LoraSettings, LoraSnapshot, TrainingRun
 from trl_grpo_ext.pytrio.server.decoding import SampleSpec, Sampling, default_stop_ids
@@ -40,6 +42,7 @@ class ModelEngine(LoraAdapters, ForwardBackward, Sampling, TokenLogprobs):
         share_prefix: bool = True,
         min_shared_prefix: int = MIN_SHARED_PREFIX,
         checkpoint_tokens: int = 1024,
+        bf16: str | bool | None = "auto",
     ):
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -49,7 +52,14 @@ class ModelEngine(LoraAdapters, ForwardBackward, Sampling, TokenLogprobs):
         if not isinstance(torch_dtype, torch.dtype):
             raise ValueError(f"unknown dtype {dtype!r}")
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_path)
+        # compute precision (`trl_grpo_ext.precision`): with fp32 weights, bf16 autocast in forward/backward and
+        # sampling where the CPU has bf16 matrix units (auto) or bf16 is forced; the LoRA weights and their Adam
+        # state stay fp32. Off the CPU `auto` keeps fp32 (the server's behaviour before).
+        self.precision = resolve_precision(bf16, on_cpu=self.device.type == "cpu")
+        self.autocast_bf16 = bool(self.precision.bf16) and torch_dtype == torch.float32
         model = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=torch_dtype)
+        if self.autocast_bf16:
+            bf16_frozen_linears(model)
         model.to(self.device)
         model.eval()  # no dropout: forward and forward_backward must see the same function
         for p in model.parameters():
@@ -79,6 +89,18 @@ class ModelEngine(LoraAdapters, ForwardBackward, Sampling, TokenLogprobs):
         self.can_checkpoint = checkpointing_exact(model)
         self.checkpoint_tokens = max(1, int(checkpoint_tokens))
         self.memory_model = MemoryModel.from_model(model, LOGIT_CHUNK)  # bytes of a request, for admission
+
+    def _autocast(self):
+        return bf16_autocast(self.autocast_bf16, self.device.type)
+
+    def forward(self, *args, **kwargs):
+        with self._autocast():
+            return super().forward(*args, **kwargs)
+
+    def use_snapshot(self, snapshot: LoraSnapshot | None):
+        """`LoraAdapters.use_snapshot`, its context also in bf16 autocast where the engine computes in bf16."""
+        model, ctx = super().use_snapshot(snapshot)
+        return (model, _together(ctx, self._autocast())) if self.autocast_bf16 else (model, ctx)
 
     def sample_limits(self, max_num_samples: int = 2**31) -> SampleLimits:
         """What a sample request may ask of this model (the server adds its `max_num_samples`)."""
@@ -180,3 +202,22 @@ class ModelEngine(LoraAdapters, ForwardBackward, Sampling, TokenLogprobs):
                 with warnings.catch_warnings():  # PEFT warns when the deleted adapter was the active one
                     warnings.simplefilter("ignore", UserWarning)
                     self.peft.delete_adapter(run.adapter)
+
+
+@contextlib.contextmanager
+def _together(first, second):
+    with first, second:
+        yield
+
+
+def bf16_frozen_linears(model) -> None:
+    """The frozen base model's linear weights in bf16, before PEFT wraps them: bf16 autocast would cast them to
+    exactly these values at every call (autocast caches casts of trainable weights only), so this is the same
+    computation without the per-call cast, in half the memory. A weight tied to the input embeddings (the output
+    layer of SmolLM2) stays fp32: the embedding lookup is not autocast."""
+    tied = model.get_input_embeddings().weight
+    for module in model.modules():
+        if isinstance(module, torch.nn.Linear) and module.weight is not tied:
+            module.weight.data = module.weight.data.to(torch.bfloat16)
+            if module.bias is not None:
+                module.bias.data = module.bias.data.to(torch.bfloat16)

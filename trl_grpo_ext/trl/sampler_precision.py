@@ -1,0 +1,144 @@
+"""`SamplerPrecisionMixin`: the TRL path's sampler in bf16, and the loss corrected for its mismatch with the trainer.
+
+Where the run computes in bf16 on the CPU (``bf16`` resolved by `trl_grpo_ext.precision`: autocast, fp32 master
+weights and optimizer state), generation runs inside one bf16 autocast region, so each weight is cast to bf16 once
+per generation batch instead of at every decode step (accelerate's autocast wraps each forward call on its own).
+The sampler's numbers then differ from the trainer's (bf16 rounding in a KV-cached decode against one packed
+forward), so its token log-probs are kept -- of the processed distribution it sampled from, as TRL asks vLLM for
+``processed_logprobs`` -- and the loss is corrected the way TRL 1.16 corrects vLLM's, with TRL's settings
+(``vllm_importance_sampling_correction``, ``_mode``, ``_clip_min``, ``_clip_max``) and the maths of
+`trl_grpo_ext.grpo.losses.sampler_correction`. The correction weighs the advantages, per token or per completion:
+every TRL loss type and ours is linear in the advantage with a non-negative weight (``-min(r A w, clip(r) A w) =
+-w min(r A, clip(r) A)``), so this is TRL's ``per_token_loss * importance_sampling_ratio`` without touching TRL's
+``_compute_loss``. The mismatch (``sampling/*``, `SAMPLER_MISMATCH_KEYS`) is logged every step.
+
+The fp32 path (and vLLM, which TRL corrects itself) runs exactly as before: no autocast region, no recorder.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+from transformers import LogitsProcessor, LogitsProcessorList
+
+from trl_grpo_ext.grpo.losses import SAMPLER_MISMATCH_KEYS, sampler_correction
+from trl_grpo_ext.precision import bf16_autocast, sampler_bf16
+
+logger = logging.getLogger(__name__)
+
+
+class SampledTokenLogprobs(LogitsProcessor):
+    """Records the log-prob of each sampled token under the scores it was sampled from.
+
+    Placed last among ``generate``'s processors (custom ones come after temperature, top-k and top-p), it sees
+    the processed scores of step k; the token drawn from them is the last input id at step k + 1, and the final
+    step's token is read from the completions (`per_row`). One (rows, vocab) log-softmax is held at a time.
+    """
+
+    def __init__(self):
+        self.steps: list[torch.Tensor] = []
+        self._pending: torch.Tensor | None = None
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
+        if self._pending is not None:
+            self.steps.append(self._pending.gather(-1, input_ids[:, -1:]).squeeze(-1))
+        self._pending = torch.log_softmax(scores.float(), dim=-1)
+        return scores
+
+    def per_row(self, completion_ids: list[list[int]]) -> list[list[float]]:
+        """Each completion's token log-probs (completions as TRL keeps them: cut after the first EOS)."""
+        steps = list(self.steps)
+        if self._pending is not None:
+            n = len(steps) + 1
+            last = [ids[n - 1] if len(ids) >= n else 0 for ids in completion_ids]
+            index = torch.tensor(last, dtype=torch.long, device=self._pending.device)[:, None]
+            steps.append(self._pending.gather(-1, index).squeeze(-1))
+        table = torch.stack(steps, dim=1).tolist() if steps else [[] for _ in completion_ids]
+        return [row[: len(ids)] for row, ids in zip(table, completion_ids, strict=True)]
+
+    def generate_kwargs(self) -> dict:
+        """``generate``'s keyword that installs this recorder."""
+        return {"logits_processor": LogitsProcessorList([self])}
+
+
+class SamplerPrecisionMixin:
+    """`trl.GRPOTrainer` hooks: bf16 generation on the CPU, its token log-probs kept, the loss corrected.
+
+    Sits above `PrefixSharingMixin` in the trainer's bases: its shared log-prob forward does not call up to TRL's.
+    """
+
+    _sampler_recorder: SampledTokenLogprobs | None = None
+    _pending_correction: dict | None = None
+    _warned_uncorrected = False
+
+    def _sampler_bf16(self) -> bool:
+        """Generation runs in bf16 autocast here: bf16 on the CPU, not vLLM (TRL's own sampler and correction)."""
+        return sampler_bf16(self.args.bf16, self.accelerator.device.type) and not self.use_vllm
+
+    def _keeps_sampler_logprobs(self) -> bool:
+        return self._sampler_bf16() and bool(self.vllm_importance_sampling_correction)
+
+    def _generate(self, prompts):
+        with bf16_autocast(self._sampler_bf16()):
+            return super()._generate(prompts)
+
+    def _sampler_logprob_recorder(self) -> SampledTokenLogprobs | None:
+        """Hook for the generate call (`PrefixSharingMixin`): a recorder of the sampler's token log-probs, or None."""
+        self._sampler_recorder = SampledTokenLogprobs() if self._keeps_sampler_logprobs() else None
+        return self._sampler_recorder
+
+    # ------------------------------------------------------------------ the correction in the loss
+    def _with_sampler_correction(self, inputs: dict) -> dict:
+        """Hook at the start of ``_compute_loss``: a copy of `inputs` whose advantages the first log-prob forward
+        weighs by the sampler correction (the batch buffered for ``num_iterations > 1`` stays as generated)."""
+        if self.use_vllm or not self._keeps_sampler_logprobs():
+            return inputs
+        if inputs.get("sampling_per_token_logps") is None:
+            if not self._warned_uncorrected:
+                self._warned_uncorrected = True
+                logger.warning(
+                    "bf16 sampling without its token log-probs (they are kept on the shared-prefix generate path "
+                    "only): the loss is not corrected for the sampler/trainer mismatch"
+                )
+            return inputs
+        inputs = dict(inputs)
+        self._pending_correction = inputs
+        return inputs
+
+    def _get_per_token_logps_and_entropies(self, *args, **kwargs):
+        result = super()._get_per_token_logps_and_entropies(*args, **kwargs)
+        inputs, self._pending_correction = self._pending_correction, None
+        if inputs is not None:
+            self._correct_for_sampler(inputs, result[0])
+        return result
+
+    def _correct_for_sampler(self, inputs: dict, per_token_logps: torch.Tensor) -> None:
+        # the trainer's log-probs of the sampled policy: the old ones when TRL computed them, else (on-policy) these
+        old = inputs.get("old_per_token_logps")
+        trainer_logps = per_token_logps.detach() if old is None else old
+        mask = (
+            inputs["completion_mask"] if "tool_mask" not in inputs else inputs["completion_mask"] * inputs["tool_mask"]
+        )
+        weights, metrics = sampler_correction(
+            trainer_logps,
+            inputs["sampling_per_token_logps"],
+            mask,
+            self.vllm_importance_sampling_mode,
+            self.vllm_importance_sampling_clip_min,
+            self.vllm_importance_sampling_clip_max,
+        )
+        advantages = inputs["advantages"]
+        if advantages.dim() == 1:
+            advantages = advantages.unsqueeze(1)
+        inputs["advantages"] = advantages * weights.to(advantages.dtype)
+        self._log_sampler_mismatch(metrics)
+
+    def _log_sampler_mismatch(self, metrics: dict[str, torch.Tensor]) -> None:
+        mode = "train" if self.model.training else "eval"
+        local = torch.stack([metrics[key].float() for key in SAMPLER_MISMATCH_KEYS])
+        every = self.accelerator.gather(local[None]) if self.accelerator.num_processes > 1 else local[None]
+        for i, key in enumerate(SAMPLER_MISMATCH_KEYS):
+            column = every[:, i]
+            value = column.min() if key.endswith("/min") else column.max() if key.endswith("/max") else column.mean()
+            self._metrics[mode][key].append(value.item())
