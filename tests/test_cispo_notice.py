@@ -52,7 +52,7 @@ def test_the_pytrio_loop_prints_it_before_anything_loads(tmp_path, capsys, monke
 
     monkeypatch.setattr(connection, "local_server", no_server)
     main = load("gsm8k_pytrio").main
-    missing = ["--dataset_name", "gsm8k", "--dataset_path", str(tmp_path / "missing.jsonl")]
+    missing = ["--dataset_name", str(tmp_path / "missing.jsonl")]
     assert main(["--output_dir", str(tmp_path / "run"), "--loss_type", "cispo", *missing]) == 2
     out, err = capsys.readouterr()
     assert "missing.jsonl" in err

@@ -1,7 +1,7 @@
 """TRL's internals in one place: the code this package copies from TRL and every access to TRL's private state.
 
 The TRL path extends `trl.GRPOTrainer` by overriding its hooks (`OVERRIDDEN_HOOKS`, defined in `trl.trainer`,
-`trl.sampling` and `trl.prefix_mixin` under TRL's private names, each calling ``super()``). Everything else it
+`trl.sampling`, `trl.prefix_mixin` and `trl.sampler_precision` under TRL's private names, each calling ``super()``). Everything else it
 needs of TRL beyond TRL's public API is here, so a TRL upgrade re-checks this module:
 
 - **Copies.** Each function copied from TRL is marked ``@mirrors(TRL function, {TRL version: source hash})``;
@@ -381,7 +381,9 @@ PRIVATE_STATE = (
 OVERRIDDEN_HOOKS = (
     "_calculate_rewards",  # trl.trainer (degenerate groups), trl.sampling (curriculum)
     "_generate_and_score_completions",  # trl.trainer
-    "_get_per_token_logps_and_entropies",  # trl.trainer (captured log-probs), trl.prefix_mixin
+    "_get_per_token_logps_and_entropies",  # trl.trainer (captured log-probs), trl.prefix_mixin,
+    # trl.sampler_precision (the bf16 sampler's correction)
+    "_generate",  # trl.sampler_precision (bf16 autocast around generation)
     "_compute_loss",  # trl.trainer
     "_prepare_inputs",  # trl.sampling (dynamic sampling)
     "_get_train_sampler",  # trl.sampling (curriculum)

@@ -24,6 +24,7 @@ from transformers import LogitsProcessor, LogitsProcessorList
 
 from trl_grpo_ext.grpo.losses import SAMPLER_MISMATCH_KEYS, sampler_correction
 from trl_grpo_ext.precision import bf16_autocast, sampler_bf16
+from trl_grpo_ext.trl import internals
 
 logger = logging.getLogger(__name__)
 
@@ -141,4 +142,4 @@ class SamplerPrecisionMixin:
         for i, key in enumerate(SAMPLER_MISMATCH_KEYS):
             column = every[:, i]
             value = column.min() if key.endswith("/min") else column.max() if key.endswith("/max") else column.mean()
-            self._metrics[mode][key].append(value.item())
+            internals.log_metric(self, mode, key, value.item())
