@@ -249,7 +249,7 @@ def _sampling_problems(config) -> list[str]:
 
 
 def spec_problems(config, path: str) -> list[str]:
-    """Every problem with the `GRPOSpec` settings of `config` on execution path `path` (`loss_types.TRL` or
+    """Every problem with the `GRPOSpec` settings of `config` on execution path `path` (`loss_table.TRL` or
     `PYTRIO`), each message starting with its YAML key. Call `normalize_values` first."""
     problems = _loss_problems(config, path)
     scale = config.scale_rewards
