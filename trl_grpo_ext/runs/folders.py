@@ -10,6 +10,7 @@ from pathlib import Path
 import yaml
 
 from trl_grpo_ext.runs.checkpoints import checkpoint_folders
+from trl_grpo_ext.runs.files import yaml_loads
 from trl_grpo_ext.runs.names import (
     CONFIG_FILENAME,
     EVAL_BEFORE_AFTER_FILENAME,
@@ -39,7 +40,7 @@ def read_run_config(run_dir) -> tuple[dict, str | None, dict | None]:
         if not path.is_file():
             continue
         try:
-            data = yaml.safe_load(path.read_text()) if path.suffix == ".yaml" else json.loads(path.read_text())
+            data = yaml_loads(path.read_text()) if path.suffix == ".yaml" else json.loads(path.read_text())
         except (yaml.YAMLError, json.JSONDecodeError, OSError):
             continue
         if not isinstance(data, dict):

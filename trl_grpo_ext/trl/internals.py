@@ -6,8 +6,8 @@ needs of TRL beyond TRL's public API is here, so a TRL upgrade re-checks this mo
 
 - **Copies.** Each function copied from TRL is marked ``@mirrors(TRL function, {TRL version: source hash})``;
   `MIRRORS` lists them and the code elsewhere that mirrors TRL (`MIRRORED_ELSEWHERE`: the copies in the
-  path-independent core, which the PyTRIO loop imports without TRL and which therefore cannot live here, and two
-  TRL-path hooks that follow a TRL function's layout). The copies were made from TRL 1.16.0. The hash is the
+  path-independent core, which the PyTRIO loop imports without TRL and which therefore cannot live here, the recipe
+  parser's steps of ``TrlParser.parse_args_and_config``, and two TRL-path hooks that follow a TRL function's layout). The copies were made from TRL 1.16.0. The hash is the
   SHA-256 (first 16 hex digits) of ``inspect.getsource`` of the installed TRL function with every run of whitespace
   made one space. ``tests/test_trl_internals.py`` recomputes it and fails, naming the TRL function and our copy,
   when the installed TRL's source is not the one the copy was checked against, or when the installed TRL version
@@ -291,8 +291,9 @@ GENERATION_BATCH_RIGHT_PADDED = {
 }
 
 # Code elsewhere that mirrors TRL, checked by the same test: copies in the layers below the TRL path (the PyTRIO
-# loop imports them without TRL, so they cannot live here), and the TRL path's hooks that follow a TRL function's
-# layout without copying it (the curriculum's sampler, the shared-prefix log-prob forward's chunks).
+# loop imports them without TRL, so they cannot live here), the recipe parser's steps of TrlParser (it runs before
+# any trainer exists), and the TRL path's hooks that follow a TRL function's layout without copying it (the
+# curriculum's sampler, the shared-prefix log-prob forward's chunks).
 _OUR_GRPO = "trl_grpo_ext.grpo"
 MIRRORED_ELSEWHERE = (
     Mirror("trl.trainer.utils.nanstd", f"{_OUR_GRPO}.losses._nanstd", {"1.16.0": "5e4d28a84a305003"}),
@@ -321,6 +322,12 @@ MIRRORED_ELSEWHERE = (
         part="rewards/<name>/mean and /std",
     ),
     Mirror(
+        f"{TRL_GRPO}._generate_and_score_completions",
+        f"{_OUR_GRPO}.losses.sampler_correction",
+        {"1.16.0": "5f6267d35c18c248"},
+        part="vLLM importance-sampling ratio: its four modes and clamp",
+    ),
+    Mirror(
         f"{TRL_GRPO}._calculate_rewards",
         f"{_OUR_GRPO}.reward_aggregation.score_completions",
         {"1.16.0": "f9363c3464c1c018"},
@@ -342,6 +349,12 @@ MIRRORED_ELSEWHERE = (
         "trl_grpo_ext.task.rewards.reward_model.RewardModelReward.__call__",
         {"1.16.0": "f9363c3464c1c018"},
         part="the nn.Module reward branch",
+    ),
+    Mirror(
+        "trl.scripts.utils.TrlParser.parse_args_and_config",
+        "trl_grpo_ext.trl.script_args.parse_recipe_args",
+        {"1.16.0": "d2352633503fea9a"},
+        part="the config file's env and values applied as defaults, then the command line",
     ),
     Mirror(
         "trl.trainer.utils.RepeatSampler.__iter__",

@@ -118,13 +118,10 @@ class SamplerPrecisionMixin:
         # the trainer's log-probs of the sampled policy: the old ones when TRL computed them, else (on-policy) these
         old = inputs.get("old_per_token_logps")
         trainer_logps = per_token_logps.detach() if old is None else old
-        mask = (
-            inputs["completion_mask"] if "tool_mask" not in inputs else inputs["completion_mask"] * inputs["tool_mask"]
-        )
         weights, metrics = sampler_correction(
             trainer_logps,
             inputs["sampling_per_token_logps"],
-            mask,
+            internals.loss_mask(inputs),
             self.vllm_importance_sampling_mode,
             self.vllm_importance_sampling_clip_min,
             self.vllm_importance_sampling_clip_max,

@@ -78,9 +78,7 @@ class LocalPyTrioServer(ControlHandlers, ActorHandlers, TrainingHandlers, Checkp
         self.aliases = {self.model_id, self.model_alias, str(config.model), *self.served_names}
         self.memory = MemoryGate(config.memory_budget_bytes or default_budget())
         logger.info("PyTRIO local server: working memory budget %s", gib(self.memory.budget))
-        logger.info(
-            "PyTRIO local server: %s", getattr(self.engine, "precision", None) and self.engine.precision.line()
-        )
+        logger.info("PyTRIO local server: %s", self.engine.precision.line())
         self.sampler = SamplingBatcher(self.engine, config.max_sampling_rows, self.memory)
         self._queues: dict[str, RunEventQueue] = {}
         self._snapshot_cache: OrderedDict[str, LoraSnapshot] = OrderedDict()
