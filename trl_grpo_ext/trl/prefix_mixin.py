@@ -61,6 +61,8 @@ class PrefixSharingMixin:
             self.args, "share_prompt_prefix_across_microbatches", True
         )
         self.max_packed_tokens = getattr(self.args, "max_packed_tokens", None)
+        # chunks and generate calls run shared / plain and their tokens, over the trainer's life (`_count_*`)
+        self.prefix_sharing_stats = collections.Counter()
         self._prefix_cycle: _Cycle | None = None
         self._in_training_step = False
         self._micro_batches_in_step = 0  # training_step calls since the last optimizer step
@@ -71,7 +73,7 @@ class PrefixSharingMixin:
     def _count_prefix_tokens(self, plan: PrefixPlan | None, rows: int, shared: bool, kind: str = "chunks") -> None:
         """``prefix_sharing_stats``: log-prob chunks / generate calls run shared and plain, and the log-prob
         forwards' prompt tokens encoded vs those of the plain path."""
-        stats = self.__dict__.setdefault("prefix_sharing_stats", collections.Counter())
+        stats = self.prefix_sharing_stats
         stats[f"{'shared' if shared else 'plain'}_{kind}"] += 1
         stats["rows"] += rows if kind == "chunks" else 0
         if plan is not None:
@@ -81,7 +83,7 @@ class PrefixSharingMixin:
     def _count_context(self, context: PromptContext, grad: bool) -> None:
         """``prefix_sharing_stats``: contexts encoded (``cycle_contexts`` with gradients once per accumulation cycle,
         ``call_contexts`` without, once per log-prob call) and their tokens, which count as encoded prompt tokens."""
-        stats = self.__dict__.setdefault("prefix_sharing_stats", collections.Counter())
+        stats = self.prefix_sharing_stats
         stats["cycle_contexts" if grad else "call_contexts"] += 1
         stats["context_tokens"] += context.tokens
         stats["prompt_tokens_encoded"] += context.tokens
@@ -89,7 +91,7 @@ class PrefixSharingMixin:
     def _count_chunk_tokens(self, ids, mask, prompt_length: int, prompts, plan, info: dict) -> None:
         """``prefix_sharing_stats`` ``tokens`` / ``padded_tokens``: what a log-prob chunk ran through the model
         against TRL's padded rows (equal where TRL's forward ran), and the step's metrics."""
-        stats = self.__dict__.setdefault("prefix_sharing_stats", collections.Counter())
+        stats = self.prefix_sharing_stats
         padded = ids.numel()
         run = info.get("tokens", padded)
         stats["padded_tokens"] += padded
@@ -105,7 +107,7 @@ class PrefixSharingMixin:
 
     def _count_context_chunk(self, prompts: list, grad: bool) -> None:
         """A chunk run on a context: its plain prompt tokens against the one token per row it encodes itself."""
-        stats = self.__dict__.setdefault("prefix_sharing_stats", collections.Counter())
+        stats = self.prefix_sharing_stats
         stats["shared_chunks"] += 1
         stats["cycle_chunks" if grad else "call_chunks"] += 1
         stats["rows"] += len(prompts)
