@@ -27,6 +27,15 @@ from trl_grpo_ext.pytrio.server.loss_fns import LossSpec, per_token_loss
 MIN_SHARED_PREFIX = 8
 
 
+def _counted(logprobs: torch.Tensor, targets: torch.Tensor, auto_shift: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(B, T) log-probs zeroed where no target counts, and that mask: padding and -100 targets never count, nor,
+    with `auto_shift`, the first label (no position predicts it)."""
+    valid = targets != -100
+    if auto_shift:
+        valid[:, 0] = False
+    return torch.where(valid, logprobs, torch.zeros_like(logprobs)), valid
+
+
 @dataclass
 class ForwardDatum:
     tokens: list[int]
@@ -64,13 +73,9 @@ class ForwardBackward:
         with self.layer_checkpointing(torch.is_grad_enabled() and ids.numel() > self.checkpoint_tokens):
             hidden, _ = self.decode(input_ids=ids, attention_mask=mask, use_cache=False)
         if auto_shift:
-            # position i predicts target i + 1; the first label has no predicting position (masked below)
+            # position i predicts target i + 1; the first label has no predicting position (`_counted` masks it)
             hidden = torch.cat([hidden.new_zeros(hidden.shape[0], 1, hidden.shape[-1]), hidden[:, :-1]], dim=1)
-        valid = targets != -100
-        if auto_shift:
-            valid[:, 0] = False
-        gathered = self.token_logprobs(hidden, targets.clamp(min=0))
-        return torch.where(valid, gathered, torch.zeros_like(gathered)), valid
+        return _counted(self.token_logprobs(hidden, targets.clamp(min=0)), targets, auto_shift)
 
     def _padded(self, rows: list[list[float]], width: int, dtype: torch.dtype, fill: float = 0) -> torch.Tensor:
         """Rows right-padded with `fill` to `width`, as one (len(rows), width) tensor on the engine's device."""
@@ -176,10 +181,7 @@ class ForwardBackward:
         gathered = self.token_logprobs(features, index)[slot, reader]  # (rows, width)
         if auto_shift:  # position i reports the logits of position i - 1 scoring target i
             gathered = torch.cat([gathered.new_zeros(len(data), 1), gathered[:, :-1]], dim=1)
-        valid = targets != -100
-        if auto_shift:
-            valid[:, 0] = False
-        return torch.where(valid, gathered, torch.zeros_like(gathered)), valid
+        return _counted(gathered, targets, auto_shift)
 
     def forward(
         self,
