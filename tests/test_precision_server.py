@@ -26,10 +26,9 @@ def _engine(path, monkeypatch, units: bool, **kwargs):
 def _step(engine, run_id="r"):
     """Sample a completion on the base model, then one forward_backward (importance_sampling against the
     sampler's log-probs) and an optimizer step on a fresh LoRA run; returns (sampled, logprobs, outputs, run)."""
-    from trl_grpo_ext.pytrio.server.loss_fns import parse_loss
-
     from trl_grpo_ext.pytrio.server.adapters import LoraSettings
     from trl_grpo_ext.pytrio.server.forward import ForwardDatum
+    from trl_grpo_ext.pytrio.server.loss_fns import parse_loss
 
     prompt = [3, 17, 29, 41, 5, 8, 11]
     sampled = engine.sample(None, prompt, num_samples=1, max_tokens=6, temperature=1.0, seed=3)[0]

@@ -225,6 +225,32 @@ def test_hybrid_reports_components_and_vetoes_through_log_metric():
     }
 
 
+def test_a_costly_component_is_asked_about_the_completions_no_veto_fired_on_only():
+    calls = []
+
+    def costly(completions, answer, prompts, trainer_state, **kwargs):
+        calls.append((list(completions), list(answer), list(prompts), trainer_state))
+        return [float(len(c)) for c in completions]
+
+    costly.scored_after_vetoes = True
+    reward = make_hybrid_reward({"boxed": 1.0, costly: 0.01}, vetoes=["no_box"], name="gated")
+    completions = ["\\boxed{18}", "no box", "\\boxed{7} x", "nothing"]
+    logged = {}
+    scores = reward(
+        completions,
+        answer=["18", "1", "7", "2"],
+        prompts=["p0", "p1", "p2", "p3"],
+        trainer_state="state",
+        log_metric=logged.__setitem__,
+    )
+    assert scores == [pytest.approx(1.1), 0.0, pytest.approx(1.11), 0.0]  # boxed + 0.01 * length
+    # the kept completions with their own columns; non-column arguments as they were
+    assert calls == [(["\\boxed{18}", "\\boxed{7} x"], ["18", "7"], ["p0", "p2"], "state")]
+    assert logged["rewards/gated/costly"] == pytest.approx(10.5)  # over the two it was asked about
+    assert logged["rewards/gated/boxed"] == pytest.approx(0.5)  # a rule scores all four
+    assert reward(["none", "at all"], answer=["1", "2"]) == [0.0, 0.0] and len(calls) == 1  # all vetoed: not called
+
+
 def test_hybrid_with_callables_and_none():
     def length_bonus(completions, **kwargs):
         return [0.5 for _ in completions]

@@ -256,8 +256,38 @@ def test_hybrid_with_judge_and_cost_terms():
     assert scores[3] == pytest.approx(0.7 - 0.05 * 2)  # judge failed after a retry: two calls, no judge term
     metrics = log.metrics()
     assert metrics["rewards/hybrid_reward/judge"] == pytest.approx(1.0) and metrics["judge/failures"] == 1
+    # Vetoes first in time too: the vetoed completion cost no request (1 + 1 + 2 for the others).
+    asked = [body["messages"][-1]["content"] for body in server.bodies]
+    assert len(asked) == 4 and not any("no box" in text for text in asked)
+    assert metrics["judge/requests"] == 4
     with pytest.raises(ValueError, match="needs a judge component"):
         make_hybrid_reward({"boxed": 1.0, "cost": -0.1}, resolve=lambda k: reward_functions([k], settings=Settings)[0])
+
+
+def test_a_hybrid_asks_the_judge_nothing_when_every_completion_is_vetoed():
+    with ScriptedServer(lambda index, body: ("ok", "10")) as server:
+        judge = judge_for(server)
+        hybrid = make_hybrid_reward({"boxed": 0.7, judge: 0.3}, vetoes=["no_box"], veto_value=-1.0, name="h")
+        scores = asyncio.run(hybrid(prompts=[PROMPT] * 2, completions=["no box", "none"], answer=["#### 4"] * 2))
+        assert scores == [-1.0, -1.0] and server.bodies == []
+        # A batch with one completion left: only it is asked, with its own prompt.
+        other = [{"role": "user", "content": "What is 3 + 1?"}]
+        scores = asyncio.run(
+            hybrid(prompts=[PROMPT, other], completions=["none", "So \\boxed{4}."], answer=["#### 4"] * 2)
+        )
+    assert scores == [-1.0, pytest.approx(1.0)]
+    assert len(server.bodies) == 1 and "3 + 1" in server.bodies[0]["messages"][-1]["content"]
+
+
+def test_a_pairwise_judge_in_a_hybrid_compares_the_completions_no_veto_fired_on():
+    with ScriptedServer(lambda index, body: ("ok", "A")) as server:
+        judge = judge_for(server, mode="pairwise")
+        hybrid = make_hybrid_reward({judge: 1.0}, vetoes=["no_box"], name="h")
+        completions = ["So \\boxed{4}.", "no box", "Hence \\boxed{5}."]
+        scores = asyncio.run(hybrid(prompts=[PROMPT] * 3, completions=completions))
+    # one pair, both orders (the position bias gives 0.5 each); the vetoed one was in no pair
+    assert scores == [0.5, 0.0, 0.5] and len(server.bodies) == 2
+    assert not any("no box" in m["content"] for body in server.bodies for m in body["messages"])
 
 
 @pytest.mark.parametrize(

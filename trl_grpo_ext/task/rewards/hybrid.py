@@ -1,9 +1,12 @@
 """`make_hybrid_reward`: hard vetoes first, then a weighted sum of component rewards ("type D").
 
 A vetoed completion scores `veto_value` whatever its components say, so it cannot buy back points
-with format credit. Per-component means and veto rates go to TRL's `log_metric` callback
+with format credit. The vetoes run first in time too: a costly component (a component with
+``scored_after_vetoes``: the judge, a reward model) is asked about the completions no veto fired on only,
+so a vetoed completion costs no judge request and no reward-model forward; the rules score every completion.
+Per-component means and veto rates go to TRL's `log_metric` callback
 (`rewards/<name>/<component>`, `rewards/<name>/veto_<veto>`, `rewards/<name>/vetoed`), so a run shows
-why its reward moved.
+why its reward moved; a costly component's mean is over the completions it was asked about.
 """
 
 from __future__ import annotations
@@ -39,6 +42,19 @@ def _resolve_vetoes(vetoes) -> list[tuple[str, Callable[..., bool]]]:
     return resolved
 
 
+def _after_vetoes(func) -> bool:
+    """Whether `func` is asked about the completions no veto fired on only (the judge, a reward model: a request or
+    a forward each, spent for nothing on a completion the veto scores anyway). A callable of the user's opts in by
+    setting the attribute."""
+    return bool(getattr(func, "scored_after_vetoes", False))
+
+
+def _kept_columns(kwargs: Mapping, keep: list[int], n: int) -> dict:
+    """TRL's per-completion columns (lists of `n` values: prompts, completion_ids, dataset columns) cut to the
+    completions in `keep`; everything else (trainer_state, callbacks) passed as it is."""
+    return {k: [v[i] for i in keep] if isinstance(v, (list, tuple)) and len(v) == n else v for k, v in kwargs.items()}
+
+
 def _is_async(func) -> bool:
     """TRL's test (`trl.trainer.utils.is_async_callable`, without importing trl): a coroutine function or an object
     whose ``__call__`` is one."""
@@ -64,7 +80,9 @@ def make_hybrid_reward(
     `max_completion_length` and/or `eos_token_ids`, given here or as call kwargs.
     A component that scores None (unparseable ground truth) makes the hybrid score None, except a component that
     abstains on failure (the judge, whose request failed): its term is left out, as TRL leaves a NaN reward out of
-    the weighted sum. With an async component (the judge) the hybrid is async too, as TRL expects; a `cost`
+    the weighted sum. Components with ``scored_after_vetoes`` (the judge, a reward model) are called with the
+    completions no veto fired on only (and not at all when every one was vetoed); a pairwise judge then compares
+    those among themselves. With an async component (the judge) the hybrid is async too, as TRL expects; a `cost`
     component per judge call reads the requests the judge components sent."""
     if not components:
         raise ValueError("make_hybrid_reward needs at least one component, e.g. {'boxed': 1.0}")
@@ -97,25 +115,16 @@ def make_hybrid_reward(
             raise ValueError(f"component {label!r} returned {len(out)} rewards for {n} completions")
         return out
 
-    def add_costs(scores, completions, common, n) -> None:
-        requests = [0] * n
-        for _, func, _ in first:
-            for i, sent in enumerate(getattr(func, "last_requests", None) or []):
-                requests[i] += sent
-        for label, func, _ in last:
-            scores[label] = check(label, func(completions, judge_requests=requests, **common), n)
-
-    def combine(completions, completion_ids, log_metric, kwargs, scores) -> list[float | None]:
+    def fire_vetoes(completions, completion_ids, limits) -> dict[str, list[bool]]:
+        """Each veto's verdict per completion; a veto that raises does not fire."""
         n = len(completions)
         texts = [completion_text(c) for c in completions]
         ids = column(completion_ids, n, "completion_ids") if completion_ids is not None else [None] * n
-        limit = kwargs.get("max_completion_length") or max_completion_length
-        eos = kwargs.get("eos_token_ids") or eos_default
-        fired = {label: [False] * n for label, _ in veto_list}
-        rewards: list[float | None] = []
-        for i in range(n):
-            for label, veto in veto_list:
-                fired[label][i] = bool(
+        limit = limits.get("max_completion_length") or max_completion_length
+        eos = limits.get("eos_token_ids") or eos_default
+        return {
+            label: [
+                bool(
                     safe_score(
                         veto,
                         texts[i],
@@ -125,11 +134,50 @@ def make_hybrid_reward(
                         eos_token_ids=eos,
                     )
                 )
-            terms = [(func, w, scores[label][i]) for label, func, w in parts]
+                for i in range(n)
+            ]
+            for label, veto in veto_list
+        }
+
+    def start_calls(completions, common, fired, scores) -> list[tuple]:
+        """(label, func, answers or a coroutine for an async func, the batch positions asked) per component before
+        the costs: a rule on every completion, a costly component on those no veto fired on (not called when none
+        is left). `spread` puts each component's answers back in the batch's positions."""
+        n = len(completions)
+        keep = [i for i in range(n) if not any(fired[label][i] for label, _ in veto_list)]
+        calls = []
+        for label, func, _ in first:
+            if not _after_vetoes(func):
+                calls.append((label, func, func(completions, **common), list(range(n))))
+            elif keep:
+                asked = [completions[i] for i in keep]
+                calls.append((label, func, func(asked, **_kept_columns(common, keep, n)), keep))
+            else:
+                scores[label] = [None] * n
+        return calls
+
+    def spread(label, out, positions, n, scores, requests, func) -> None:
+        out = check(label, out, len(positions))
+        scores[label] = [None] * n
+        for j, i in enumerate(positions):
+            scores[label][i] = out[j]
+        for j, sent in enumerate(getattr(func, "last_requests", None) or []):  # what each completion sent
+            requests[positions[j]] += sent
+
+    def add_costs(scores, completions, common, requests) -> None:
+        for label, func, _ in last:
+            scores[label] = check(label, func(completions, judge_requests=requests, **common), len(completions))
+
+    def combine(n, log_metric, fired, scores) -> list[float | None]:
+        rewards: list[float | None] = []
+        for i in range(n):
+            vetoed = any(fired[label][i] for label, _ in veto_list)
+            # A vetoed completion's costly components were not asked: no term, not a missing one.
+            terms = [(func, w, scores[label][i]) for label, func, w in parts if not (vetoed and _after_vetoes(func))]
             kept = [(w, v) for func, w, v in terms if not (v is None and getattr(func, "abstains_on_failure", False))]
-            if not kept or any(v is None for _, v in kept):
+            if any(v is None for _, v in kept) or not (kept or vetoed):
                 rewards.append(None)
-            elif any(fired[label][i] for label, _ in veto_list):
+            elif vetoed:
                 rewards.append(veto_value)
             else:
                 rewards.append(sum(w * float(v) for w, v in kept))
@@ -158,12 +206,14 @@ def make_hybrid_reward(
             completions, kwargs, limits = prepare(completions, kwargs)
             common = call_kwargs(completions, completion_ids, log_metric, kwargs)
             n = len(completions)
-            scores = {label: check(label, f(completions, **common), n) for label, f, _ in first if not _is_async(f)}
-            pending = [(label, f) for label, f, _ in first if _is_async(f)]
-            outputs = await asyncio.gather(*(f(completions, **common) for _, f in pending))
-            scores.update({label: check(label, out, n) for (label, _), out in zip(pending, outputs, strict=True)})
-            add_costs(scores, completions, common, n)
-            return combine(completions, completion_ids, log_metric, limits, scores)
+            fired = fire_vetoes(completions, completion_ids, limits)
+            scores, requests = {}, [0] * n
+            calls = start_calls(completions, common, fired, scores)
+            outputs = iter(await asyncio.gather(*(out for _, f, out, _ in calls if _is_async(f))))
+            for label, f, out, positions in calls:
+                spread(label, next(outputs) if _is_async(f) else out, positions, n, scores, requests, f)
+            add_costs(scores, completions, common, requests)
+            return combine(n, log_metric, fired, scores)
 
     else:
 
@@ -171,9 +221,12 @@ def make_hybrid_reward(
             completions, kwargs, limits = prepare(completions, kwargs)
             common = call_kwargs(completions, completion_ids, log_metric, kwargs)
             n = len(completions)
-            scores = {label: check(label, f(completions, **common), n) for label, f, _ in first}
-            add_costs(scores, completions, common, n)
-            return combine(completions, completion_ids, log_metric, limits, scores)
+            fired = fire_vetoes(completions, completion_ids, limits)
+            scores, requests = {}, [0] * n
+            for label, f, out, positions in start_calls(completions, common, fired, scores):
+                spread(label, out, positions, n, scores, requests, f)
+            add_costs(scores, completions, common, requests)
+            return combine(n, log_metric, fired, scores)
 
     def with_context(**context) -> Callable:
         return make_hybrid_reward(

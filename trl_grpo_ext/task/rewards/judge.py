@@ -283,8 +283,10 @@ class JudgeReward:
         self.last_requests: list[int] = []  # requests each completion of the last call sent (the cost term)
         self._states: dict[int, tuple[asyncio.AbstractEventLoop, _LoopState]] = {}
 
-    # The hybrid reads these: a judge's None is one missing term, not an unscorable completion.
+    # The hybrid reads these: a judge's None is one missing term, not an unscorable completion; a request is spent on
+    # completions no veto fired on only.
     abstains_on_failure = True
+    scored_after_vetoes = True
 
     def preflight(self) -> None:
         """Raise a one-line ValueError naming the URL unless the server answers ``GET <base_url>/models`` and lists

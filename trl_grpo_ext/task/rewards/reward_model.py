@@ -151,6 +151,8 @@ class RewardModelReward:
     """A reward model as a reward function (`f(prompts, completions, **kwargs) -> list[float]`); see the module
     docstring. Construction reads the config only (a bad entry fails at once); the weights load on first use."""
 
+    scored_after_vetoes = True  # in a hybrid, no forward is spent on a completion a veto scores anyway
+
     def __init__(self, entry: str, options: RewardModelOptions | None = None, chat_template_kwargs=None):
         self.entry = entry.strip()
         self.source = check_reward_model(self.entry)
