@@ -47,6 +47,20 @@ def renamed_key_problem(key: str) -> str | None:
     return f"'{key}' is now '{new}' (one data spec for both paths); rename it"
 
 
+def with_current_keys(config: dict) -> dict:
+    """A saved run config in today's spelling, for reading runs saved before the rename (`compare`): each old key of
+    `RENAMED_KEYS` under its new name, and an old PyTRIO run's ``dataset_name: gsm8k`` + ``dataset_path: FILE`` as
+    ``dataset_name: FILE`` (what that file is now named by). Keys already in today's spelling win."""
+    config = dict(config)
+    path = config.pop("dataset_path", None)
+    if path and config.get("dataset_name") == "gsm8k":
+        config["dataset_name"] = path
+    for old, new in RENAMED_KEYS.items():
+        if old in config:
+            config.setdefault(new, config.pop(old))
+    return config
+
+
 def reward_funcs_list(value) -> list[str]:
     """``reward_funcs`` as a list of names: a string is split on commas (both paths take 'boxed,format')."""
     if isinstance(value, str):
