@@ -214,6 +214,46 @@ def test_bf16_sampler_logprobs_are_the_sampled_tokens_and_weigh_the_advantages(t
 
 
 @pytest.mark.slow
+def test_bf16_sampler_logprobs_are_kept_with_prefix_sharing_off(tiny_model_path, tmp_path, units, caplog):
+    """TRL's own generation (no shared prefix) records the sampler's log-probs too: the same tokens as TRL's
+    ``_generate_single_turn``, their log-probs the trainer's to bf16 rounding, and the loss corrected."""
+    units(True)
+    trainer = _trainer(
+        tiny_model_path, tmp_path, share_prompt_prefix=False, vllm_importance_sampling_mode="token_truncate"
+    )
+    trainer.model.train()
+    prompt_ids = [trainer.processing_class(f"What is {i} + 4?")["input_ids"] for i in (1, 1, 22, 333)]
+    from trl_grpo_ext.precision import bf16_autocast
+
+    with bf16_autocast(True):
+        torch.manual_seed(0)
+        theirs, none = trl.GRPOTrainer._generate_single_turn(trainer, prompt_ids, None, {}, 1)
+        torch.manual_seed(0)
+        ours, logprobs = trainer._generate_single_turn(prompt_ids, None, {}, 1)
+    assert none is None and ours == theirs and [len(r) for r in logprobs] == [len(c) for c in ours]
+    torch.manual_seed(0)
+    with caplog.at_level("WARNING"):
+        inputs = trainer._generate_and_score_completions([{"prompt": PROMPTS[i]} for i in range(2) for _ in range(4)])
+        sampled, mask = inputs["sampling_per_token_logps"], inputs["completion_mask"]
+        ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], 1)
+        attn = torch.cat([inputs["prompt_mask"], mask], 1)
+        with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+            trainer_logps, _, _ = trl.GRPOTrainer._get_per_token_logps_and_entropies(
+                trainer, trainer.model, ids, attn, mask.size(1)
+            )
+        assert (sampled - trainer_logps).abs()[mask.bool()].max() < 0.02
+        before = inputs["advantages"].clone()
+        corrected = trainer._with_sampler_correction(inputs)
+        trainer._get_per_token_logps_and_entropies(trainer.model, ids, attn, mask.size(1))
+    weights, _ = sampler_correction(trainer_logps, sampled, mask, "token_truncate", None, 3.0)
+    torch.testing.assert_close(corrected["advantages"], before.unsqueeze(1) * weights, atol=2e-2, rtol=2e-2)
+    assert "without its token log-probs" not in caplog.text
+    # a generation config whose rows are not one sample each gets no recorder (its log-probs would be misread)
+    trainer.generation_config.num_beams = 2
+    assert trainer._sampler_logprob_recorder() is None
+
+
+@pytest.mark.slow
 def test_detection_off_keeps_the_fp32_path(tiny_model_path, tmp_path, units):
     """auto with no bf16 units: no autocast, no sampler log-probs, no correction; log-probs are TRL's own, bit for bit."""
     units(False)

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import torch
 from trl.extras.profiling import profiling_context
 from trl.models import unwrap_model_for_generation
-from trl.trainer.utils import shuffle_sequence_dict, split_tensor_dict
+from trl.trainer.utils import pad, shuffle_sequence_dict, split_tensor_dict
 
 from trl_grpo_ext.grpo.losses import token_level_mean
 
@@ -261,6 +261,21 @@ def generate_single_turn(trainer, prompt_ids: list[list[int]], generate: Callabl
     completion_mask = (sequence_indices <= eos_idx.unsqueeze(1)).int()
     completion_ids = [c[m].tolist() for c, m in zip(completion_ids.cpu(), completion_mask.bool().cpu(), strict=True)]
     return completion_ids, None
+
+
+@mirrors(f"{TRL_GRPO}._generate_single_turn", {"1.16.0": "d2590f88b1522c4a"}, part="regular generation path")
+def left_padded_generate(trainer, unwrapped_model, prompt_ids: list[list[int]], **generate_kwargs) -> torch.Tensor:
+    """TRL 1.16 ``_generate_single_turn``'s regular path, text only: the prompts left-padded (to
+    ``pad_to_multiple_of``) and ``unwrapped_model.generate``, with `generate_kwargs` added to the call (a logits
+    processor that reads the scores). For `generate_single_turn`'s `generate`."""
+    tensors = [torch.tensor(ids) for ids in prompt_ids]
+    padding = {"padding_side": "left", "pad_to_multiple_of": trainer.pad_to_multiple_of}
+    inputs = {
+        "input_ids": pad(tensors, padding_value=pad_token_id(trainer), **padding),
+        "attention_mask": pad([torch.ones_like(t) for t in tensors], padding_value=0, **padding),
+    }
+    inputs = {k: v.to(trainer.accelerator.device) for k, v in inputs.items()}  # TRL: Trainer._prepare_inputs
+    return unwrapped_model.generate(**inputs, generation_config=trainer.generation_config, **generate_kwargs)
 
 
 @mirrors(f"{TRL_GRPO}.get_train_dataloader", {"1.16.0": "89d6ad147677148d"})

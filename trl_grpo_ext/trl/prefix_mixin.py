@@ -322,23 +322,38 @@ class PrefixSharingMixin:
         return context
 
     def _generate_single_turn(self, prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False):
+        multimodal = images is not None or multimodal_fields or has_tool_images or internals.is_vlm(self)
         reason = None
         if not self._sharing_enabled() or self.use_vllm:
             reason = ""  # off, or vLLM, which caches prefixes itself: nothing to log
         elif self.use_transformers_continuous_batching:
             reason = "transformers continuous batching manages its own cache"
-        elif images is not None or multimodal_fields or has_tool_images or internals.is_vlm(self):
+        elif multimodal:
             reason = "multimodal inputs"
         else:
             reason = generation_unsupported_reason(self.model, self.generation_config)
         if reason is not None:
             if reason:
                 log_fallback_once(reason)
+            transformers_text = not (self.use_vllm or self.use_transformers_continuous_batching or multimodal)
+            recorder = self._sampler_logprob_recorder() if transformers_text else None
+            if recorder is not None:  # bf16 sampler (trl.sampler_precision): TRL's generate, its log-probs recorded
+                return self._recorded_generate_single_turn(prompt_ids, recorder)
             return super()._generate_single_turn(
                 prompt_ids, images, multimodal_fields, num_generations, has_tool_images
             )
         self._count_prefix_tokens(None, len(prompt_ids), True, kind="generations")
         return self._shared_prefix_generate_single_turn(prompt_ids)
+
+    def _recorded_generate_single_turn(self, prompt_ids, recorder):
+        """TRL 1.16 ``_generate_single_turn``'s regular path, text only (`internals.left_padded_generate`), with
+        `recorder` reading the scores each token was drawn from: the same tokens as TRL's, and their log-probs."""
+
+        def generate(unwrapped_model, prompts):
+            return internals.left_padded_generate(self, unwrapped_model, prompts, **recorder.generate_kwargs())
+
+        completion_ids, _ = internals.generate_single_turn(self, prompt_ids, generate)
+        return completion_ids, recorder.per_row(completion_ids)
 
     def _shared_prefix_generate_single_turn(self, prompt_ids):
         """TRL 1.16 ``_generate_single_turn``'s transformers-generate branch (`internals.generate_single_turn`), text

@@ -69,7 +69,6 @@ class SamplerPrecisionMixin:
     Sits above `PrefixSharingMixin` in the trainer's bases: its shared log-prob forward does not call up to TRL's.
     """
 
-    _sampler_recorder: SampledTokenLogprobs | None = None
     _pending_correction: dict | None = None
     _warned_uncorrected = False
 
@@ -85,9 +84,16 @@ class SamplerPrecisionMixin:
             return super()._generate(prompts)
 
     def _sampler_logprob_recorder(self) -> SampledTokenLogprobs | None:
-        """Hook for the generate call (`PrefixSharingMixin`): a recorder of the sampler's token log-probs, or None."""
-        self._sampler_recorder = SampledTokenLogprobs() if self._keeps_sampler_logprobs() else None
-        return self._sampler_recorder
+        """Hook for the generate call (`PrefixSharingMixin`, shared-prefix or TRL's own text generation): a recorder
+        of the sampler's token log-probs, or None (fp32; or a generation config whose rows are not one sample
+        each: beam search, several sequences per row, assisted decoding)."""
+        config = self.generation_config
+        one_sample_per_row = (
+            (getattr(config, "num_beams", 1) or 1) == 1
+            and (getattr(config, "num_return_sequences", 1) or 1) == 1
+            and not (getattr(config, "prompt_lookup_num_tokens", None) or getattr(config, "assistant_model", None))
+        )
+        return SampledTokenLogprobs() if self._keeps_sampler_logprobs() and one_sample_per_row else None
 
     # ------------------------------------------------------------------ the correction in the loss
     def _with_sampler_correction(self, inputs: dict) -> dict:
@@ -99,8 +105,8 @@ class SamplerPrecisionMixin:
             if not self._warned_uncorrected:
                 self._warned_uncorrected = True
                 logger.warning(
-                    "bf16 sampling without its token log-probs (they are kept on the shared-prefix generate path "
-                    "only): the loss is not corrected for the sampler/trainer mismatch"
+                    "bf16 sampling without its token log-probs (they are kept for text-only transformers "
+                    "generation of one sample per row): the loss is not corrected for the sampler/trainer mismatch"
                 )
             return inputs
         inputs = dict(inputs)
