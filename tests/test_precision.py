@@ -254,6 +254,39 @@ def test_bf16_sampler_logprobs_are_kept_with_prefix_sharing_off(tiny_model_path,
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("mode", ["token_truncate", "sequence_mask"])
+def test_vespo_takes_the_bf16_sampler_correction_inside_its_gamma_weights_as_trl_takes_vllms(
+    tiny_model_path, tmp_path, units, mode
+):
+    units(True)
+    trainer = _trainer(tiny_model_path, tmp_path, loss_type="vespo", vllm_importance_sampling_mode=mode)
+    trainer.model.train()
+    trainer.current_gradient_accumulation_steps = 1
+    torch.manual_seed(0)
+    inputs = trainer._generate_and_score_completions([{"prompt": PROMPTS[i]} for i in range(2) for _ in range(4)])
+    sampled, mask = inputs["sampling_per_token_logps"], inputs["completion_mask"]
+    ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], 1)
+    attn = torch.cat([inputs["prompt_mask"], mask], 1)
+    corrected = trainer._with_sampler_correction(inputs)
+    logps, _, _ = trainer._get_per_token_logps_and_entropies(trainer.model, ids, attn, mask.size(1))
+    weights, _ = sampler_correction(logps, sampled, mask, mode, None, 3.0)
+    torch.testing.assert_close(corrected["importance_sampling_ratio"], weights)
+    assert torch.equal(corrected["advantages"], inputs["advantages"])  # not weighed twice
+    assert "importance_sampling_ratio" not in inputs  # the buffered batch stays as generated
+    # TRL's vespo loss reads it: its gamma weights get the correction as their importance_sampling_ratio
+    seen = []
+    gamma = trl.GRPOTrainer.get_gamma_weights
+
+    def spy(**kwargs):
+        seen.append(kwargs["importance_sampling_ratio"])
+        return gamma(**kwargs)
+
+    trainer.get_gamma_weights = spy
+    assert torch.isfinite(trainer._compute_loss(trainer.model, inputs))
+    assert len(seen) == 1 and torch.allclose(seen[0], weights, atol=1e-3, rtol=1e-3)
+
+
+@pytest.mark.slow
 def test_detection_off_keeps_the_fp32_path(tiny_model_path, tmp_path, units):
     """auto with no bf16 units: no autocast, no sampler log-probs, no correction; log-probs are TRL's own, bit for bit."""
     units(False)

@@ -10,7 +10,8 @@ forward), so its token log-probs are kept -- of the processed distribution it sa
 `trl_grpo_ext.grpo.losses.sampler_correction`. The correction weighs the advantages, per token or per completion:
 every TRL loss type and ours is linear in the advantage with a non-negative weight (``-min(r A w, clip(r) A w) =
 -w min(r A, clip(r) A)``), so this is TRL's ``per_token_loss * importance_sampling_ratio`` without touching TRL's
-``_compute_loss``. The mismatch (``sampling/*``, `SAMPLER_MISMATCH_KEYS`) is logged every step.
+``_compute_loss``; ``vespo``, whose gamma weights take vLLM's ratio inside, gets it as TRL gives vLLM's
+(``importance_sampling_ratio``). The mismatch (``sampling/*``, `SAMPLER_MISMATCH_KEYS`) is logged every step.
 
 The fp32 path (and vLLM, which TRL corrects itself) runs exactly as before: no autocast region, no recorder.
 """
@@ -132,10 +133,15 @@ class SamplerPrecisionMixin:
             self.vllm_importance_sampling_clip_min,
             self.vllm_importance_sampling_clip_max,
         )
-        advantages = inputs["advantages"]
-        if advantages.dim() == 1:
-            advantages = advantages.unsqueeze(1)
-        inputs["advantages"] = advantages * weights.to(advantages.dtype)
+        if self.loss_type == "vespo":
+            # vespo's weights are not linear in a per-token ratio: TRL folds vLLM's ratio into its gamma weights
+            # (`get_gamma_weights` reads ``importance_sampling_ratio``); this sampler's goes the same way.
+            inputs["importance_sampling_ratio"] = weights
+        else:
+            advantages = inputs["advantages"]
+            if advantages.dim() == 1:
+                advantages = advantages.unsqueeze(1)
+            inputs["advantages"] = advantages * weights.to(advantages.dtype)
         self._log_sampler_mismatch(metrics)
 
     def _log_sampler_mismatch(self, metrics: dict[str, torch.Tensor]) -> None:
