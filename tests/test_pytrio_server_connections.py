@@ -51,7 +51,8 @@ def test_a_slow_sender_cannot_extend_the_read_deadline(make_server):
             if closed:
                 break
         assert closed
-        assert 1.3 < time.monotonic() - start < 5
+        # closed by the 1.5 s deadline, not by the end of the 20 s trickle (the upper bound leaves room for a busy host)
+        assert 1.3 < time.monotonic() - start < 12
     # a request sent at once is answered, and the keep-alive connection serves several within the deadline
     with socket.create_connection(("127.0.0.1", server.port), timeout=30) as sock:
         for _ in range(3):
