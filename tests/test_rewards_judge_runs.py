@@ -6,6 +6,9 @@ checkpoint intact."""
 import asyncio
 import importlib.util
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -198,3 +201,20 @@ def test_a_judge_down_for_whole_steps_stops_the_run_with_the_last_checkpoint_int
     else:
         state = json.loads((out / "pytrio_state.json").read_text())
         assert state["step"] == 1 and state["state_path"]
+
+
+@pytest.mark.slow
+def test_a_judge_down_for_one_process_stops_every_process_at_once(tiny_model_path, tmp_path):
+    """Each process asks the judge about its own completions; process 0's judge is down, process 1's answers. The
+    stop is decided over all processes after the rewards' gather: both stop at the same step, each saying why."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    env.pop("ACCELERATE_USE_CPU", None)
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
+           "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
+           "--main_process_ip", "127.0.0.1", "--main_process_port", str(free_port()),
+           str(ROOT / "tests" / "multiprocess_judge.py"), "--model", tiny_model_path, "--out", str(tmp_path / "run")]  # fmt: skip
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300, cwd=ROOT)
+    log = proc.stdout + proc.stderr
+    assert proc.returncode != 0, log[-3000:]
+    assert "process 0 stopped: judge at http://127.0.0.1:" in log and "of 1 step(s) in a row" in log, log[-3000:]
+    assert "process 1 stopped: the judge failed every request of its last steps on process 0" in log, log[-3000:]

@@ -22,7 +22,7 @@ needs of TRL beyond TRL's public API is here, so a TRL upgrade re-checks this mo
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from trl.extras.profiling import profiling_context
@@ -488,3 +488,6 @@ class MixinState:
     rewards_per_func: torch.Tensor | None = None
     # (num_groups,) bool over the last scored generation batch (all processes): dynamic sampling filters on it.
     degenerate_groups: torch.Tensor | None = None
+    # The rubric judges among the reward functions (hybrids' components included): the trainer stops every process
+    # at once when one is down (`GRPOTrainer._stop_if_a_judge_is_down`).
+    judges: list = field(default_factory=list)

@@ -34,6 +34,7 @@ from trl_grpo_ext.grpo.losses import degenerate_group_mask, policy_loss_from_log
 from trl_grpo_ext.grpo.reward_aggregation import weighted_rewards
 from trl_grpo_ext.grpo.spec import curriculum_pass_reward, reward_name_problems
 from trl_grpo_ext.task.rewards import reward_index, reward_names
+from trl_grpo_ext.task.rewards.judge import JudgeUnavailableError, judges_in
 from trl_grpo_ext.trl import internals
 from trl_grpo_ext.trl.config import EXTRA_LOSS_TYPES, GRPOConfig, trl_loss_type
 from trl_grpo_ext.trl.internals import MixinState, log_metric
@@ -90,16 +91,44 @@ class GRPOTrainer(DynamicSamplingMixin, CurriculumMixin, SamplerPrecisionMixin, 
         def column(name):
             return None if name is None else reward_index(name, names)
 
+        judges = judges_in(self.reward_funcs)
+        for judge in judges:
+            judge.defer_stop = True  # raised below on every process at once, not in one process's reward call
         return MixinState(
-            degenerate_column=column(self.degenerate_reward), curriculum_column=column(curriculum_pass_reward(args))
+            degenerate_column=column(self.degenerate_reward),
+            curriculum_column=column(curriculum_pass_reward(args)),
+            judges=judges,
         )
 
     # ------------------------------------------------------------------ rewards and advantages
     def _calculate_rewards(self, inputs, prompts, completions, completion_ids_list):
         rewards_per_func = super()._calculate_rewards(inputs, prompts, completions, completion_ids_list)
+        self._stop_if_a_judge_is_down()
         # all processes' rewards, read right after TRL scored them (`_generate_and_score_completions`)
         self.mixin_state.rewards_per_func = rewards_per_func
         return rewards_per_func
+
+    def _stop_if_a_judge_is_down(self) -> None:
+        """Raise `JudgeUnavailableError` on every process when any process's judge failed every request of
+        ``max_failed_steps`` steps in a row. Each process asks the judge about its own completions, so one may see
+        the judge down while another does not; raised in one process alone, the others would wait for it in the
+        next collective. One gather of a flag per scored batch, with judges only."""
+        judges = self.mixin_state.judges
+        if not judges:
+            return
+        error = next((judge.unavailable for judge in judges if judge.unavailable is not None), None)
+        if self.accelerator.num_processes == 1:
+            if error is not None:
+                raise error
+            return
+        flags = self.accelerator.gather(torch.tensor([float(error is not None)], device=self.accelerator.device))
+        if error is not None:
+            raise error
+        if bool(flags.max() > 0):
+            process = int(flags.nonzero()[0, 0])
+            raise JudgeUnavailableError(
+                f"the judge failed every request of its last steps on process {process}; stopping every process"
+            )
 
     def _degenerate_group_mask(self, rewards_per_func: torch.Tensor, num_generations: int) -> torch.Tensor:
         """(num_groups,) bool over the whole (all-process) generation batch (`degenerate_group_mask`)."""

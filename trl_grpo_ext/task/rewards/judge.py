@@ -280,6 +280,11 @@ class JudgeReward:
         self.__name__ = config.name
         self.cache: dict[str, float] = {}
         self.failed_steps = 0  # calls in a row in which every request failed
+        # A multi-process trainer sets `defer_stop`: the stop is kept in `unavailable` instead of raised, and the
+        # trainer raises it on every process at once (`stop_if_a_judge_is_down`): one process raising alone would
+        # leave the others waiting for it in the rewards' gather.
+        self.defer_stop = False
+        self.unavailable: JudgeUnavailableError | None = None
         self.last_requests: list[int] = []  # requests each completion of the last call sent (the cost term)
         self._states: dict[int, tuple[asyncio.AbstractEventLoop, _LoopState]] = {}
 
@@ -474,10 +479,13 @@ class JudgeReward:
                 stats.last_error,
             )
         if self.failed_steps >= self.config.max_failed_steps:
-            raise JudgeUnavailableError(
+            error = JudgeUnavailableError(
                 f"judge at {self.config.url} failed every request of {self.failed_steps} step(s) in a row (last: "
                 f"{stats.last_error}); stopping rather than training on the other rewards alone"
             )
+            if not self.defer_stop:
+                raise error
+            self.unavailable = error
         return scores
 
 
@@ -485,6 +493,18 @@ def _error_line(error) -> str:
     status = getattr(error, "status_code", None)
     text = str(error).strip().splitlines()[0][:160] if str(error).strip() else ""
     return f"{type(error).__name__}" + (f" {status}" if status else "") + (f": {text}" if text else "")
+
+
+def judges_in(funcs) -> list[JudgeReward]:
+    """The judges among reward functions, those weighed inside a hybrid (its ``components``) included."""
+    found = []
+    for func in funcs:
+        if isinstance(func, JudgeReward):
+            found.append(func)
+        components = getattr(func, "components", None)
+        if isinstance(components, dict):
+            found += judges_in(components.values())
+    return found
 
 
 def make_judge_reward(value) -> JudgeReward:
