@@ -727,3 +727,37 @@ def test_pytrio_rows_are_the_trl_recipe_rows(tmp_path):
     synthetic = load_train_rows(cfg(num_train_samples=6, synthetic_tasks="chain_sum:1", seed=3))
     trl_rows = load_dataset_split("synthetic", num_samples=6, tasks="chain_sum:1", seed=3).to_list()
     assert synthetic == trl_rows and {r["task"] for r in synthetic} == {"chain_sum"}
+
+
+def test_prompt_format_is_the_data_specs_on_this_path_too(tiny_model_path, tmp_path):
+    """`prompt_format` (DataSpec) decides the PyTRIO prompts as it does the TRL recipe's: `auto` gives chat messages
+    with a chat template and plain text without one (the rows built again once the tokenizer says so), `chat`
+    without a template is one line, a bad value is refused with the config."""
+    from transformers import AutoTokenizer
+
+    from trl_grpo_ext.pytrio.loop import GRPOLoop
+    from trl_grpo_ext.task.data import load_dataset_split
+
+    chat_tokenizer = AutoTokenizer.from_pretrained(tiny_model_path)
+    plain_tokenizer = AutoTokenizer.from_pretrained(tiny_model_path)
+    plain_tokenizer.chat_template = None
+    spec = dict(num_train_samples=4, synthetic_tasks="chain_sum:1", seed=3, output_dir=str(tmp_path / "run"))
+
+    def rows_after_prepare(tokenizer, **kw):
+        loop = GRPOLoop(cfg(**spec, **kw), tokenizer=tokenizer)
+        loop.check_inputs()
+        loop.prepare(training_client=None)
+        return loop._rows, [loop._prompt_tokens(row) for row in loop._rows]
+
+    text = load_dataset_split("synthetic", num_samples=4, tasks="chain_sum:1", seed=3, chat=False).to_list()
+    messages = load_dataset_split("synthetic", num_samples=4, tasks="chain_sum:1", seed=3, chat=True).to_list()
+    rows, tokens = rows_after_prepare(plain_tokenizer)  # auto, no template: the TRL recipe's text rows
+    assert rows == text and isinstance(rows[0]["prompt"], str)
+    assert tokens[0] == plain_tokenizer(rows[0]["prompt"], add_special_tokens=False)["input_ids"]
+    assert rows_after_prepare(chat_tokenizer)[0] == messages  # auto with a template: chat messages
+    assert rows_after_prepare(chat_tokenizer, prompt_format="text")[0] == text
+    with pytest.raises(ValueError, match="prompt_format: chat, but the tokenizer has no chat template"):
+        rows_after_prepare(plain_tokenizer, prompt_format="chat")
+    with pytest.raises(ValueError, match="prompt_format must be one of"):
+        cfg(prompt_format="markdown")
+    assert not (tmp_path / "run").exists()  # nothing written by any of it

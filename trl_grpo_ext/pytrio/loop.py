@@ -64,6 +64,7 @@ from trl_grpo_ext.runs import (
 )
 from trl_grpo_ext.runs.metrics import RunLogger
 from trl_grpo_ext.runs.tracking import start_swanlab
+from trl_grpo_ext.task.data.prompts import use_chat_prompts
 from trl_grpo_ext.task.rewards import preflight_rewards, reward_functions
 
 logger = logging.getLogger(__name__)
@@ -414,6 +415,7 @@ class GRPOLoop:
         self.config = config
         self._service = service_client
         self._rows = rows
+        self._rows_chat: bool | None = None  # how `_load_rows` built the prompts (None: rows given, kept as they are)
         self._tokenizer = tokenizer
         self._prompt_cache: dict[int, list[int]] = {}
         self.curriculum = None  # `trl_grpo_ext.grpo.curriculum.Curriculum` with ``curriculum: true`` (`prepare`)
@@ -438,10 +440,15 @@ class GRPOLoop:
         self._service = None
         return True
 
-    def _load_rows(self) -> list[dict]:
-        if self._rows is not None:
+    def _load_rows(self, chat: bool | None = None) -> list[dict]:
+        """The training rows, loaded once: `check_inputs` checks them before the tokenizer is known (chat prompts
+        unless ``prompt_format: text``); `prepare` passes the format the tokenizer decides (`use_chat_prompts`), and
+        rows built the other way (``auto`` with a tokenizer without a chat template) are built again as text."""
+        if self._rows is not None and (chat is None or self._rows_chat in (None, chat)):
             return self._rows
-        return load_train_rows(self.config)
+        chat = self.config.prompt_format != "text" if chat is None else chat
+        self._rows, self._rows_chat = load_train_rows(self.config, chat=chat), chat
+        return self._rows
 
     def _load_tokenizer(self, training_client):
         """``tokenizer_name_or_path`` if set, else the client's own (`TrainingClient.get_tokenizer`, the base
@@ -467,7 +474,7 @@ class GRPOLoop:
         that drive `train_step` themselves). ``curriculum_state``: a resumed run's saved pass rates."""
         self.tokenizer = self._load_tokenizer(training_client)
         self.reward_funcs, self.reward_names, self.reward_weights = self._reward_setup()
-        rows = self._load_rows()
+        rows = self._load_rows(chat=use_chat_prompts(self.config.prompt_format, self.tokenizer))
         if self.config.curriculum:
             c = self.config
             self.curriculum = curriculum_from_tasks(
@@ -725,7 +732,7 @@ class GRPOLoop:
         print_loss_type_notice(c)  # our cispo is not TRL's: say which one runs, first
         # unknown names, bad reward options, a reward model that is no classifier, a judge that does not answer
         preflight_rewards(reward_functions(c.reward_funcs, c, settings=c))
-        self._rows = self._load_rows()
+        self._load_rows()
         if c.pytrio_base_url == LOCAL_SERVER_NAME and not is_embedded(c.base_model):
             check_local_model(c.base_model)  # a local-looking path that is not a model folder
         previous = load_loop_state(c.output_dir) if c.resume else None

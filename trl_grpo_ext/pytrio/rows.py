@@ -11,9 +11,10 @@ from __future__ import annotations
 from trl_grpo_ext.task.data import load_dataset_split
 
 
-def load_train_rows(config) -> list[dict]:
+def load_train_rows(config, chat: bool = True) -> list[dict]:
     """The training rows of `config`'s data spec (`trl_grpo_ext.task.spec.DataSpec`) as the TRL recipe builds them:
-    ``num_train_samples`` unset and synthetic data: enough problems for ``max_steps`` (`DataSpec.train_samples`)."""
+    ``num_train_samples`` unset and synthetic data: enough problems for ``max_steps`` (`DataSpec.train_samples`);
+    prompts as chat messages or plain text (`chat`: ``prompt_format`` resolved with the tokenizer)."""
     dataset = load_dataset_split(
         config.dataset_name,
         config.dataset_train_split,
@@ -21,7 +22,7 @@ def load_train_rows(config) -> list[dict]:
         tasks=config.synthetic_tasks,
         seed=config.seed,
         one_shot=config.one_shot,
-        chat=True,
+        chat=chat,
         on_malformed=config.on_malformed,
     )
     rows = dataset.to_list()

@@ -24,6 +24,7 @@ from trl_grpo_ext.errors import raise_problems
 from trl_grpo_ext.task.data import SYNTHETIC_SOURCE, parse_task_mix
 from trl_grpo_ext.task.data.gsm8k import ON_MALFORMED
 from trl_grpo_ext.task.data.loading import DEFAULT_TASKS
+from trl_grpo_ext.task.data.prompts import PROMPT_FORMATS
 from trl_grpo_ext.task.rewards.settings import RewardSettings, reward_settings_problems
 
 # Old spellings of the shared options -> what to write instead (a YAML key, a CLI flag or a sweep key).
@@ -114,6 +115,10 @@ class DataSpec(RewardSettings):
     one_shot: bool = field(
         default=True, metadata={"help": "Put one worked example (answer in \\boxed{}) in the prompt."}
     )
+    prompt_format: str = field(
+        default="auto",
+        metadata={"help": "'chat' messages, plain 'text', or 'auto' (chat if the tokenizer has a chat template)."},
+    )
     reward_funcs: list[str] = field(
         default_factory=lambda: ["boxed", "format"],
         metadata={
@@ -144,6 +149,8 @@ class DataSpec(RewardSettings):
             problems.append(f"on_malformed must be 'error' or 'drop', got {self.on_malformed!r}")
         if not isinstance(self.one_shot, bool):
             problems.append(f"one_shot={self.one_shot!r} must be true or false")
+        if self.prompt_format not in PROMPT_FORMATS:
+            problems.append(f"prompt_format must be one of {PROMPT_FORMATS}, got {self.prompt_format!r}")
         if not self.reward_funcs:
             problems.append("reward_funcs is empty; name at least one reward (e.g. boxed)")
         return problems + reward_settings_problems(self)

@@ -30,6 +30,7 @@ from trl_grpo_ext.runs import (
     write_run_config,
 )
 from trl_grpo_ext.task.data import load_dataset_split, load_problems
+from trl_grpo_ext.task.data.prompts import use_chat_prompts
 from trl_grpo_ext.task.rewards import preflight_rewards, reward_functions, reward_names
 
 _START = time.time()
@@ -133,14 +134,6 @@ def precision_line(training_args) -> str:
     return precision.line()
 
 
-def _use_chat(script_args, tokenizer) -> bool:
-    if script_args.prompt_format == "auto":
-        return bool(getattr(tokenizer, "chat_template", None))
-    if script_args.prompt_format == "chat" and not getattr(tokenizer, "chat_template", None):
-        raise ValueError("prompt_format: chat, but the tokenizer has no chat template; use 'text' or 'auto'")
-    return script_args.prompt_format == "chat"
-
-
 def prompts_per_run(training_args) -> int:
     """Distinct prompts `max_steps` optimizer steps consume (one process): enough data, nothing generated twice."""
     completions = training_args.per_device_train_batch_size * training_args.gradient_accumulation_steps
@@ -150,7 +143,7 @@ def prompts_per_run(training_args) -> int:
 
 def build_datasets(script_args, training_args, tokenizer):
     """(train dataset with `prompt`/`answer`, held-out eval `Problem`s (`evaluation.problems_from_rows`) or [])."""
-    chat = _use_chat(script_args, tokenizer)
+    chat = use_chat_prompts(script_args.prompt_format, tokenizer)
     num_train = script_args.num_train_samples
     if training_args.max_steps > 0:  # synthetic data: enough problems for max_steps (`DataSpec.train_samples`)
         num_train = script_args.train_samples(prompts_per_run(training_args), training_args)

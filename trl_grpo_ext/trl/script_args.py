@@ -24,19 +24,13 @@ from trl_grpo_ext.runs.tracking import (
 )
 from trl_grpo_ext.task.spec import DataSpec, renamed_key_problem
 
-PROMPT_FORMATS = ("auto", "chat", "text")
-
 
 @dataclass
 class ScriptArguments(DataSpec):
     """Options of `recipes/gsm8k_grpo.py` beside GRPOConfig and ModelConfig: the data spec (`DataSpec`: data,
-    prompt and reward options, shared with the PyTRIO path) plus this recipe's prompt format, before/after eval and
-    logging options."""
+    prompt and reward options, shared with the PyTRIO path) plus this recipe's before/after eval and logging
+    options."""
 
-    prompt_format: str = field(
-        default="auto",
-        metadata={"help": "'chat' messages, plain 'text', or 'auto' (chat if the tokenizer has a chat template)."},
-    )
     dataset_test_split: str = field(default="test", metadata={"help": "Split used for the before/after eval."})
     eval_num_samples: int = field(
         default=0,
@@ -52,8 +46,6 @@ class ScriptArguments(DataSpec):
         # DataSpec.__post_init__ is replaced, not extended: its problems and this class's make one error line
         normalize_swanlab_mode(self)  # cloud -> online, with a deprecation warning
         problems = self.data_problems() + swanlab_mode_problems(self.swanlab_mode)
-        if self.prompt_format not in PROMPT_FORMATS:
-            problems.append(f"prompt_format must be one of {PROMPT_FORMATS}, got {self.prompt_format!r}")
         if self.eval_num_samples < 0:
             problems.append(f"eval_num_samples must be >= 0, got {self.eval_num_samples}")
         raise_problems("script arguments", problems)

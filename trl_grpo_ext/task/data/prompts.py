@@ -25,6 +25,20 @@ ARITHMETIC_ONE_SHOT_ANSWER = "3 - 8 = -5. -5 + 2 = -3.\n\\boxed{-3}"
 ARITHMETIC_TASKS = frozenset({"chain_sum_easy", "chain_sum", "basic_arithmetic"})
 
 
+PROMPT_FORMATS = ("auto", "chat", "text")
+
+
+def use_chat_prompts(prompt_format: str, tokenizer) -> bool:
+    """Whether prompts are chat messages (`build_prompt`'s ``chat``) for ``prompt_format`` (`PROMPT_FORMATS`):
+    ``auto`` when the tokenizer has a chat template; ``chat`` without one is a one-line ValueError."""
+    has_template = bool(getattr(tokenizer, "chat_template", None))
+    if prompt_format == "auto":
+        return has_template
+    if prompt_format == "chat" and not has_template:
+        raise ValueError("prompt_format: chat, but the tokenizer has no chat template; use 'text' or 'auto'")
+    return prompt_format == "chat"
+
+
 def one_shot_example(task: str | None = None) -> tuple[str, str]:
     """(question, answer) of the worked example for a row of `task`: arithmetic or word problem (the default)."""
     if task in ARITHMETIC_TASKS:
