@@ -185,32 +185,40 @@ def test_bf16_auto_trains_in_autocast_with_fp32_master_weights_and_logs_the_mism
         assert row["sampling/sampler_kl"] >= 0
 
 
-@pytest.mark.slow
-def test_bf16_sampler_logprobs_are_the_sampled_tokens_and_weigh_the_advantages(tiny_model_path, tmp_path, units):
-    units(True)
-    trainer = _trainer(tiny_model_path, tmp_path, vllm_importance_sampling_mode="token_truncate")
+def _generation_batch(trainer):
+    """A generation batch (2 prompts x 4), the forward arguments of its completions, and the trainer's own bf16
+    log-probs of them."""
     trainer.model.train()
     trainer.current_gradient_accumulation_steps = 1
     torch.manual_seed(0)
     inputs = trainer._generate_and_score_completions([{"prompt": PROMPTS[i]} for i in range(2) for _ in range(4)])
-    sampled, mask = inputs["sampling_per_token_logps"], inputs["completion_mask"]
+    mask = inputs["completion_mask"]
     ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], 1)
-    attn = torch.cat([inputs["prompt_mask"], mask], 1)
+    forward = (ids, torch.cat([inputs["prompt_mask"], mask], 1), mask.size(1))
     with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
-        trainer_logps, _, _ = trl.GRPOTrainer._get_per_token_logps_and_entropies(
-            trainer, trainer.model, ids, attn, mask.size(1)
-        )
-    # the sampler's log-probs are those of the tokens it drew: the trainer's to bf16 rounding
-    diff = (sampled - trainer_logps).abs()[mask.bool()]
-    assert diff.max() < 0.02  # here 5e-4; one token off: 0.25
-    # the loss hook weighs the advantages by the truncated ratio and leaves the buffered batch as it was
+        trainer_logps, _, _ = trl.GRPOTrainer._get_per_token_logps_and_entropies(trainer, trainer.model, *forward)
+    return inputs, forward, trainer_logps
+
+
+def _check_advantages_corrected(trainer, inputs, forward, trainer_logps):
+    """The sampler's log-probs are those of the tokens it drew (the trainer's to bf16 rounding); the loss hook weighs
+    the advantages by the truncated ratio and leaves the buffered batch as it was."""
+    sampled, mask = inputs["sampling_per_token_logps"], inputs["completion_mask"]
+    assert (sampled - trainer_logps).abs()[mask.bool()].max() < 0.02  # here 5e-4; one token off: 0.25
     before = inputs["advantages"].clone()
     corrected = trainer._with_sampler_correction(inputs)
     assert corrected is not inputs
-    trainer._get_per_token_logps_and_entropies(trainer.model, ids, attn, mask.size(1))
+    trainer._get_per_token_logps_and_entropies(trainer.model, *forward)
     weights, _ = sampler_correction(trainer_logps, sampled, mask, "token_truncate", None, 3.0)
     torch.testing.assert_close(corrected["advantages"], before.unsqueeze(1) * weights, atol=2e-2, rtol=2e-2)
     torch.testing.assert_close(inputs["advantages"], before, atol=0, rtol=0)
+
+
+@pytest.mark.slow
+def test_bf16_sampler_logprobs_are_the_sampled_tokens_and_weigh_the_advantages(tiny_model_path, tmp_path, units):
+    units(True)
+    trainer = _trainer(tiny_model_path, tmp_path, vllm_importance_sampling_mode="token_truncate")
+    _check_advantages_corrected(trainer, *_generation_batch(trainer))
 
 
 @pytest.mark.slow
@@ -221,7 +229,6 @@ def test_bf16_sampler_logprobs_are_kept_with_prefix_sharing_off(tiny_model_path,
     trainer = _trainer(
         tiny_model_path, tmp_path, share_prompt_prefix=False, vllm_importance_sampling_mode="token_truncate"
     )
-    trainer.model.train()
     prompt_ids = [trainer.processing_class(f"What is {i} + 4?")["input_ids"] for i in (1, 1, 22, 333)]
     from trl_grpo_ext.precision import bf16_autocast
 
@@ -231,22 +238,8 @@ def test_bf16_sampler_logprobs_are_kept_with_prefix_sharing_off(tiny_model_path,
         torch.manual_seed(0)
         ours, logprobs = trainer._generate_single_turn(prompt_ids, None, {}, 1)
     assert none is None and ours == theirs and [len(r) for r in logprobs] == [len(c) for c in ours]
-    torch.manual_seed(0)
     with caplog.at_level("WARNING"):
-        inputs = trainer._generate_and_score_completions([{"prompt": PROMPTS[i]} for i in range(2) for _ in range(4)])
-        sampled, mask = inputs["sampling_per_token_logps"], inputs["completion_mask"]
-        ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], 1)
-        attn = torch.cat([inputs["prompt_mask"], mask], 1)
-        with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
-            trainer_logps, _, _ = trl.GRPOTrainer._get_per_token_logps_and_entropies(
-                trainer, trainer.model, ids, attn, mask.size(1)
-            )
-        assert (sampled - trainer_logps).abs()[mask.bool()].max() < 0.02
-        before = inputs["advantages"].clone()
-        corrected = trainer._with_sampler_correction(inputs)
-        trainer._get_per_token_logps_and_entropies(trainer.model, ids, attn, mask.size(1))
-    weights, _ = sampler_correction(trainer_logps, sampled, mask, "token_truncate", None, 3.0)
-    torch.testing.assert_close(corrected["advantages"], before.unsqueeze(1) * weights, atol=2e-2, rtol=2e-2)
+        _check_advantages_corrected(trainer, *_generation_batch(trainer))
     assert "without its token log-probs" not in caplog.text
     # a generation config whose rows are not one sample each gets no recorder (its log-probs would be misread)
     trainer.generation_config.num_beams = 2
@@ -260,15 +253,10 @@ def test_vespo_takes_the_bf16_sampler_correction_inside_its_gamma_weights_as_trl
 ):
     units(True)
     trainer = _trainer(tiny_model_path, tmp_path, loss_type="vespo", vllm_importance_sampling_mode=mode)
-    trainer.model.train()
-    trainer.current_gradient_accumulation_steps = 1
-    torch.manual_seed(0)
-    inputs = trainer._generate_and_score_completions([{"prompt": PROMPTS[i]} for i in range(2) for _ in range(4)])
+    inputs, forward, _ = _generation_batch(trainer)
     sampled, mask = inputs["sampling_per_token_logps"], inputs["completion_mask"]
-    ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], 1)
-    attn = torch.cat([inputs["prompt_mask"], mask], 1)
     corrected = trainer._with_sampler_correction(inputs)
-    logps, _, _ = trainer._get_per_token_logps_and_entropies(trainer.model, ids, attn, mask.size(1))
+    logps, _, _ = trainer._get_per_token_logps_and_entropies(trainer.model, *forward)
     weights, _ = sampler_correction(logps, sampled, mask, mode, None, 3.0)
     torch.testing.assert_close(corrected["importance_sampling_ratio"], weights)
     assert torch.equal(corrected["advantages"], inputs["advantages"])  # not weighed twice
