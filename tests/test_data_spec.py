@@ -122,3 +122,20 @@ def test_a_loop_state_saved_under_lora_rank_still_pins_the_rank(tmp_path):
     with pytest.raises(ValueError, match="lora_r: 32 -> 16"):
         check_resumable(old, config)
     check_resumable(LoopState(step=2, state_path="trio://x", pinned={"lora_rank": 16}), config)
+
+
+def test_a_run_recorded_with_gsm8k_and_dataset_path_resumes_under_the_files_new_name(tmp_path):
+    """Before the rename a PyTRIO run pinned `dataset_name: gsm8k` and read its file from `dataset_path` (in its saved
+    config); resumed with that file as `dataset_name` it is the same data, another file is not."""
+    import yaml
+
+    from trl_grpo_ext.pytrio.checkpoint import LoopState, check_resumable
+
+    data = tmp_path / "train.jsonl"
+    (tmp_path / "config.yaml").write_text(yaml.safe_dump({"dataset_name": "gsm8k", "dataset_path": str(data)}))
+    old = LoopState(step=2, state_path="trio://x", pinned={"dataset_name": "gsm8k", "lora_rank": 16})
+    check_resumable(old, PyTrioGRPOConfig(output_dir=str(tmp_path), dataset_name=str(data), lora_r=16))
+    with pytest.raises(ValueError, match=r"dataset_name: '.*train.jsonl' -> 'openai/gsm8k'"):
+        check_resumable(old, PyTrioGRPOConfig(output_dir=str(tmp_path), dataset_name="openai/gsm8k", lora_r=16))
+    (tmp_path / "config.yaml").write_text(yaml.safe_dump({"dataset_name": "gsm8k"}))  # the hub, as 'gsm8k' still is
+    check_resumable(old, PyTrioGRPOConfig(output_dir=str(tmp_path), dataset_name="gsm8k", lora_r=16))
