@@ -16,7 +16,10 @@ import random
 import sys
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from multiprocess_grpo import CPU_RUN  # noqa: E402
 
 NUM_GENERATIONS = 2
 NUM_PROMPTS = 16
@@ -77,12 +80,7 @@ def run(model_path: str, out_dir: str) -> None:
         max_generation_batches=6,
         seed=0,
         max_steps=3,
-        use_cpu=True,
-        bf16=False,
-        logging_steps=1,
-        save_strategy="no",
-        report_to="none",
-        disable_tqdm=True,
+        **CPU_RUN,
     )
     trainer = Recorder(
         model=AutoModelForCausalLM.from_pretrained(model_path),

@@ -27,6 +27,8 @@ SCHEDULES = {
     "iterations": dict(num_iterations=2, gradient_accumulation_steps=1, steps_per_generation=1, max_steps=4),
     "accumulation": dict(num_iterations=1, gradient_accumulation_steps=2, steps_per_generation=2, max_steps=2),
 }
+# The trainer options every multi-process script shares: CPU (gloo), fp32, a log row per step, nothing saved or shown.
+CPU_RUN = dict(use_cpu=True, bf16=False, logging_steps=1, save_strategy="no", report_to="none", disable_tqdm=True)
 FIRST_TOKEN = 3  # the tiny tokenizer's special tokens are ids 0-2
 
 
@@ -117,12 +119,7 @@ def run(model_path: str, out_dir: str) -> None:
                 max_grad_norm=1e9,  # logged, never clipped
                 shuffle_dataset=False,
                 seed=0,
-                use_cpu=True,
-                bf16=False,
-                logging_steps=1,
-                save_strategy="no",
-                report_to="none",
-                disable_tqdm=True,
+                **CPU_RUN,
                 **steps,
             )
             grads = Grads()

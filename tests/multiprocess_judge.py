@@ -20,7 +20,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 def main(model_path: str, out_dir: str) -> int:
     from datasets import Dataset
     from judge_servers import ScriptedServer, free_port
-    from multiprocess_grpo import NUM_GENERATIONS, prompt_text, rollout
+    from multiprocess_grpo import CPU_RUN, NUM_GENERATIONS, prompt_text, rollout
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from trl_grpo_ext import GRPOConfig, GRPOTrainer
@@ -47,12 +47,7 @@ def main(model_path: str, out_dir: str) -> int:
             max_completion_length=16,
             max_steps=3,
             shuffle_dataset=False,
-            use_cpu=True,
-            bf16=False,
-            logging_steps=1,
-            save_strategy="no",
-            report_to="none",
-            disable_tqdm=True,
+            **CPU_RUN,
         )
         trainer = GRPOTrainer(
             model=AutoModelForCausalLM.from_pretrained(model_path),

@@ -117,18 +117,15 @@ class GRPOTrainer(DynamicSamplingMixin, CurriculumMixin, SamplerPrecisionMixin, 
         if not judges:
             return
         error = next((judge.unavailable for judge in judges if judge.unavailable is not None), None)
-        if self.accelerator.num_processes == 1:
-            if error is not None:
-                raise error
-            return
-        flags = self.accelerator.gather(torch.tensor([float(error is not None)], device=self.accelerator.device))
+        if self.accelerator.num_processes > 1:
+            flags = self.accelerator.gather(torch.tensor([float(error is not None)], device=self.accelerator.device))
+            if error is None and bool(flags.max() > 0):
+                error = JudgeUnavailableError(
+                    f"the judge failed every request of its last steps on process {int(flags.nonzero()[0, 0])}; "
+                    "stopping every process"
+                )
         if error is not None:
             raise error
-        if bool(flags.max() > 0):
-            process = int(flags.nonzero()[0, 0])
-            raise JudgeUnavailableError(
-                f"the judge failed every request of its last steps on process {process}; stopping every process"
-            )
 
     def _degenerate_group_mask(self, rewards_per_func: torch.Tensor, num_generations: int) -> torch.Tensor:
         """(num_groups,) bool over the whole (all-process) generation batch (`degenerate_group_mask`)."""

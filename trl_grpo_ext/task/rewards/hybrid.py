@@ -115,14 +115,15 @@ def make_hybrid_reward(
             raise ValueError(f"component {label!r} returned {len(out)} rewards for {n} completions")
         return out
 
-    def fire_vetoes(completions, completion_ids, limits) -> dict[str, list[bool]]:
-        """Each veto's verdict per completion; a veto that raises does not fire."""
+    def fire_vetoes(completions, completion_ids, limits) -> tuple[dict[str, list[bool]], list[bool]]:
+        """(each veto's verdict per completion, whether any veto fired per completion); a veto that raises does
+        not fire."""
         n = len(completions)
         texts = [completion_text(c) for c in completions]
         ids = column(completion_ids, n, "completion_ids") if completion_ids is not None else [None] * n
         limit = limits.get("max_completion_length") or max_completion_length
         eos = limits.get("eos_token_ids") or eos_default
-        return {
+        fired = {
             label: [
                 bool(
                     safe_score(
@@ -138,13 +139,14 @@ def make_hybrid_reward(
             ]
             for label, veto in veto_list
         }
+        return fired, [any(fired[label][i] for label, _ in veto_list) for i in range(n)]
 
-    def start_calls(completions, common, fired, scores) -> list[tuple]:
+    def start_calls(completions, common, vetoed, scores) -> list[tuple]:
         """(label, func, answers or a coroutine for an async func, the batch positions asked) per component before
         the costs: a rule on every completion, a costly component on those no veto fired on (not called when none
         is left). `spread` puts each component's answers back in the batch's positions."""
         n = len(completions)
-        keep = [i for i in range(n) if not any(fired[label][i] for label, _ in veto_list)]
+        keep = [i for i in range(n) if not vetoed[i]]
         calls = []
         for label, func, _ in first:
             if not _after_vetoes(func):
@@ -168,16 +170,17 @@ def make_hybrid_reward(
         for label, func, _ in last:
             scores[label] = check(label, func(completions, judge_requests=requests, **common), len(completions))
 
-    def combine(n, log_metric, fired, scores) -> list[float | None]:
+    def combine(n, log_metric, fired, vetoed, scores) -> list[float | None]:
         rewards: list[float | None] = []
         for i in range(n):
-            vetoed = any(fired[label][i] for label, _ in veto_list)
             # A vetoed completion's costly components were not asked: no term, not a missing one.
-            terms = [(func, w, scores[label][i]) for label, func, w in parts if not (vetoed and _after_vetoes(func))]
-            kept = [(w, v) for func, w, v in terms if not (v is None and getattr(func, "abstains_on_failure", False))]
-            if any(v is None for _, v in kept) or not (kept or vetoed):
+            asked = [
+                (func, w, scores[label][i]) for label, func, w in parts if not (vetoed[i] and _after_vetoes(func))
+            ]
+            kept = [(w, v) for func, w, v in asked if not (v is None and getattr(func, "abstains_on_failure", False))]
+            if any(v is None for _, v in kept) or not (kept or vetoed[i]):
                 rewards.append(None)
-            elif vetoed:
+            elif vetoed[i]:
                 rewards.append(veto_value)
             else:
                 rewards.append(sum(w * float(v) for w, v in kept))
@@ -190,7 +193,6 @@ def make_hybrid_reward(
                     log_metric(f"{prefix}/{label}", sum(valid) / len(valid))
             for label, _ in veto_list:
                 log_metric(f"{prefix}/veto_{label}", sum(fired[label]) / n)
-            vetoed = [any(fired[label][i] for label, _ in veto_list) for i in range(n)]
             log_metric(f"{prefix}/vetoed", sum(vetoed) / n)
         return rewards
 
@@ -206,14 +208,14 @@ def make_hybrid_reward(
             completions, kwargs, limits = prepare(completions, kwargs)
             common = call_kwargs(completions, completion_ids, log_metric, kwargs)
             n = len(completions)
-            fired = fire_vetoes(completions, completion_ids, limits)
+            fired, vetoed = fire_vetoes(completions, completion_ids, limits)
             scores, requests = {}, [0] * n
-            calls = start_calls(completions, common, fired, scores)
+            calls = start_calls(completions, common, vetoed, scores)
             outputs = iter(await asyncio.gather(*(out for _, f, out, _ in calls if _is_async(f))))
             for label, f, out, positions in calls:
                 spread(label, next(outputs) if _is_async(f) else out, positions, n, scores, requests, f)
             add_costs(scores, completions, common, requests)
-            return combine(n, log_metric, fired, scores)
+            return combine(n, log_metric, fired, vetoed, scores)
 
     else:
 
@@ -221,12 +223,12 @@ def make_hybrid_reward(
             completions, kwargs, limits = prepare(completions, kwargs)
             common = call_kwargs(completions, completion_ids, log_metric, kwargs)
             n = len(completions)
-            fired = fire_vetoes(completions, completion_ids, limits)
+            fired, vetoed = fire_vetoes(completions, completion_ids, limits)
             scores, requests = {}, [0] * n
-            for label, f, out, positions in start_calls(completions, common, fired, scores):
+            for label, f, out, positions in start_calls(completions, common, vetoed, scores):
                 spread(label, out, positions, n, scores, requests, f)
             add_costs(scores, completions, common, requests)
-            return combine(n, log_metric, fired, scores)
+            return combine(n, log_metric, fired, vetoed, scores)
 
     def with_context(**context) -> Callable:
         return make_hybrid_reward(

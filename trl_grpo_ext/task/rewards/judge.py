@@ -280,9 +280,9 @@ class JudgeReward:
         self.__name__ = config.name
         self.cache: dict[str, float] = {}
         self.failed_steps = 0  # calls in a row in which every request failed
-        # A multi-process trainer sets `defer_stop`: the stop is kept in `unavailable` instead of raised, and the
-        # trainer raises it on every process at once (`stop_if_a_judge_is_down`): one process raising alone would
-        # leave the others waiting for it in the rewards' gather.
+        # The TRL trainer sets `defer_stop`: the stop is kept in `unavailable` instead of raised, and the trainer
+        # raises it on every process at once (`GRPOTrainer._stop_if_a_judge_is_down`): one process raising alone
+        # would leave the others waiting for it in the rewards' gather.
         self.defer_stop = False
         self.unavailable: JudgeUnavailableError | None = None
         self.last_requests: list[int] = []  # requests each completion of the last call sent (the cost term)
