@@ -80,10 +80,11 @@ def tiny_model_path(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def engine(tiny_model_path):
-    """One local PyTRIO server `ModelEngine` on the tiny model for a module's servers (model loading dominates)."""
+    """One local PyTRIO server `ModelEngine` on the tiny model for a module's servers (model loading dominates), in
+    fp32 whatever the CPU: the server tests compare numbers exactly (the bf16 variants make their own engines)."""
     from trl_grpo_ext.pytrio.server.engine import ModelEngine
 
-    return ModelEngine(tiny_model_path)
+    return ModelEngine(tiny_model_path, bf16=False)
 
 
 @pytest.fixture

@@ -1,6 +1,7 @@
 """The local PyTRIO server follows the precision rule (`trl_grpo_ext.precision`): bf16 autocast in forward/backward
-and sampling where chosen (frozen base linears in bf16, LoRA weights and Adam state fp32), fp32 untouched elsewhere;
-the PyTRIO loop logs the sampler/trainer mismatch from the same function as the TRL path."""
+where chosen (LoRA weights and Adam state fp32), sampling in fp32 unless ``bf16_sampling`` (then the frozen base
+linears are stored in bf16 and every path runs in autocast), fp32 untouched elsewhere; the PyTRIO loop logs the
+sampler/trainer mismatch from the same function as the TRL path."""
 
 import math
 
@@ -46,25 +47,63 @@ def _step(engine, run_id="r"):
     return sampled, old, advantages, outputs[0]["logprobs"][:n], run
 
 
-def test_forced_bf16_server_trains_and_samples_in_autocast(tiny_model_path, monkeypatch):
-    engine = _engine(tiny_model_path, monkeypatch, units=True)
-    assert engine.precision.bf16 is True and engine.autocast_bf16
-    base = engine.base.model.layers[0].mlp.down_proj
-    assert base.weight.dtype == torch.bfloat16  # frozen base: bf16, as autocast would cast it
-    assert engine.base.model.embed_tokens.weight.dtype == torch.float32
+def _dtypes_seen(engine, work):
+    """(dtypes of layer 0's MLP output during `work()`, what `work` returned)."""
     seen = []
     handle = engine.base.model.layers[0].mlp.register_forward_hook(lambda m, i, o: seen.append(o.dtype))
-    sampled, old, advantages, trained, run = _step(engine)
-    handle.remove()
-    assert seen and set(seen) == {torch.bfloat16}  # sampling and training ran in bf16
-    assert {p.dtype for _, p in run.params} == {torch.float32}  # LoRA weights: fp32 master weights
+    try:
+        result = work()
+    finally:
+        handle.remove()
+    return set(seen), result
+
+
+def _assert_fp32_master_weights(engine, run):
     from trl_grpo_ext.pytrio.server.adapters import LoraSettings
 
+    assert {p.dtype for _, p in run.params} == {torch.float32}  # LoRA weights: fp32 master weights
     second = engine.create_run("r2", LoraSettings(rank=4, seed=7))  # PEFT's add_adapter, not get_peft_model
     assert {p.dtype for _, p in second.params} == {torch.float32}
     moments = [v for s in run.optimizer.state.values() for v in s.values() if torch.is_tensor(v) and v.dim()]
     assert moments and {v.dtype for v in moments} == {torch.float32}
-    # the server's trainer log-probs of the sampled tokens: the sampler's to bf16 rounding
+
+
+def test_forced_bf16_server_trains_in_autocast_and_samples_in_fp32(tiny_model_path, monkeypatch):
+    engine = _engine(tiny_model_path, monkeypatch, units=True)
+    assert engine.precision.bf16 is True and engine.autocast_bf16 and not engine.sample_bf16
+    assert {p.dtype for p in engine.base.parameters()} == {torch.float32}
+    prompt = [3, 17, 29, 41, 5, 8, 11]
+    sampled_dtypes, _ = _dtypes_seen(engine, lambda: engine.sample(None, prompt, num_samples=2, max_tokens=4, seed=1))
+    assert sampled_dtypes == {torch.float32}  # sampling: fp32, batch-invariant
+    dtypes, (sampled, old, advantages, trained, run) = _dtypes_seen(engine, lambda: _step(engine))
+    assert torch.bfloat16 in dtypes  # forward_backward in bf16 autocast
+    _assert_fp32_master_weights(engine, run)
+    # the server's bf16 trainer log-probs of the tokens its fp32 sampler drew: equal to bf16 rounding
+    counted = [i for i, a in enumerate(advantages) if a]
+    assert max(abs(trained[i] - old[i]) for i in counted) < 0.05
+
+
+def test_bf16_sampling_stores_the_base_in_bf16_and_every_path_computes_in_autocast(tiny_model_path, monkeypatch):
+    """With ``bf16_sampling`` the frozen base linears are bf16 and each path works on them: sampling groups,
+    prompt log-probs (compute_logprobs), forward_backward and a direct ``generate`` of the base model."""
+    engine = _engine(tiny_model_path, monkeypatch, units=True, bf16_sampling=True)
+    fp32 = _engine(tiny_model_path, monkeypatch, units=False)
+    assert engine.sample_bf16 and engine.base.model.layers[0].mlp.down_proj.weight.dtype == torch.bfloat16
+    assert engine.base.model.embed_tokens.weight.dtype == torch.float32  # the lookup is not autocast
+    prompt = [3, 17, 29, 41, 5, 8, 11]
+    dtypes, (sampled, old, advantages, trained, run) = _dtypes_seen(engine, lambda: _step(engine))
+    assert dtypes == {torch.bfloat16}  # sampling and training ran in bf16
+    _assert_fp32_master_weights(engine, run)
+    group = engine.sample(None, prompt, num_samples=4, max_tokens=5, seed=2)
+    assert len(group) == 4 and all(0 < len(r.tokens) <= 5 for r in group)
+    # the sampler's log-probs are bf16 computations of the fp32 model's: equal to bf16 rounding (2**-7 relative on
+    # O(1) logits, a few roundings per log-prob through two layers)
+    got, _ = engine.prompt_logprobs(None, prompt)
+    want, _ = fp32.prompt_logprobs(None, prompt)
+    assert max(abs(a - b) for a, b in zip(got[1:], want[1:], strict=True)) < 8 * torch.finfo(torch.bfloat16).eps
+    with torch.no_grad():  # a direct call of the base model meets bf16 weights: it runs in autocast too
+        out = engine.base.generate(torch.tensor([prompt]), max_new_tokens=3, do_sample=False, pad_token_id=0)
+    assert out.shape == (1, len(prompt) + 3)
     counted = [i for i, a in enumerate(advantages) if a]
     assert max(abs(trained[i] - old[i]) for i in counted) < 0.05
 

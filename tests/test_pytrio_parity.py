@@ -3,9 +3,10 @@ a GRPO group (one prompt, three completions), which the server runs through the 
 
 Reference ("TRL path"): the same LoRA weights on a freshly loaded transformers model, a padded batch forward as
 TRL's GRPOTrainer does it, per-token logprobs of the completion tokens, `trl_grpo_ext.grpo.losses.policy_loss`, and the
-masked sum (the server's reduction; TRL's token mean is that sum over the token count). Server and reference must
-agree on the loss and on every LoRA gradient to 1e-5; the client-side custom-loss path must give the built-in
-gradient.
+masked sum (the server's reduction; TRL's token mean is that sum over the token count). Both precisions run: fp32,
+where server and reference must agree on the loss and on every LoRA gradient to 1e-5, and bf16 autocast (the
+reference's forward in the autocast TRL's bf16 runs under), to bf16 rounding (`precision_tolerance.BF16`); the
+client-side custom-loss path must give the built-in gradient.
 """
 
 from __future__ import annotations
@@ -16,7 +17,10 @@ import torch
 
 trio = pytest.importorskip("pytrio")
 
+from precision_tolerance import assert_grads_close, tolerance  # noqa: E402
+
 from trl_grpo_ext.grpo import losses  # noqa: E402
+from trl_grpo_ext.precision import bf16_autocast  # noqa: E402
 from trl_grpo_ext.pytrio.server import running_server  # noqa: E402
 
 PROMPTS = ["What is 3 + 4?", "Natalia sold 48 clips in April", "Solve the problem step by step."]
@@ -37,9 +41,9 @@ def _bounds(loss_type):
     return config.get("clip_low_threshold"), config.get("clip_high_threshold")
 
 
-@pytest.fixture(scope="module")
-def server(tiny_model_path, tmp_path_factory):
-    with running_server(tiny_model_path, ephemeral_storage=True) as srv:
+@pytest.fixture(scope="module", params=[False, True], ids=["fp32", "bf16"])
+def server(tiny_model_path, tmp_path_factory, request):
+    with running_server(tiny_model_path, ephemeral_storage=True, bf16=request.param) as srv:
         srv.configure_client(home=str(tmp_path_factory.mktemp("trio-home")), retry_initial_delay_seconds=0.05)
         yield srv
 
@@ -132,7 +136,8 @@ def _reference(server, tiny_model_path, run_id, batch, old_logprobs, loss_type):
         completion_mask[i, : len(c)] = 1
         old[i, : len(c)] = torch.from_numpy(old_logprobs[i])
     position_ids = (attention.cumsum(-1) - 1).clamp(min=0)
-    logits = peft_model(input_ids=ids, attention_mask=attention, position_ids=position_ids).logits
+    with bf16_autocast(server.engine.autocast_bf16):
+        logits = peft_model(input_ids=ids, attention_mask=attention, position_ids=position_ids).logits
     logits = logits[:, prompt_len - 1 : -1].float()  # positions predicting the completion tokens
     targets = ids[:, prompt_len:]
     logp = torch.log_softmax(logits, dim=-1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
@@ -159,12 +164,11 @@ def test_builtin_loss_and_gradients_match_the_trl_path(
     grouped = len({tuple(r["prompt"]) for r in batch}) == 1
     assert prefix_engine_calls["packed"] == int(grouped)  # the group through the prefix engine, once
     ref_loss, ref_grads = _reference(server, tiny_model_path, tc.training_run_cuid, batch, old_logprobs, loss_type)
-    assert out.metrics["loss_sum"] == pytest.approx(ref_loss, rel=1e-5, abs=1e-5)
+    tol = tolerance(server.engine.autocast_bf16)
+    assert out.metrics["loss_sum"] == pytest.approx(ref_loss, rel=tol.loss_sum, abs=tol.loss_sum)
     grads = _server_grads(server, tc.training_run_cuid)
-    assert grads.keys() == ref_grads.keys()
     assert any(g.abs().max() > 1e-3 for g in grads.values())  # the comparison is not between zeros
-    for name, grad in grads.items():
-        torch.testing.assert_close(grad, ref_grads[name], atol=1e-5, rtol=1e-5, msg=name)
+    assert_grads_close(grads, ref_grads, tol)
     if loss_type in ("ppo", "cispo"):  # the batch exercises the clipped branch
         ratio = torch.exp(torch.from_numpy(np.concatenate([-r["noise"] for r in batch])))
         low, high = _bounds(loss_type)

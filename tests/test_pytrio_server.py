@@ -1,6 +1,8 @@
 """The real `pytrio==0.2.9` client against the local PyTRIO server on the tiny model.
 
-One server per module (model loading dominates); every test opens its own `ServiceClient` and training runs.
+One server per module (model loading dominates), in fp32 whatever the CPU (its tests compare numbers exactly); every
+test opens its own `ServiceClient` and training runs. The properties that must hold in bf16 too run again on a bf16
+server (`precision_server`), to bf16 rounding (`precision_tolerance`).
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import torch
 
 trio = pytest.importorskip("pytrio")
 
+from precision_tolerance import assert_grads_close, tolerance  # noqa: E402
 from pytrio.errors.actor import ActorEventSubmitError  # noqa: E402
 from pytrio.errors.control import ControlAPIError  # noqa: E402
 from pytrio.errors.event import EventFailedError  # noqa: E402
@@ -35,7 +38,9 @@ TEXT = "What is 3 + 4? The answer is \\boxed{7}. Solve the problem step by step.
 def served(tiny_model_path, tmp_path_factory):
     """The module's server and its fault injector (installed before the first request: Starlette builds its
     middleware stack then)."""
-    srv = LocalPyTrioServer(ServerConfig(model=tiny_model_path, storage_dir=str(tmp_path_factory.mktemp("ckpt"))))
+    srv = LocalPyTrioServer(
+        ServerConfig(model=tiny_model_path, storage_dir=str(tmp_path_factory.mktemp("ckpt")), bf16=False)
+    )
     faults = FaultInjector().install(srv)
     with srv:
         srv.configure_client(home=str(tmp_path_factory.mktemp("trio-home")), retry_initial_delay_seconds=0.05)
@@ -45,6 +50,28 @@ def served(tiny_model_path, tmp_path_factory):
 @pytest.fixture(scope="module")
 def server(served):
     return served[0]
+
+
+@pytest.fixture(scope="module")
+def bf16_server(server, tiny_model_path):
+    """A second server, on an engine of its own in bf16 autocast, answering `server`'s key."""
+    config = ServerConfig(model=tiny_model_path, bf16=True, api_key=server.api_key, ephemeral_storage=True)
+    with LocalPyTrioServer(config) as srv:
+        yield srv
+
+
+@pytest.fixture(params=[False, True], ids=["fp32", "bf16"])
+def precision_server(request, server):
+    """`server`, then `bf16_server` with the process's client pointed at it for the test."""
+    if not request.param:
+        yield server
+        return
+    srv = request.getfixturevalue("bf16_server")
+    srv.configure_client()
+    try:
+        yield srv
+    finally:
+        server.configure_client()
 
 
 @pytest.fixture
@@ -338,7 +365,8 @@ def test_wrong_api_key_is_an_auth_error(server):
     assert server.api_key not in str(error.value)
 
 
-def test_split_batches_accumulate_like_one_event(server, tiny_model_path, tmp_path):
+def test_split_batches_accumulate_like_one_event(precision_server, tiny_model_path):
+    server = precision_server
     split = LocalPyTrioServer(ServerConfig(model=tiny_model_path, max_batch_size=1, api_key=server.api_key,
                                            ephemeral_storage=True), engine=server.engine)  # fmt: skip
     try:
@@ -355,11 +383,9 @@ def test_split_batches_accumulate_like_one_event(server, tiny_model_path, tmp_pa
         server.configure_client()
     whole = trio.ServiceClient().create_lora_training_client(base_model=server.model_alias, rank=4, seed=11)
     ref = whole.forward_backward(data, "cross_entropy").result()
-    assert out.metrics["loss_sum"] == pytest.approx(ref.metrics["loss_sum"], rel=1e-6)
-    whole_grads = _grads(server, whole.training_run_cuid)
-    assert split_grads.keys() == whole_grads.keys() and split_grads
-    for name, grad in whole_grads.items():
-        torch.testing.assert_close(split_grads[name], grad, atol=1e-6, rtol=1e-5)
+    tol = tolerance(server.engine.autocast_bf16)
+    assert out.metrics["loss_sum"] == pytest.approx(ref.metrics["loss_sum"], rel=tol.loss_sum)
+    assert_grads_close(split_grads, _grads(server, whole.training_run_cuid), tol)
 
 
 def test_cli_arguments():
@@ -545,8 +571,10 @@ def test_new_server_process_loads_state_saved_by_an_earlier_one(server, tiny_mod
         server.configure_client()
 
 
-def test_padded_batches_match_one_datum_at_a_time(server, service):
+def test_padded_batches_match_one_datum_at_a_time(precision_server):
     """forward_backward runs right-padded batches; chunked one datum per call it must give the same numbers."""
+    server = precision_server
+    service = trio.ServiceClient()
     tc = service.create_lora_training_client(base_model=server.model_alias, rank=4, seed=22)
     tokens = _tokens(tc)
     rng = np.random.default_rng(0)
@@ -569,12 +597,12 @@ def test_padded_batches_match_one_datum_at_a_time(server, service):
 
     batched, batched_grads = run_once(4096)
     single, single_grads = run_once(1)
-    assert batched.metrics["loss_sum"] == pytest.approx(single.metrics["loss_sum"], rel=1e-5)
+    service._runtime.shutdown()
+    tol = tolerance(server.engine.autocast_bf16)
+    assert batched.metrics["loss_sum"] == pytest.approx(single.metrics["loss_sum"], rel=tol.loss_sum)
     assert batched.metrics["token_count"] == single.metrics["token_count"] == sum(lengths)
     for a, b in zip(batched.loss_fn_outputs, single.loss_fn_outputs, strict=True):
         for key in ("logprobs", "elementwise_loss"):
             assert a[key].to_numpy().shape == b[key].to_numpy().shape
-            np.testing.assert_allclose(a[key].to_numpy(), b[key].to_numpy(), rtol=1e-5, atol=1e-6)
-    assert batched_grads.keys() == single_grads.keys() and batched_grads
-    for name, grad in single_grads.items():
-        torch.testing.assert_close(batched_grads[name], grad, atol=1e-6, rtol=1e-5)
+            assert abs(a[key].to_numpy() - b[key].to_numpy()).max() <= tol.logprob
+    assert_grads_close(batched_grads, single_grads, tol)

@@ -15,6 +15,7 @@ httpx = pytest.importorskip("httpx")
 
 import msgpack  # noqa: E402
 import torch  # noqa: E402
+from precision_tolerance import assert_grads_close, tolerance  # noqa: E402
 from pytrio.errors.actor import ActorAPIError  # noqa: E402
 from pytrio.errors.event import EventFailedError  # noqa: E402
 
@@ -165,10 +166,17 @@ def _reference_logprobs(engine, tokens, targets):
     return torch.log_softmax(logits, -1).gather(-1, torch.tensor([targets]).unsqueeze(-1)).squeeze(-1)[0]
 
 
-def test_chunked_logprobs_and_recomputed_layers_change_nothing(engine):
+@pytest.mark.parametrize("bf16", [False, True], ids=["fp32", "bf16"])
+def test_chunked_logprobs_and_recomputed_layers_change_nothing(engine, tiny_model_path, bf16):
     """An item longer than one logit chunk, with and without recomputed layers: log-probs equal the full-vocabulary
-    computation, gradients equal each other."""
+    computation (in the engine's precision), gradients equal each other; to float rounding in fp32, to bf16 rounding
+    (`precision_tolerance.BF16`) in bf16 autocast."""
+    from trl_grpo_ext.pytrio.server.engine import ModelEngine
     from trl_grpo_ext.pytrio.server.logprobs import LOGIT_CHUNK
+
+    if bf16:
+        engine = ModelEngine(tiny_model_path, bf16=True)
+    tol = tolerance(bf16)
 
     n = LOGIT_CHUNK + 60
     tokens = [(11 * i) % 390 + 3 for i in range(n)]
@@ -185,12 +193,16 @@ def test_chunked_logprobs_and_recomputed_layers_change_nothing(engine):
             grads.append([p.grad.clone() for _, p in run.params])
             run.optimizer.zero_grad(set_to_none=True)
         assert engine.can_checkpoint and engine.split_head
-        with torch.no_grad():
+        with torch.no_grad(), engine._autocast():
             engine._activate(run.adapter, trainable=False)
             reference = _reference_logprobs(engine, tokens, targets).numpy()
-        assert abs(logprobs[0] - reference).max() < 1e-5 and abs(logprobs[1] - reference).max() < 1e-5
-        for a, b in zip(*grads, strict=True):
-            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
+        worst = 1e-5 if not bf16 else tol.logprob
+        assert abs(logprobs[0] - reference).max() < worst and abs(logprobs[1] - reference).max() < worst
+        if not bf16:
+            for a, b in zip(*grads, strict=True):
+                torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
+        else:
+            assert_grads_close(dict(enumerate(grads[1])), dict(enumerate(grads[0])), tol)
     finally:
         engine.checkpoint_tokens = 1024
         engine.drop_run("memory-test")

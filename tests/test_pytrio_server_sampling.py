@@ -18,9 +18,10 @@ SPECS = [
 ]
 
 
-@pytest.fixture(scope="module")
-def engine(tiny_model_path):
-    return ModelEngine(tiny_model_path)
+@pytest.fixture(scope="module", params=[False, True], ids=["fp32", "bf16"])
+def engine(tiny_model_path, request):
+    """Both answers of the precision: the server samples in fp32 either way (bf16 training does not change it)."""
+    return ModelEngine(tiny_model_path, bf16=request.param)
 
 
 def _alone(engine, spec):

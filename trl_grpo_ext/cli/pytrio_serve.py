@@ -77,8 +77,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--bf16",
         default="auto",
         choices=("auto", "true", "false"),
-        help="bf16 autocast of a float32 model in training and sampling: auto (where the CPU has bf16 matrix units), "
+        help="bf16 autocast of a float32 model in forward/backward: auto (where the CPU has bf16 matrix units), "
         "true, false; LoRA weights and optimizer state stay fp32 (default auto)",
+    )
+    parser.add_argument(
+        "--bf16-sampling",
+        action="store_true",
+        help="sample (and compute_logprobs) in bf16 too where --bf16 is on: faster on some CPUs, but a request's "
+        "tokens may then depend on the requests decoded beside it (default: fp32 sampling, batch-invariant)",
     )
     parser.add_argument("--max-batch-size", type=int, default=None, help="per-event batch cap advertised to clients")
     parser.add_argument(
@@ -124,6 +130,7 @@ def _config(args: argparse.Namespace) -> tuple[ServerConfig, bool]:
         device=args.device,
         dtype=args.dtype,
         bf16=args.bf16,
+        bf16_sampling=args.bf16_sampling,
         max_batch_size=args.max_batch_size,
         max_request_bytes=int(args.max_request_mb * MIB),
         **{field: getattr(args, field) for _flag, field, _kind, _what in LIMIT_FLAGS},

@@ -68,6 +68,7 @@ class LocalPyTrioServer(ControlHandlers, ActorHandlers, TrainingHandlers, Checkp
             device=config.device,
             dtype=config.dtype,
             bf16=config.bf16,
+            bf16_sampling=config.bf16_sampling,
             max_batch_tokens=config.max_batch_tokens,
             share_prefix=config.share_prefix,
         )

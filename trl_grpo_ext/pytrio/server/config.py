@@ -39,9 +39,12 @@ class ServerConfig:
     ephemeral_storage: bool = False
     device: str | None = None
     dtype: str = "float32"
-    # bf16 autocast of an fp32 model in training and sampling: auto (where the CPU has bf16 matrix units), true,
-    # false (`trl_grpo_ext.precision`); the LoRA weights and their optimizer state stay fp32
+    # bf16 autocast of an fp32 model in forward/backward: auto (where the CPU has bf16 matrix units), true, false
+    # (`trl_grpo_ext.precision`); the LoRA weights and their optimizer state stay fp32
     bf16: str | bool = "auto"
+    # sampling and compute_logprobs in bf16 too (where `bf16` is on). Off by default: in fp32 a request's tokens do
+    # not depend on its batch-mates; in bf16 the rounding of a shared decode step can change them
+    bf16_sampling: bool = False
     max_batch_size: int | None = None  # advertised to the client, which then splits batches into events
     max_tokens_per_request: int | None = None
     max_batch_tokens: int = 4096  # forward/backward: padded tokens per model call (memory of the logits)
@@ -91,6 +94,8 @@ class ServerConfig:
             parse_bf16_setting(self.bf16)
         except ValueError as error:
             problems.append(str(error))
+        if not isinstance(self.bf16_sampling, bool):
+            problems.append(f"bf16_sampling must be true or false, got {self.bf16_sampling!r}")
         if any(not isinstance(n, str) or not n.strip() for n in self.served_names):
             problems.append(f"served_names must be non-empty strings, got {list(self.served_names)}")
         for name in ("max_batch_tokens", "snapshot_cache_size", "max_temporary_checkpoints", "max_request_bytes",

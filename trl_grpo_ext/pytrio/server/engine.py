@@ -9,8 +9,8 @@ A single re-entrant lock serialises every use of the model: PEFT's active adapte
 
 from __future__ import annotations
 
-import contextlib
 import copy
+import functools
 import threading
 import warnings
 
@@ -43,6 +43,7 @@ class ModelEngine(LoraAdapters, ForwardBackward, Sampling, TokenLogprobs):
         min_shared_prefix: int = MIN_SHARED_PREFIX,
         checkpoint_tokens: int = 1024,
         bf16: str | bool | None = "auto",
+        bf16_sampling: bool = False,
     ):
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -52,14 +53,20 @@ class ModelEngine(LoraAdapters, ForwardBackward, Sampling, TokenLogprobs):
         if not isinstance(torch_dtype, torch.dtype):
             raise ValueError(f"unknown dtype {dtype!r}")
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_path)
-        # compute precision (`trl_grpo_ext.precision`): with fp32 weights, bf16 autocast in forward/backward and
-        # sampling where the CPU has bf16 matrix units (auto) or bf16 is forced; the LoRA weights and their Adam
-        # state stay fp32. Off the CPU `auto` keeps fp32 (the server's behaviour before).
+        # compute precision (`trl_grpo_ext.precision`): with fp32 weights, bf16 autocast in forward/backward where
+        # the CPU has bf16 matrix units (auto) or bf16 is forced; the LoRA weights and their Adam state stay fp32.
+        # Off the CPU `auto` keeps fp32 (the server's behaviour before).
         self.precision = resolve_precision(bf16, on_cpu=self.device.type == "cpu")
         self.autocast_bf16 = bool(self.precision.bf16) and torch_dtype == torch.float32
+        # Sampling (and compute_logprobs, the sampler's numbers) stays fp32 unless `bf16_sampling`: bf16 rounding of
+        # a shared decode step would make a request's tokens depend on its batch-mates (padding, batch size), and
+        # the advertised guarantee is that they do not. With it, the frozen base linears are stored in bf16 and
+        # every forward of the model (sampling, training, a direct call) runs in bf16 autocast.
+        self.sample_bf16 = self.autocast_bf16 and bool(bf16_sampling)
         model = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=torch_dtype)
-        if self.autocast_bf16:
+        if self.sample_bf16:
             bf16_frozen_linears(model)
+            model.forward = _in_autocast(model.forward, self.device.type)
         model.to(self.device)
         model.eval()  # no dropout: forward and forward_backward must see the same function
         for p in model.parameters():
@@ -96,11 +103,6 @@ class ModelEngine(LoraAdapters, ForwardBackward, Sampling, TokenLogprobs):
     def forward(self, *args, **kwargs):
         with self._autocast():
             return super().forward(*args, **kwargs)
-
-    def use_snapshot(self, snapshot: LoraSnapshot | None):
-        """`LoraAdapters.use_snapshot`, its context also in bf16 autocast where the engine computes in bf16."""
-        model, ctx = super().use_snapshot(snapshot)
-        return (model, _together(ctx, self._autocast())) if self.autocast_bf16 else (model, ctx)
 
     def sample_limits(self, max_num_samples: int = 2**31) -> SampleLimits:
         """What a sample request may ask of this model (the server adds its `max_num_samples`)."""
@@ -204,10 +206,16 @@ class ModelEngine(LoraAdapters, ForwardBackward, Sampling, TokenLogprobs):
                     self.peft.delete_adapter(run.adapter)
 
 
-@contextlib.contextmanager
-def _together(first, second):
-    with first, second:
-        yield
+def _in_autocast(forward, device_type: str):
+    """`forward` in bf16 autocast: a model whose frozen linears are stored in bf16 computes in autocast whoever
+    calls it (fp32 activations would meet bf16 weights outside it)."""
+
+    @functools.wraps(forward)
+    def wrapped(*args, **kwargs):
+        with bf16_autocast(True, device_type):
+            return forward(*args, **kwargs)
+
+    return wrapped
 
 
 def bf16_frozen_linears(model) -> None:
