@@ -10,7 +10,7 @@ CONSTRAINTS ?= constraints/cpu.txt
 LINT_PATHS := trl_grpo_ext recipes tests bench .ci/vllm_extra.py
 CELLS := vllm floor
 
-.PHONY: install train test test-cells check-vllm-extra check-stage-wheels lint bench
+.PHONY: install train test test-precision test-cells check-vllm-extra check-stage-wheels lint bench
 
 # Test cells (docs/gpu.md): the newest versions (.venv, `make test`) and, each in its own venv under the same CPU
 # torch, the versions `.[vllm]` resolves (constraints/vllm.txt) and the floors of pyproject's ranges
@@ -19,6 +19,16 @@ CELLS := vllm floor
 CELL_TESTS = $(wildcard $(addprefix tests/,test_trainer*.py test_prefix*.py test_losses*.py test_dynamic_sampling*.py \
 	test_recipes*.py test_gpu_recipes*.py test_eval*.py test_multiprocess*.py test_models*.py \
 	test_pytrio_parity*.py test_pytrio_server_prefix*.py test_trl_internals*.py))
+
+# The tests whose results follow the CPU's bf16 detection (`bf16: auto`, trl_grpo_ext/precision.py): `make test` runs
+# them with this machine's answer, `make test-precision` with each answer forced (TRL_GRPO_EXT_CPU_BF16=1, then 0),
+# so CI proves both on any CPU. Found as the tests that fail when the suite runs with an invalid
+# TRL_GRPO_EXT_CPU_BF16 (every reader of the detection then stops); tests that compare numbers in one precision name
+# it themselves and are not listed.
+PRECISION_TESTS = $(addprefix tests/,test_cispo_notice.py test_cpu_threads.py test_curriculum.py test_data_spec.py \
+	test_dynamic_sampling.py test_kill_resume.py test_prefix.py test_pytrio_client_survival.py test_pytrio_loop.py \
+	test_pytrio_server.py test_recipes.py test_reward_model.py test_rewards_judge_runs.py test_sweep.py \
+	test_trainer.py test_trl_internals.py)
 
 comma := ,
 # $(call install_venv,VENV,EXTRA_CONSTRAINT_FLAGS,MORE_EXTRAS): the venv with the CPU torch, this package and the
@@ -51,6 +61,10 @@ train: $(STAMP)
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q $(ARGS)
+
+test-precision: $(STAMP)
+	TRL_GRPO_EXT_CPU_BF16=1 $(BIN)/python -m pytest -q $(PRECISION_TESTS) $(ARGS)
+	TRL_GRPO_EXT_CPU_BF16=0 $(BIN)/python -m pytest -q $(PRECISION_TESTS) $(ARGS)
 
 # `make test-vllm`, `make test-floor`: one cell's venv and its tests; `make test-cells`: both. (Not .PHONY: make
 # skips pattern rules for phony targets.)

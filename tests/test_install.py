@@ -207,6 +207,18 @@ def test_make_builds_each_cell_with_its_constraints():
         assert run.startswith(f".venv-{cell}/bin/python -m pytest") and "tests/test_prefix.py" in run, run
 
 
+def test_ci_runs_the_detection_dependent_tests_with_each_bf16_answer():
+    """`make test-precision` runs the same existing test files once with the bf16 detection forced on and once off,
+    and CI calls it after the README's test command."""
+    runs = [line for line in _make_dry_run("test-precision").splitlines() if "-m pytest" in line]
+    assert [line.split()[0] for line in runs] == ["TRL_GRPO_EXT_CPU_BF16=1", "TRL_GRPO_EXT_CPU_BF16=0"]
+    files = [word for word in runs[0].split() if word.startswith("tests/")]
+    assert files and files == [word for word in runs[1].split() if word.startswith("tests/")]
+    assert all((ROOT / f).is_file() for f in files), files
+    ci = (ROOT / ".ci" / "run").read_text()
+    assert ci.index("make test\n") < ci.index("make test-precision")
+
+
 def _vllm_extra():
     import importlib.util
 
