@@ -138,16 +138,6 @@ def test_config_differences_ignore_output_paths(runs):
     assert loaded[0].backend == "trl" and loaded[1].backend == "pytrio"
 
 
-def test_runs_saved_with_the_old_key_spellings_compare_key_by_key_with_new_ones(tmp_path):
-    rows = [{"step": 1, "reward": 0.5}]
-    old = {**BASE, "lora_rank": 8, "dataset_size": 64, "dataset_name": "gsm8k", "dataset_path": "/d/train.jsonl"}
-    new = {**BASE, "lora_r": 8, "num_train_samples": 64, "dataset_name": "/d/train.jsonl"}
-    runs = load_runs([write_run(tmp_path, "old", rows, config=old), write_run(tmp_path, "new", rows, config=new)])
-    assert config_differences(runs) == [] and runs[0].config == runs[1].config
-    changed = write_run(tmp_path, "changed", rows, config={**new, "lora_r": 16})
-    assert config_differences(load_runs([tmp_path / "old", changed])) == ["lora_r"]
-
-
 def test_report_files_and_table(runs, tmp_path):
     out = tmp_path / "report"
     report = build_report(list(runs), out)

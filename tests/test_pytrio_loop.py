@@ -694,7 +694,7 @@ def test_failing_rerun_loads_no_model_and_keeps_the_previous_run_files(tmp_path,
         (["--reward_funcs", "boxed,nope"], "nope"),
         (["--dataset_name", str(bad_data)], "row 1"),
         (["--dataset_name", str(tmp_path / "missing.jsonl")], "missing.jsonl"),
-        (["--dataset_size", "8"], "'--dataset_size' is now 'num_train_samples'"),
+        (["--num_train_sample", "8"], "'--num_train_sample' (did you mean '--num_train_samples'"),
         (["--base_model", str(tmp_path / "no-such-model")], "no-such-model"),
         (["--resume", "true", "--lora_r", "8"], "lora_r: 16 -> 8"),
     ]

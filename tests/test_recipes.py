@@ -83,13 +83,15 @@ def test_unknown_yaml_key_names_it_with_a_suggestion(tmp_path):
         _parse(["--config", str(path)])
     message = str(err.value)
     assert "'learning_rat' (did you mean 'learning_rate'?)" in message
-    assert "'reward_func' (did you mean 'reward_funcs'?)" in message
+    assert "'reward_func' (did you mean 'reward_funcs' or 'reward_model'?)" in message
     assert "'zzz_nothing'" in message and str(path) in message
 
 
 def test_unknown_cli_flag_and_bad_values_fail_early(tmp_path):
-    with pytest.raises(ValueError, match="not used"):
+    with pytest.raises(ValueError, match="unknown flag\\(s\\) '--no_such_flag'$"):
         _parse(["--no_such_flag", "1"])
+    with pytest.raises(ValueError, match="'--learning_rat' \\(did you mean '--learning_rate'"):
+        _parse(["--learning-rat=1e-5"])
     with pytest.raises(ValueError, match="on_malformed"):
         _parse(["--on_malformed", "ignore"])
     with pytest.raises(ValueError, match="loss_type"):

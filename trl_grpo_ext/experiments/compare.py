@@ -35,7 +35,6 @@ from trl_grpo_ext.runs.folders import (
     run_folders,
 )
 from trl_grpo_ext.runs.sweep_files import read_eval_summary
-from trl_grpo_ext.task.spec import with_current_keys
 
 # Config keys that differ between any two runs by construction and say nothing about the variant.
 IGNORED_CONFIG_KEYS = {"output_dir", "run_name", "logging_dir", "resume_from_checkpoint", "hub_model_id"}
@@ -109,7 +108,6 @@ def load_run(path: Path, label: str | None = None) -> RunData:
         rows = []
         notes.append(f"no {METRICS_FILENAME} in {path}")
     config, source, marker = read_run_config(path)
-    config = with_current_keys(config)  # a run saved before the data-spec rename compares key by key with today's
     if source is None:
         notes.append("no saved config found (looked for " + ", ".join(CONFIG_CANDIDATES) + ")")
     wall = (marker or {}).get("wall_time")

@@ -44,7 +44,6 @@ from trl_grpo_ext.runs import (
     load_yaml,
 )
 from trl_grpo_ext.runs.sweep_files import has_pytrio_state
-from trl_grpo_ext.task.spec import renamed_key_problem
 from trl_grpo_ext.trl.script_args import ScriptArguments
 
 MAX_NAME_LEN = 150
@@ -371,10 +370,6 @@ def validate_runs(spec: SweepSpec, runs: list[RunSpec]) -> list[str]:
             continue
         for key in run.config:
             if key not in known:
-                renamed = renamed_key_problem(key)
-                if renamed:
-                    problems.append(f"{run.name}: {renamed}")
-                    continue
                 close = difflib.get_close_matches(str(key), sorted(known), n=1, cutoff=0.6)
                 hint = f" (did you mean '{close[0]}'?)" if close else ""
                 problems.append(f"{run.name}: the {run.backend} recipe has no key '{key}'{hint}")

@@ -14,8 +14,6 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from trl_grpo_ext.runs import PYTRIO_STATE_FILENAME, atomic_write_json
-from trl_grpo_ext.runs.folders import read_run_config
-from trl_grpo_ext.task.spec import with_current_keys
 
 STATE_VERSION = 1
 # Settings that must not change across a resume: they define the model being trained and the data order.
@@ -78,20 +76,8 @@ def check_resumable(state: LoopState, config) -> None:
     if not state.state_path:
         raise ValueError("the recorded loop state has no checkpoint URI to resume from")
     current = pinned_settings(config)
-    pinned = recorded_settings(state, config.output_dir)
+    pinned = state.pinned
     changed = {k: (pinned.get(k), current[k]) for k in current if k in pinned and pinned[k] != current[k]}
     if changed:
         detail = ", ".join(f"{k}: {old!r} -> {new!r}" for k, (old, new) in changed.items())
         raise ValueError(f"cannot resume: settings changed since the checkpoint ({detail}); use a new output_dir")
-
-
-def recorded_settings(state: LoopState, output_dir) -> dict:
-    """`state`'s pinned settings in today's spelling (`trl_grpo_ext.task.spec.with_current_keys`): a run recorded
-    before the data-spec rename pinned ``lora_rank``, and ``dataset_name: gsm8k`` for the file its saved config names
-    in ``dataset_path``, which is that file's ``dataset_name`` now."""
-    pinned = dict(state.pinned)
-    if pinned.get("dataset_name") == "gsm8k":
-        saved, _, _ = read_run_config(output_dir)
-        if saved.get("dataset_path"):
-            pinned["dataset_path"] = saved["dataset_path"]
-    return with_current_keys(pinned)

@@ -11,8 +11,6 @@ may not import the task.
 - ``PyTrioGRPOConfig(GRPOSpec, DataSpec)`` (`trl_grpo_ext.pytrio.config`): validates everything at once, this spec's
   problems included.
 - ``EvalOptions.one_shot`` (`trl_grpo_ext.evaluation.options`) is this spec's declaration (`data_field`).
-
-Keys the two paths spelled differently before are refused with the new name (`RENAMED_KEYS`, `renamed_key_problem`).
 """
 
 from __future__ import annotations
@@ -27,39 +25,8 @@ from trl_grpo_ext.task.data.loading import DEFAULT_TASKS
 from trl_grpo_ext.task.data.prompts import PROMPT_FORMATS
 from trl_grpo_ext.task.rewards.settings import RewardSettings, reward_settings_problems
 
-# Old spellings of the shared options -> what to write instead (a YAML key, a CLI flag or a sweep key).
-RENAMED_KEYS = {
-    "dataset_split": "dataset_train_split",
-    "dataset_size": "num_train_samples",
-    "dataset_path": "dataset_name",
-    "lora_rank": "lora_r",
-}
 # Problems added to a generated (synthetic) training set beyond what the run consumes.
 SYNTHETIC_MARGIN = 64
-
-
-def renamed_key_problem(key: str) -> str | None:
-    """One line naming the new key for an old one (`RENAMED_KEYS`), else None."""
-    new = RENAMED_KEYS.get(str(key).lstrip("-").split("=", 1)[0].replace("-", "_"))
-    if new is None:
-        return None
-    if new == "dataset_name":
-        return f"'{key}' is gone: put the JSONL file or folder in dataset_name (one data spec for both paths)"
-    return f"'{key}' is now '{new}' (one data spec for both paths); rename it"
-
-
-def with_current_keys(config: dict) -> dict:
-    """A saved run config in today's spelling, for reading runs saved before the rename (`compare`): each old key of
-    `RENAMED_KEYS` under its new name, and an old PyTRIO run's ``dataset_name: gsm8k`` + ``dataset_path: FILE`` as
-    ``dataset_name: FILE`` (what that file is now named by). Keys already in today's spelling win."""
-    config = dict(config)
-    path = config.pop("dataset_path", None)
-    if path and config.get("dataset_name") == "gsm8k":
-        config["dataset_name"] = path
-    for old, new in RENAMED_KEYS.items():
-        if old in config:
-            config.setdefault(new, config.pop(old))
-    return config
 
 
 def reward_funcs_list(value) -> list[str]:

@@ -22,7 +22,7 @@ from trl_grpo_ext.runs.tracking import (
     swanlab_mode_problems,
     swanlab_project_field,
 )
-from trl_grpo_ext.task.spec import DataSpec, renamed_key_problem
+from trl_grpo_ext.task.spec import DataSpec
 
 
 @dataclass
@@ -58,20 +58,30 @@ def _known_keys(parser) -> set[str]:
     return keys
 
 
+def _unknown(names: list[str], known: set[str], prefix: str = "") -> str:
+    """``'name' (did you mean 'closest' or 'next'?), ...`` for `names` (field names), each shown with `prefix`."""
+    lines = []
+    for name in names:
+        close = difflib.get_close_matches(str(name), sorted(known), n=2, cutoff=0.6)
+        hint = " or ".join(f"'{prefix}{c}'" for c in close)
+        lines.append(f"'{prefix}{name}'" + (f" (did you mean {hint}?)" if close else ""))
+    return ", ".join(lines)
+
+
 def check_config_keys(config: dict, known: set[str], path: str) -> None:
     """Raise on YAML keys no dataclass defines, naming each with the closest valid key."""
     unknown = [key for key in config if key not in known and key != "env"]
-    if not unknown:
-        return
-    for key in unknown:
-        renamed = renamed_key_problem(key)
-        if renamed:
-            raise ValueError(f"{path}: {renamed}")
-    lines = []
-    for key in unknown:
-        close = difflib.get_close_matches(str(key), sorted(known), n=1, cutoff=0.6)
-        lines.append(f"'{key}'" + (f" (did you mean '{close[0]}'?)" if close else ""))
-    raise ValueError(f"{path}: unknown key(s) {', '.join(lines)}")
+    if unknown:
+        raise ValueError(f"{path}: unknown key(s) {_unknown(unknown, known)}")
+
+
+def check_flags(argv: list[str], known: set[str]) -> None:
+    """Raise on ``--flags`` no dataclass defines, naming each with the closest valid flag (before argparse, whose
+    error names no alternative)."""
+    fields = [arg[2:].split("=", 1)[0].replace("-", "_") for arg in argv if arg.startswith("--") and arg != "--config"]
+    unknown = [name for name in fields if name not in known]
+    if unknown:
+        raise ValueError(f"unknown flag(s) {_unknown(unknown, known, '--')}")
 
 
 def _field_types(dataclass_types) -> dict:
@@ -170,11 +180,7 @@ def parse_recipe_args(argv: list[str] | None = None, default_config: str | None 
     if "--config" not in argv and default_config:
         argv = ["--config", str(default_config), *argv]
     known = _known_keys(parser)
-    for arg in argv:
-        if arg.startswith("--") and arg[2:].split("=", 1)[0].replace("-", "_") not in known:
-            renamed = renamed_key_problem(arg.split("=", 1)[0])
-            if renamed:
-                raise ValueError(renamed)
+    check_flags(argv, known)
     if "--config" not in argv:
         return parser.parse_args_and_config(argv, fail_with_unknown_args=True)
     index = argv.index("--config")
