@@ -185,15 +185,15 @@ def test_unknown_recipe_keys_are_caught_before_running(tmp_path, capsys):
             {
                 "backend": "pytrio",
                 "grid": {"loss_type": ["ppo"]},
-                "overrides": {"lora_rnak": 8, "dataset_size": 64},
+                "overrides": {"lora_rnak": 8, "num_train_sample": 64},
                 "output_root": str(tmp_path / "runs"),
             }
         )
     )
     spec = load_sweep(path)
     assert validate_runs(spec, expand(spec)) == [
-        "loss_type=ppo: 'dataset_size' is now 'num_train_samples' (one data spec for both paths); rename it",
         "loss_type=ppo: the pytrio recipe has no key 'lora_rnak' (did you mean 'lora_r'?)",
+        "loss_type=ppo: the pytrio recipe has no key 'num_train_sample' (did you mean 'num_train_samples'?)",
     ]
     assert main(["sweep", str(path), "--dry-run"]) == 2
     assert "lora_rnak" in capsys.readouterr().err
