@@ -51,10 +51,11 @@ class ServerConfig:
     long_poll_seconds: float = 20.0  # below the client's 65 s read timeout for event polls
     snapshot_cache_size: int = 8  # adapter snapshots kept in memory; older ones reload from disk
     max_temporary_checkpoints: int = 8  # per run: save_weights_and_get_sampling_client hand-offs kept
-    # Per training run: the newest `keep_checkpoints` durable checkpoints of each kind (save_state,
-    # save_weights_for_sampler) are kept, older ones deleted; 0 keeps all. At least 2, so the checkpoint a
-    # loop's state file names survives until the loop has recorded the next one.
-    keep_checkpoints: int = 3
+    # 0 (default): nothing a client saved is deleted, as on the hosted service. N >= 2, only when the operator
+    # asks: per training run, the newest N durable checkpoints of each kind (save_state,
+    # save_weights_for_sampler) are kept and older ones deleted (logged). At least 2, so the checkpoint a loop's
+    # state file names survives until the loop has recorded the next one.
+    keep_checkpoints: int = 0
     heartbeat_ms: int = 60_000
     # Hardening: a request body above `max_request_bytes` answers 413 unread; a sample request asks for at most
     # `max_num_samples` sequences; a connection that sends nothing for `idle_timeout_seconds` is closed.
