@@ -39,7 +39,8 @@ def _bounds(loss_type):
 
 @pytest.fixture(scope="module")
 def server(tiny_model_path, tmp_path_factory):
-    with running_server(tiny_model_path, ephemeral_storage=True) as srv:
+    # the loop normalises its advantages itself and expects the plain sum, as the recipe's own server runs it
+    with running_server(tiny_model_path, ephemeral_storage=True, loss_normalization="sum") as srv:
         srv.configure_client(home=str(tmp_path_factory.mktemp("trio-home")), retry_initial_delay_seconds=0.05)
         yield srv
 

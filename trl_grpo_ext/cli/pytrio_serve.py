@@ -71,6 +71,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="delete old checkpoints: per training run, keep the newest N save_state and N sampler checkpoints "
         "(N >= 2; each deletion is logged). Default 0: nothing a client saved is deleted",
     )
+    parser.add_argument(
+        "--loss-normalization",
+        choices=("client_totals", "sum"),
+        default=defaults.loss_normalization,
+        help="forward_backward: divide each micro-batch's loss by the logical batch's token total the client sends, "
+        "as the hosted service does (client_totals, default), or keep the plain sum over tokens (sum)",
+    )
     parser.add_argument("--device", default=None, help="torch device (default cuda if available, else cpu)")
     parser.add_argument("--dtype", default="float32", help="model dtype: float32, bfloat16, float16")
     parser.add_argument(
@@ -121,6 +128,7 @@ def _config(args: argparse.Namespace) -> tuple[ServerConfig, bool]:
         served_names=tuple(args.served_name),
         storage_dir=args.storage_dir,
         keep_checkpoints=args.keep_checkpoints,
+        loss_normalization=args.loss_normalization,
         device=args.device,
         dtype=args.dtype,
         bf16=args.bf16,
