@@ -15,6 +15,7 @@ import torch
 
 from trl_grpo_ext.compat import output_cache
 from trl_grpo_ext.pytrio.server.adapters import LoraSnapshot
+from trl_grpo_ext.pytrio.server.errors import EngineError
 
 
 @dataclass
@@ -222,7 +223,7 @@ class DecodeBatch:
                 out = model(input_ids=prompt, use_cache=True, logits_to_keep=1)
                 cache, logits = output_cache(out), out.logits[:, -1].float()
                 if n > 1:
-                    cache.batch_repeat_interleave(n)
+                    repeat_rows(cache, n)
         rows = RequestRows(spec, logits.expand(n, -1), engine.device, engine.stop_ids)
         length = len(spec.prompt)
         mask = torch.ones(n, length, dtype=torch.long, device=engine.device)
@@ -295,6 +296,24 @@ class DecodeBatch:
             rows.logits = logits[start : start + n]
             start += n
         return finished
+
+
+def repeat_rows(cache, n: int) -> None:
+    """Each batch row of `cache` repeated `n` times in place (`batch_repeat_interleave`'s order), for every layer
+    type: attention keys and values (the layer's own method), and the conv and recurrent states of the
+    linear-attention layers of hybrid models (Qwen3.5, Qwen3-Next), whose layers have no such method, or one that
+    repeats only their attention part."""
+    for layer in cache.layers:
+        if hasattr(layer, "batch_repeat_interleave"):
+            layer.batch_repeat_interleave(n)
+        elif not hasattr(layer, "recurrent_states"):
+            raise EngineError("unsupported_cache", f"cannot sample several rows with a {type(layer).__name__} cache")
+        for name in ("conv_states", "recurrent_states"):
+            states = getattr(layer, name, None)
+            if isinstance(states, dict):
+                for key, tensor in states.items():
+                    if isinstance(tensor, torch.Tensor):
+                        states[key] = tensor.repeat_interleave(n, dim=0)
 
 
 def _left_pad(tensor: torch.Tensor, width: int, dim: int = -2) -> torch.Tensor:
