@@ -142,3 +142,24 @@ def test_models_lists_the_served_names_and_keys_are_checked(server):
         _client(server, "not-a-key").models.list()
     with pytest.raises(openai.AuthenticationError):
         _client(server, "not-a-key").chat.completions.create(model=server.model_alias, messages=MESSAGES)
+
+
+def test_the_listing_holds_the_keys_own_checkpoints_and_the_judge_reward_uses_one(server, monkeypatch):
+    import asyncio
+
+    from trl_grpo_ext.task.rewards.judge import make_judge_reward
+
+    service = trio.ServiceClient()
+    tc = service.create_lora_training_client(base_model=server.model_alias, rank=4, seed=2)
+    path = tc.save_weights_for_sampler("judge").result().path
+    assert [m.id for m in _client(server).models.list()] == [server.model_alias, path]
+    assert [m.id for m in _client(server, KEY_B).models.list()] == [server.model_alias]  # not another key's
+    monkeypatch.setenv("TRIO_JUDGE_KEY", KEY_A)
+    judge = make_judge_reward({"base_url": f"{server.base_url}/api/openai/v1", "model": path,
+                               "rubric": "Score the answer from 1 to 10.", "api_key_env": "TRIO_JUDGE_KEY",
+                               "retries": 0, "max_tokens": 4})  # fmt: skip
+    judge.preflight()  # the judge's start-up check: the server lists the model
+    metrics = {}
+    scores = asyncio.run(judge(["7", "8"], prompts=["What is 3 + 4?"] * 2, log_metric=metrics.__setitem__))
+    assert len(scores) == 2  # the tiny model's replies rarely parse as a score: None is fine
+    assert metrics["judge/requests"] == 2 and metrics["judge/failures"] == 0

@@ -56,13 +56,21 @@ def _message_text(index: int, message: object) -> dict:
 
 
 class OpenAIHandlers:
-    def openai_models(self) -> dict:
-        names = dict.fromkeys([self.model_alias, *self.served_names])
+    def openai_models(self, caller) -> dict:
+        """The served names, then the caller's own sampler checkpoints (``trio://`` URIs, oldest first): every
+        ``model`` this key may ask for, so a client that checks the listing (an LLM judge) takes a checkpoint too."""
         created = int(self.started)
-        return {
-            "object": "list",
-            "data": [{"id": n, "object": "model", "created": created, "owned_by": "trl-grpo-ext"} for n in names],
-        }
+        data = [
+            {"id": name, "object": "model", "created": created, "owned_by": "trl-grpo-ext"}
+            for name in dict.fromkeys([self.model_alias, *self.served_names])
+        ]
+        with self.registry.lock:
+            records = sorted(
+                (c for c in self.registry.checkpoints.values() if c.kind == "sampler" and caller.may_see(c.owner)),
+                key=lambda c: c.created,
+            )
+        data += [{"id": c.uri, "object": "model", "created": int(c.created), "owned_by": c.run} for c in records]
+        return {"object": "list", "data": data}
 
     async def chat_completion(self, caller, body: object) -> tuple[dict, list[dict] | None]:
         """The completion of a chat-completions request, and, with ``stream``, its chunks (else None)."""

@@ -362,7 +362,8 @@ async def chat_completions(request: Request) -> Response:
 
 @answers_openai_errors
 async def openai_models(request: Request) -> Response:
-    return respond(200, request.app.state.server.openai_models())
+    server = request.app.state.server
+    return respond(200, await server._in_thread(server.openai_models, request.state.caller))
 
 
 # Under /api/: the same API keys as the Control API (`RequestGuard`), each key's checkpoints its own.
