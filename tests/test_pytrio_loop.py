@@ -368,7 +368,9 @@ def local_pytrio(tiny_model_path, tmp_path_factory):
     if TEST_REWARD not in REWARD_REGISTRY:
         register_reward(TEST_REWARD)(_digits_reward)
     home = tmp_path_factory.mktemp("pytrio-home")
-    server = LocalPyTrioServer(ServerConfig(model=tiny_model_path, api_key=SECRET_KEY, ephemeral_storage=True))
+    # the loop normalises its advantages itself and expects the plain sum, as the recipe's own server runs it
+    config = ServerConfig(model=tiny_model_path, api_key=SECRET_KEY, ephemeral_storage=True, loss_normalization="sum")
+    server = LocalPyTrioServer(config)
     server.faults = FaultInjector().install(server)  # test hook: error answers on demand (tests/pytrio_faults.py)
     with server:
         server.home = str(home)

@@ -43,7 +43,8 @@ def _bounds(loss_type):
 
 @pytest.fixture(scope="module", params=[False, True], ids=["fp32", "bf16"])
 def server(tiny_model_path, tmp_path_factory, request):
-    with running_server(tiny_model_path, ephemeral_storage=True, bf16=request.param) as srv:
+    # the loop normalises its advantages itself and expects the plain sum, as the recipe's own server runs it
+    with running_server(tiny_model_path, ephemeral_storage=True, bf16=request.param, loss_normalization="sum") as srv:
         srv.configure_client(home=str(tmp_path_factory.mktemp("trio-home")), retry_initial_delay_seconds=0.05)
         yield srv
 

@@ -156,7 +156,8 @@ def test_sampler_snapshot_stays_frozen_while_training_continues(server, service)
     for seq in first.sequences:
         assert 1 <= len(seq.tokens) <= 6 and len(seq.logprobs) == len(seq.tokens)
         assert seq.stop_reason in ("length", "stop")
-        assert seq.text == tc.get_tokenizer().decode(seq.tokens)
+        kept = seq.tokens[:-1] if seq.stop_reason == "stop" else seq.tokens  # the EOS that stopped it left out
+        assert seq.text == tc.get_tokenizer().decode(kept, skip_special_tokens=True)
         assert all(lp <= 0 for lp in seq.logprobs)
     # sampler logprobs (temperature 1) are the snapshot policy's logprobs of the sampled tokens
     seq = first.sequences[0]
@@ -196,7 +197,8 @@ def test_sampling_stop_conditions_and_base_model(server, service):
         prompt, sampling_params=trio.SamplingParams(max_tokens=5, temperature=0.0, stop=stop_str)
     )
     seq = by_string.result().sequences[0]
-    assert seq.stop_reason == "stop" and stop_str in seq.text and len(seq.tokens) <= 5
+    assert seq.stop_reason == "stop" and len(seq.tokens) <= 5
+    assert stop_str in tok.decode(seq.tokens) and stop_str not in seq.text  # the matched stop string left out
     seeded = trio.SamplingParams(max_tokens=6, seed=7)
     a = sampler.sample(prompt, num_samples=2, sampling_params=seeded).result()
     b = sampler.sample(prompt, num_samples=2, sampling_params=seeded).result()

@@ -205,6 +205,40 @@ def _save_states(tc, names):
     return paths
 
 
+def test_by_default_no_saved_checkpoint_is_deleted(make_server, tmp_path, caplog):
+    server = make_server(storage_dir=str(tmp_path / "default"))
+    assert server.config.keep_checkpoints == 0
+    service = trio.ServiceClient()
+    try:
+        tc = service.create_lora_training_client(base_model=server.model_alias, rank=4, seed=3)
+        with caplog.at_level("INFO", logger="trl_grpo_ext.pytrio.server.checkpoints"):
+            states = _save_states(tc, ["a", "b", "c", "d", "e"])
+            samplers = [tc.save_weights_for_sampler(f"w{i}").result().path for i in range(5)]
+        mine = {c.uri for c in server.registry.checkpoints.values() if c.run == tc.training_run_cuid}
+        assert mine == {*states, *samplers}
+        assert all(server.registry.checkpoint(uri).path.exists() for uri in mine)
+        listed = service.create_rest_client().list_checkpoints(tc.training_run_cuid).result().checkpoints
+        assert len(listed) == 10
+        assert "retention: deleted" not in caplog.text
+    finally:
+        service._runtime.shutdown()
+
+
+def test_retention_when_asked_deletes_the_oldest_and_logs_it(make_server, tmp_path, caplog):
+    server = make_server(storage_dir=str(tmp_path / "kept"), keep_checkpoints=2)
+    service = trio.ServiceClient()
+    try:
+        tc = service.create_lora_training_client(base_model=server.model_alias, rank=4, seed=3)
+        with caplog.at_level("INFO", logger="trl_grpo_ext.pytrio.server.checkpoints"):
+            states = _save_states(tc, ["a", "b", "c", "d"])
+        mine = {c.uri for c in server.registry.checkpoints.values() if c.run == tc.training_run_cuid}
+        assert mine == set(states[-2:])
+        deleted = [r.getMessage() for r in caplog.records if "retention: deleted" in r.getMessage()]
+        assert len(deleted) == 2 and all(uri in " ".join(deleted) for uri in states[:2])
+    finally:
+        service._runtime.shutdown()
+
+
 def test_retention_keeps_the_newest_and_every_referenced_checkpoint(make_server, tmp_path):
     from trl_grpo_ext.pytrio.checkpoint import LoopState, save_loop_state
 

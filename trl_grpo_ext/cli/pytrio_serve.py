@@ -68,8 +68,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--keep-checkpoints",
         type=int,
         default=defaults.keep_checkpoints,
-        help="per training run, keep the newest N save_state and N sampler checkpoints, delete older ones "
-        f"(0 keeps all; default {defaults.keep_checkpoints})",
+        help="delete old checkpoints: per training run, keep the newest N save_state and N sampler checkpoints "
+        "(N >= 2; each deletion is logged). Default 0: nothing a client saved is deleted",
+    )
+    parser.add_argument(
+        "--loss-normalization",
+        choices=("client_totals", "sum"),
+        default=defaults.loss_normalization,
+        help="forward_backward: divide each micro-batch's loss by the logical batch's token total the client sends, "
+        "as the hosted service does (client_totals, default), or keep the plain sum over tokens (sum)",
     )
     parser.add_argument("--device", default=None, help="torch device (default cuda if available, else cpu)")
     parser.add_argument("--dtype", default="float32", help="model dtype: float32, bfloat16, float16")
@@ -127,6 +134,7 @@ def _config(args: argparse.Namespace) -> tuple[ServerConfig, bool]:
         served_names=tuple(args.served_name),
         storage_dir=args.storage_dir,
         keep_checkpoints=args.keep_checkpoints,
+        loss_normalization=args.loss_normalization,
         device=args.device,
         dtype=args.dtype,
         bf16=args.bf16,
@@ -164,6 +172,11 @@ def run(args: argparse.Namespace) -> int:
     if clients > 1 or config.admin_keys:
         print(f"  {clients} client keys, each seeing only its own sessions, runs and checkpoints; "
               f"{len(set(config.admin_keys))} admin keys", flush=True)  # fmt: skip
+    if config.keep_checkpoints:
+        print(f"  checkpoints: the newest {config.keep_checkpoints} of each kind kept per training run, older "
+              f"ones deleted (--keep-checkpoints)", flush=True)  # fmt: skip
+    else:
+        print(f"  checkpoints: all kept in {server.storage} (--keep-checkpoints N deletes older ones)", flush=True)
     print(f"  export PYTRIO_BASE_URL={server.base_url}", flush=True)
     if not chosen_key:  # a generated key is shown once so the user can copy it; a chosen key is never echoed
         print(f"  export PYTRIO_API_KEY={server.api_key}", flush=True)

@@ -901,10 +901,13 @@ def run_from_config(config: PyTrioGRPOConfig, loop: GRPOLoop | None = None, **kw
     loop = loop or GRPOLoop(config, **kwargs)
     loop.check_inputs()
     if config.pytrio_base_url == LOCAL_SERVER_NAME:
-        # Checkpoints live beside the run, so a resumed run's fresh server finds the earlier process's states.
-        with connection.local_server(
-            config.base_model, storage_dir=str(Path(config.output_dir) / PYTRIO_SERVER_DIRNAME)
-        ) as server:
+        # Checkpoints live beside the run, so a resumed run's fresh server finds the earlier process's states. The
+        # recipe is the operator of its own server: it keeps the newest 3 of each kind per run (and always what its
+        # loop state resumes from), as it did before the server's default became keeping everything, and sums the
+        # loss over tokens (`build_train_batch` normalises the advantages itself).
+        storage = str(Path(config.output_dir) / PYTRIO_SERVER_DIRNAME)
+        options = {"storage_dir": storage, "keep_checkpoints": 3, "loss_normalization": "sum"}
+        with connection.local_server(config.base_model, **options) as server:
             connection.configure_client(base_url=server.base_url, api_key=server.api_key)
             return loop.run()
     if config.pytrio_base_url:

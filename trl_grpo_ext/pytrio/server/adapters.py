@@ -22,6 +22,10 @@ from trl_grpo_ext.compat import set_active_adapter
 from trl_grpo_ext.pytrio.server.errors import EngineError
 
 ATTN_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj")
+# The projections of linear-attention (Gated DeltaNet) layers of hybrid models, trained with the attention ones:
+# Qwen3.5's `in_proj_qkv`, `in_proj_z`, `in_proj_b`, `in_proj_a`, Qwen3-Next's fused `in_proj_qkvz`, `in_proj_ba`,
+# and both families' `out_proj`. Only names the model has are targeted (a plain transformer has none of them).
+LINEAR_ATTN_MODULES = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "in_proj_qkvz", "in_proj_ba", "out_proj")
 MLP_MODULES = ("gate_proj", "up_proj", "down_proj")
 UNEMBED_MODULES = ("lm_head",)
 # Tinker scales LoRA by a fixed alpha of 32 for every rank; we do the same so learning rates carry over.
@@ -105,7 +109,9 @@ class LoraAdapters:
     """The adapter side of `ModelEngine`: PEFT adapters per training run and per sampler slot."""
 
     def _module_names(self, lora: LoraSettings) -> list[str]:
-        wanted = (ATTN_MODULES if lora.train_attn else ()) + (MLP_MODULES if lora.train_mlp else ())
+        wanted = (ATTN_MODULES + LINEAR_ATTN_MODULES if lora.train_attn else ()) + (
+            MLP_MODULES if lora.train_mlp else ()
+        )
         wanted += UNEMBED_MODULES if lora.train_unembed else ()
         found = [m for m in wanted if m in self._linear_names]
         if not found:

@@ -33,6 +33,7 @@ from trl_grpo_ext.pytrio.server.engine import ModelEngine
 from trl_grpo_ext.pytrio.server.errors import ApiError
 from trl_grpo_ext.pytrio.server.events import RunEventQueue, started_future
 from trl_grpo_ext.pytrio.server.memory import MemoryGate, default_budget, gib, tune_allocator
+from trl_grpo_ext.pytrio.server.openai_api import OpenAIHandlers
 from trl_grpo_ext.pytrio.server.registry import Registry
 from trl_grpo_ext.pytrio.server.routes import create_app
 from trl_grpo_ext.pytrio.server.sampling import SamplingBatcher
@@ -49,7 +50,7 @@ logger = logging.getLogger(__name__)
 REQUEST_THREADS = 32
 
 
-class LocalPyTrioServer(ControlHandlers, ActorHandlers, TrainingHandlers, CheckpointStore):
+class LocalPyTrioServer(ControlHandlers, ActorHandlers, OpenAIHandlers, TrainingHandlers, CheckpointStore):
     """A Control + actor server for the ``pytrio==0.2.9`` client, backed by `ModelEngine`.
 
     Use as a context manager (or `start`/`stop`); it serves from a background thread. Point the client at it

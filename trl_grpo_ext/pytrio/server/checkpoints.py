@@ -130,7 +130,9 @@ class CheckpointStore:
             with self._cache_lock:
                 self._snapshot_cache.pop(record.uri, None)
             shutil.rmtree(record.path, ignore_errors=True)
-            logger.info("retention: deleted checkpoint %s (%d bytes)", record.uri, record.size)
+            logger.info(
+                "retention: deleted checkpoint %s (%d bytes; keeps the newest %d)", record.uri, record.size, keep
+            )
 
 
 def loop_state_uris(folder: Path) -> set[str]:

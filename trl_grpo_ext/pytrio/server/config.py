@@ -8,6 +8,7 @@ from pathlib import Path
 
 from trl_grpo_ext.models import cache_dir
 from trl_grpo_ext.precision import parse_bf16_setting
+from trl_grpo_ext.pytrio.server.normalization import NORMALIZATIONS
 from trl_grpo_ext.runs import PYTRIO_SERVER_DIRNAME
 
 API_KEY_ENV = "TRL_GRPO_EXT_PYTRIO_API_KEY"  # read by `trl-grpo-ext pytrio-serve`: keeps the key out of `ps`
@@ -54,10 +55,15 @@ class ServerConfig:
     long_poll_seconds: float = 20.0  # below the client's 65 s read timeout for event polls
     snapshot_cache_size: int = 8  # adapter snapshots kept in memory; older ones reload from disk
     max_temporary_checkpoints: int = 8  # per run: save_weights_and_get_sampling_client hand-offs kept
-    # Per training run: the newest `keep_checkpoints` durable checkpoints of each kind (save_state,
-    # save_weights_for_sampler) are kept, older ones deleted; 0 keeps all. At least 2, so the checkpoint a
-    # loop's state file names survives until the loop has recorded the next one.
-    keep_checkpoints: int = 3
+    # 0 (default): nothing a client saved is deleted, as on the hosted service. N >= 2, only when the operator
+    # asks: per training run, the newest N durable checkpoints of each kind (save_state,
+    # save_weights_for_sampler) are kept and older ones deleted (logged). At least 2, so the checkpoint a loop's
+    # state file names survives until the loop has recorded the next one.
+    keep_checkpoints: int = 0
+    # forward_backward: "client_totals" divides each micro-batch's summed loss by the logical batch's denominator
+    # the client sends (`normalization`), as the hosted service does; "sum" keeps the plain sum (Tinker's
+    # documented semantics) for clients that normalise themselves.
+    loss_normalization: str = "client_totals"
     heartbeat_ms: int = 60_000
     # Hardening: a request body above `max_request_bytes` answers 413 unread; a sample request asks for at most
     # `max_num_samples` sequences; a connection that sends nothing for `idle_timeout_seconds` is closed.
@@ -109,6 +115,8 @@ class ServerConfig:
                 problems.append(f"{name} must be None or an integer >= 1, got {value!r}")
         if not isinstance(self.keep_checkpoints, int) or self.keep_checkpoints == 1 or self.keep_checkpoints < 0:
             problems.append(f"keep_checkpoints must be 0 (keep all) or >= 2, got {self.keep_checkpoints!r}")
+        if self.loss_normalization not in NORMALIZATIONS:
+            problems.append(f"loss_normalization must be one of {NORMALIZATIONS}, got {self.loss_normalization!r}")
         for name in ("long_poll_seconds", "idle_timeout_seconds", "request_timeout_seconds"):
             if not getattr(self, name) > 0 or getattr(self, name) == float("inf"):
                 problems.append(f"{name} must be > 0, got {getattr(self, name)!r}")

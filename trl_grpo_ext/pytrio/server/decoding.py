@@ -15,6 +15,7 @@ import torch
 
 from trl_grpo_ext.compat import output_cache
 from trl_grpo_ext.pytrio.server.adapters import LoraSnapshot
+from trl_grpo_ext.pytrio.server.errors import EngineError
 
 
 @dataclass
@@ -78,6 +79,20 @@ def ends_with_stop(tokenizer, tokens: list[int], stop: list[str]) -> bool:
     return any(s in tail for s in stop)
 
 
+def completion_text(tokenizer, tokens: list[int], stop: list[str], stopped_by_token: bool) -> str:
+    """A completion's ``text`` as the hosted service (and vLLM's defaults) return it: special tokens skipped, the
+    stop token that ended it (EOS or a ``stop_token_ids`` id) and a matched stop string left out. The sequence's
+    tokens and log-probs keep them: only the text is trimmed."""
+    if stopped_by_token:
+        tokens = tokens[:-1]
+    text = tokenizer.decode(tokens, skip_special_tokens=True)
+    if stop and not stopped_by_token:
+        found = [i for i in (text.find(s) for s in stop) if i >= 0]
+        if found:  # the earliest match is the one that stopped it; a stop string never appears in the text
+            text = text[: min(found)]
+    return text
+
+
 class Sampling:
     """The sampling side of `ModelEngine` (uses its ``lock``, ``device``, ``tokenizer``, ``stop_ids``, ``cache_kw``,
     `check_sample`, `use_snapshot` and, for prompt log-probs, ``decode`` / ``token_logprobs`` / ``token_topk``)."""
@@ -130,6 +145,7 @@ class RequestRows:
         self.tokens: list[list[int]] = [[] for _ in range(n)]
         self.logps: list[list[float]] = [[] for _ in range(n)]
         self.reasons = ["length"] * n
+        self.stopped_by_token = [False] * n  # its last token is a stop id (left out of `text`)
         self.done = [False] * n
         self.last = torch.zeros(n, dtype=torch.long, device=device)  # the token each row feeds next
         self.steps = 0
@@ -150,15 +166,23 @@ class RequestRows:
             tok = int(nxt[i])
             self.tokens[i].append(tok)
             self.logps[i].append(float(chosen[i]))
-            if tok in self.stop_ids or (self.stop and ends_with_stop(tokenizer, self.tokens[i], self.stop)):
+            if tok in self.stop_ids:
+                self.done[i], self.reasons[i], self.stopped_by_token[i] = True, "stop", True
+            elif self.stop and ends_with_stop(tokenizer, self.tokens[i], self.stop):
                 self.done[i], self.reasons[i] = True, "stop"
         self.last = nxt
         self.steps += 1
 
     def results(self, tokenizer) -> list[SampleResult]:
+        texts = [
+            completion_text(tokenizer, t, self.stop if r == "stop" else [], by_token)
+            if self.spec.return_text
+            else None
+            for t, r, by_token in zip(self.tokens, self.reasons, self.stopped_by_token, strict=True)
+        ]
         return [
-            SampleResult(t, lp, r, tokenizer.decode(t) if self.spec.return_text else None)
-            for t, lp, r in zip(self.tokens, self.logps, self.reasons, strict=True)
+            SampleResult(t, lp, r, text)
+            for t, lp, r, text in zip(self.tokens, self.logps, self.reasons, texts, strict=True)
         ]
 
 
@@ -199,7 +223,7 @@ class DecodeBatch:
                 out = model(input_ids=prompt, use_cache=True, logits_to_keep=1)
                 cache, logits = output_cache(out), out.logits[:, -1].float()
                 if n > 1:
-                    cache.batch_repeat_interleave(n)
+                    repeat_rows(cache, n)
         rows = RequestRows(spec, logits.expand(n, -1), engine.device, engine.stop_ids)
         length = len(spec.prompt)
         mask = torch.ones(n, length, dtype=torch.long, device=engine.device)
@@ -272,6 +296,24 @@ class DecodeBatch:
             rows.logits = logits[start : start + n]
             start += n
         return finished
+
+
+def repeat_rows(cache, n: int) -> None:
+    """Each batch row of `cache` repeated `n` times in place (`batch_repeat_interleave`'s order), for every layer
+    type: attention keys and values (the layer's own method), and the conv and recurrent states of the
+    linear-attention layers of hybrid models (Qwen3.5, Qwen3-Next), whose layers have no such method, or one that
+    repeats only their attention part."""
+    for layer in cache.layers:
+        if hasattr(layer, "batch_repeat_interleave"):
+            layer.batch_repeat_interleave(n)
+        elif not hasattr(layer, "recurrent_states"):
+            raise EngineError("unsupported_cache", f"cannot sample several rows with a {type(layer).__name__} cache")
+        for name in ("conv_states", "recurrent_states"):
+            states = getattr(layer, name, None)
+            if isinstance(states, dict):
+                for key, tensor in states.items():
+                    if isinstance(tensor, torch.Tensor):
+                        states[key] = tensor.repeat_interleave(n, dim=0)
 
 
 def _left_pad(tensor: torch.Tensor, width: int, dim: int = -2) -> torch.Tensor:

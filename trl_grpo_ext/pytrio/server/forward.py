@@ -192,12 +192,14 @@ class ForwardBackward:
         backward: bool,
         auto_shift: bool,
         budget: int | None = None,
+        loss_scale: float = 1.0,
     ):
         """Per-datum outputs (``logprobs``, ``elementwise_loss`` as float arrays) and summed metrics.
 
         The loss of the call is the sum over data and counted tokens; gradients accumulate into the run's
         adapter until `optim_step`. Data run as right-padded batches (`_chunks`, each within `budget` bytes of
-        working memory where one item alone is not above it), which leaves the sum unchanged.
+        working memory where one item alone is not above it), which leaves the sum unchanged. The gradient is that of
+        ``loss_scale`` times the sum (`normalization.loss_scale`); the metrics stay the plain sum and count.
         """
         with self.lock:
             run = self._run(run_id)
@@ -222,7 +224,7 @@ class ForwardBackward:
                             logprobs, valid = self._batch_target_logprobs(piece, auto_shift)
                         loss, loss_tok, mask = self._piece_loss(piece, spec, logprobs, valid)
                         if backward:
-                            loss.backward()
+                            (loss * loss_scale if loss_scale != 1.0 else loss).backward()
                         results.append((rows, logprobs, loss, loss_tok, mask))
                 for rows, logprobs, loss, loss_tok, mask in results:
                     logprobs_np, loss_np = logprobs.detach().cpu().numpy(), loss_tok.detach().cpu().numpy()

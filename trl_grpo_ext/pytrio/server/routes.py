@@ -56,6 +56,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from trl_grpo_ext.pytrio.server.control import ControlHandlers as C
 from trl_grpo_ext.pytrio.server.errors import ApiError
+from trl_grpo_ext.pytrio.server.openai_api import sse_events
 from trl_grpo_ext.pytrio.server.wire import require_finite, validate, validation_message
 
 logger = logging.getLogger(__name__)
@@ -318,6 +319,60 @@ ACTOR_ROUTES = [
 ]
 
 
+def openai_error(error: ApiError) -> Response:
+    """An error as OpenAI's API answers it (``{"error": {"message", "type", "code"}}``), which its clients read."""
+    kind = "invalid_request_error" if error.status < 500 else "server_error"
+    body = {"error": {"message": error.message, "type": kind, "code": error.code, "param": None}}
+    return respond(error.status, body)
+
+
+def answers_openai_errors(endpoint: Callable) -> Callable:
+    """`answers_errors` for the OpenAI-compatible routes: their errors in OpenAI's shape."""
+
+    @functools.wraps(endpoint)
+    async def wrapped(request: Request) -> Response:
+        try:
+            return await endpoint(request)
+        except ApiError as error:
+            return openai_error(error)
+        except HTTPException as error:
+            if error.status_code != 413:
+                raise
+            limit = request.app.state.server.config.max_request_bytes
+            return openai_error(too_large(f"more than {limit}", limit))
+        except ClientDisconnect:
+            return Response(status_code=400)
+        except Exception as error:  # noqa: BLE001 - 4xx, not 5xx, as every route of this server
+            logger.exception("request %s %s failed", request.method, request.url.path)
+            return openai_error(ApiError(422, "internal_error", f"{type(error).__name__}: {error}"))
+
+    return wrapped
+
+
+@answers_openai_errors
+async def chat_completions(request: Request) -> Response:
+    body = _json_body(await request.body() or b"{}")
+    server = request.app.state.server
+    answer, chunks = await server.chat_completion(request.state.caller, body)
+    if chunks is None:
+        return respond(200, answer)
+    headers = {"Cache-Control": "no-cache", "X-Request-Id": secrets.token_hex(6)}
+    return Response(sse_events(chunks), 200, headers, media_type="text/event-stream")
+
+
+@answers_openai_errors
+async def openai_models(request: Request) -> Response:
+    server = request.app.state.server
+    return respond(200, await server._in_thread(server.openai_models, request.state.caller))
+
+
+# Under /api/: the same API keys as the Control API (`RequestGuard`), each key's checkpoints its own.
+OPENAI_ROUTES = [
+    Route("/api/openai/v1/chat/completions", chat_completions, methods=["POST"]),
+    Route("/api/openai/v1/models", openai_models, methods=["GET"]),
+]
+
+
 async def _no_route(request: Request, _error: Exception) -> Response:
     error = ApiError(404, "not_found", f"no route {request.method} {request.url.path}")
     return error_response(request.scope, error, close=large_unread_body(request.scope))
@@ -330,7 +385,7 @@ def create_app(server) -> Starlette:
     """
     control = [Route(f"/api{r.path}", _control_endpoint(r), methods=[r.method]) for r in CONTROL_ROUTES]
     app = Starlette(
-        routes=[*control, *ACTOR_ROUTES],
+        routes=[*control, *ACTOR_ROUTES, *OPENAI_ROUTES],
         middleware=[
             Middleware(RequestGuard, server=server),
             Middleware(RequestBodyLimitMiddleware, max_body_size=server.config.max_request_bytes),

@@ -5,6 +5,7 @@ A mixin of `LocalPyTrioServer`; every handler takes the `EventRecord` and return
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import time
@@ -21,6 +22,7 @@ from trl_grpo_ext.pytrio.server.errors import ApiError, EngineError, EventFailur
 from trl_grpo_ext.pytrio.server.events import EventRecord
 from trl_grpo_ext.pytrio.server.forward import ForwardDatum
 from trl_grpo_ext.pytrio.server.loss_fns import LossConfigError, parse_loss
+from trl_grpo_ext.pytrio.server.normalization import TotalsError, counted_tokens, loss_scale, parse_totals
 from trl_grpo_ext.pytrio.server.registry import KIND_FOLDERS, CheckpointRecord, checkpoint_uri, new_id, safe_name
 from trl_grpo_ext.pytrio.server.wire import prompt_tokens, validation_message, wire_tensor
 
@@ -77,7 +79,15 @@ class TrainingHandlers:
         return {"training_run_cuid": record.run, "step": self.engine.runs[record.run].step}
 
     def _ev_forward(self, record: EventRecord) -> dict:
-        payload = self._payload(TrainerForwardBackwardPayload, record)
+        raw = record.payload if isinstance(record.payload, dict) else {}
+        try:  # checked here, before the schema: a request without totals keeps the plain sum
+            totals = parse_totals(raw.get("gradient_accumulation"))
+        except TotalsError as error:
+            raise EventFailure("invalid_gradient_accumulation", str(error)) from None
+        view = record  # a request without totals is validated with placeholders (`loss_scale` then gets None)
+        if totals is None and isinstance(record.payload, dict):
+            view = _with_payload(record, {**raw, "gradient_accumulation": _PLACEHOLDER_TOTALS})
+        payload = self._payload(TrainerForwardBackwardPayload, view)
         try:
             spec = parse_loss(payload.loss.type, payload.loss.config)
         except LossConfigError as error:
@@ -102,14 +112,22 @@ class TrainingHandlers:
                 )
             )
         backward = record.type == "trainer.forward_backward"
+        counted = sum(
+            counted_tokens(spec.name, d.targets, d.weights, d.advantages, payload.auto_shift) for d in data if d.tokens
+        )
+        try:
+            scale = loss_scale(spec.name, totals, len(data), counted, self.config.loss_normalization)
+        except TotalsError as error:
+            raise EventFailure("invalid_gradient_accumulation", str(error)) from None
         self.engine.check_lengths([len(d.tokens) for d in data])
         budget = self.memory.budget  # chunks are cut to fit it: only an item alone above it is refused
         cost = self.engine.forward_bytes([len(d.tokens) for d in data], backward, budget)
         self.memory.refuse_beyond(cost, f"this {record.type.split('.')[1]}")
         with self.memory.reserve(cost):  # waits while running work holds the budget
             outputs, metrics = self.engine.forward(
-                record.run, data, spec, backward=backward, auto_shift=payload.auto_shift, budget=budget
-            )
+                record.run, data, spec, backward=backward, auto_shift=payload.auto_shift, budget=budget,
+                loss_scale=scale,
+            )  # fmt: skip
         count = metrics["token_count"]
         record.usage = {
             "input_tokens": sum(len(d.tokens) for d in data),
@@ -187,3 +205,13 @@ class TrainingHandlers:
         run = self.registry.training_run(record.run)
         run.status, run.updated = "ENDED", time.time()
         return {}
+
+
+# Stands in for the totals of a request that sent none, only to pass the client's schema (which requires them); such
+# a request is not normalised (`loss_scale` gets None).
+_PLACEHOLDER_TOTALS = {"total_samples": 1, "total_active_tokens": 0, "total_advantage_tokens": 0}
+
+
+def _with_payload(record: EventRecord, payload: dict) -> EventRecord:
+    """A view of `record` with another payload for validation (the queued record is left as it came)."""
+    return dataclasses.replace(record, payload=payload)
