@@ -230,3 +230,29 @@ def distillation_advantages(
         "distill/advantage_std": adv_var.sqrt().item(),
     }
     return DistillationTerms(advantages.to(torch.float32), metrics)
+
+
+def distillation_row_advantages(
+    student_rows: list[list[float]],
+    teacher_rows: list[list[float]],
+    spec: DistillationSpec,
+    reward_advantages: list[float] | None = None,
+) -> tuple[list[list[float]], dict[str, float]]:
+    """`distillation_advantages` of ragged rows, one list of completion-token log-probs per completion (the PyTRIO
+    loop's form): padded to (B, T) with a mask of each row's length; returns each row's advantages and the metrics."""
+    if len(student_rows) != len(teacher_rows):
+        raise ValueError(f"{len(teacher_rows)} teacher rows for {len(student_rows)} completions")
+    for student, teacher in zip(student_rows, teacher_rows, strict=True):
+        if len(student) != len(teacher):
+            raise ValueError(f"{len(teacher)} teacher log-probs for a completion of {len(student)} tokens")
+    width = max((len(row) for row in student_rows), default=0)
+    shape = (len(student_rows), max(width, 1))
+    student, teacher, mask = (torch.zeros(shape, dtype=torch.float64) for _ in range(3))
+    for i, (s, t) in enumerate(zip(student_rows, teacher_rows, strict=True)):
+        student[i, : len(s)] = torch.tensor(s, dtype=torch.float64)
+        teacher[i, : len(t)] = torch.tensor(t, dtype=torch.float64)
+        mask[i, : len(s)] = 1.0
+    rewards = None if reward_advantages is None else torch.tensor(reward_advantages, dtype=torch.float64)
+    terms = distillation_advantages(student, teacher, mask, spec, rewards)
+    rows = [terms.advantages[i, : len(s)].tolist() for i, s in enumerate(student_rows)]
+    return rows, terms.metrics
