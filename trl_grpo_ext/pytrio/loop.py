@@ -816,8 +816,10 @@ class GRPOLoop:
         # unknown names, bad reward options, a reward model that is no classifier, a judge that does not answer
         preflight_rewards(reward_functions(c.reward_funcs, c, settings=c))
         self._load_rows()
-        if c.pytrio_base_url == LOCAL_SERVER_NAME and not is_embedded(c.base_model):
-            check_local_model(c.base_model)  # a local-looking path that is not a model folder
+        if c.pytrio_base_url == LOCAL_SERVER_NAME:
+            for model in (c.base_model, *local_sampling_models(c)):
+                if not is_embedded(model):
+                    check_local_model(model)  # a local-looking path that is not a model folder
         previous = load_loop_state(c.output_dir) if c.resume else None
         if c.resume and previous is None:
             logger.warning("resume: no loop state in %s; starting from step 0", c.output_dir)
@@ -977,6 +979,15 @@ def _write_config(config: PyTrioGRPOConfig, out: Path) -> None:
     write_run_config(out, {**config.to_dict(), "backend": "pytrio"})
 
 
+def local_sampling_models(config: PyTrioGRPOConfig) -> tuple[str, ...]:
+    """The base models the local server serves besides ``base_model``: a distillation teacher that is another
+    model (a teacher checkpoint, ``teacher_model_path``, is an adapter of ``base_model`` and needs none)."""
+    spec = distillation_of(config)
+    if spec is None or spec.teacher_model_path or spec.teacher == config.base_model:
+        return ()
+    return (spec.teacher,)
+
+
 def run_from_config(config: PyTrioGRPOConfig, loop: GRPOLoop | None = None, **kwargs) -> dict:
     """Connect as ``pytrio_base_url`` says (``local``: start the local server first) and train ``loop`` (default:
     ``GRPOLoop(config, **kwargs)``). Its inputs are checked before the local server loads the model."""
@@ -986,7 +997,9 @@ def run_from_config(config: PyTrioGRPOConfig, loop: GRPOLoop | None = None, **kw
     if config.pytrio_base_url == LOCAL_SERVER_NAME:
         # Checkpoints live beside the run, so a resumed run's fresh server finds the earlier process's states.
         with connection.local_server(
-            config.base_model, storage_dir=str(Path(config.output_dir) / PYTRIO_SERVER_DIRNAME)
+            config.base_model,
+            storage_dir=str(Path(config.output_dir) / PYTRIO_SERVER_DIRNAME),
+            sampling_models=local_sampling_models(config),  # a distillation teacher other than the base model
         ) as server:
             connection.configure_client(base_url=server.base_url, api_key=server.api_key)
             return loop.run()

@@ -162,8 +162,12 @@ class ControlHandlers:
             lora = source.lora if not request.base_model else lora
         elif not request.base_model:
             raise ApiError(400, "invalid_request", "base_model is required without source_checkpoint_uri")
-        if request.base_model:
-            self._resolve_base_model(request.base_model)
+        if request.base_model and self._resolve_base_model(request.base_model):
+            raise ApiError(
+                400,
+                "invalid_request",
+                f"model {request.base_model!r} is served for sampling only; train on {self.model_alias!r}",
+            )
         with self.registry.lock:
             session = self.registry.session(sid, caller)
             run = TrainingRunRecord(
@@ -321,15 +325,23 @@ class ControlHandlers:
         )
 
     def create_sampling_run(self, _q, request: SamplingRunCreateRequest, caller: Caller, sid) -> dict:
-        self._resolve_base_model(request.base_model)
+        model = self._resolve_base_model(request.base_model)
+        if model and request.source_checkpoint_uri:
+            raise ApiError(
+                400,
+                "invalid_request",
+                f"checkpoints are adapters of {self.model_alias!r}; model "
+                f"{request.base_model!r} is served without one",
+            )
         if request.source_checkpoint_uri:
             source = self.registry.checkpoint(request.source_checkpoint_uri, caller)
             self._snapshot(source, with_optimizer=False)
         with self.registry.lock:
             session = self.registry.session(sid, caller)
             run = SamplingRunRecord(
-                new_id("sr"), sid, len(session.sampling_runs), request.source_checkpoint_uri, owner=session.owner
-            )
+                new_id("sr"), sid, len(session.sampling_runs), request.source_checkpoint_uri, owner=session.owner,
+                model=model,
+            )  # fmt: skip
             self.registry.sampling_runs[run.cuid] = run
             session.sampling_runs.append(run.cuid)
         return self._created_reply("sampling", run)
@@ -337,8 +349,8 @@ class ControlHandlers:
     def get_sampling_run(self, _q, _b, caller: Caller, rid) -> dict:
         run = self.registry.sampling_run(rid, caller)
         return {"sampling_run_cuid": rid, "service_session_cuid": run.session, "workspace_cuid": WORKSPACE,
-                "status": run.status, "base_model": self.model_id, "model_id": self.model_id,
-                "alias": self.model_alias, "source_checkpoint_uri": run.source_checkpoint_uri or None,
+                "status": run.status, "base_model": run.model or self.model_id, "model_id": run.model or self.model_id,
+                "alias": run.model or self.model_alias, "source_checkpoint_uri": run.source_checkpoint_uri or None,
                 "created_at": iso(run.created), "updated_at": iso(run.created)}  # fmt: skip
 
     def renew_sampling_run(self, _q, _b, caller: Caller, rid) -> dict:
