@@ -219,3 +219,26 @@ def test_a_service_without_the_teacher_is_one_line(local_server, tiny_model_path
     with pytest.raises(PyTrioLoopError) as caught:
         GRPOLoop(c, rows=ROWS).run()
     assert "teacher 'no-such'" in str(caught.value) and "\n" not in str(caught.value)
+
+
+@pytest.mark.slow
+def test_a_teacher_with_another_tokenizer_is_one_line(tiny_model_path, tmp_path):
+    """With ``pytrio_base_url: local`` the loop's own server also serves the teacher; its tokenizer is compared with
+    the student's before the first step. (Last in this module: it points the pytrio client at its own server.)"""
+    from conftest import build_tiny_model
+
+    from trl_grpo_ext.pytrio.loop import run_from_config
+
+    other = build_tiny_model(tmp_path / "other-teacher", vocab_size=300)
+    c = config(
+        base_model=tiny_model_path,
+        pytrio_base_url="local",
+        lora_r=4,
+        max_completion_length=8,
+        output_dir=str(tmp_path / "run"),
+        distillation={"teacher": other},
+    )
+    with pytest.raises(PyTrioLoopError) as caught:
+        run_from_config(c, rows=ROWS)
+    text = str(caught.value)
+    assert "\n" not in text and other in text and tiny_model_path in text and "tokenizer" in text

@@ -43,6 +43,7 @@ def test_teacher_log_probs_over_sockets(make_server, teacher_path, tiny_model_pa
     teacher = a.create_sampling_client(base_model=teacher_path)
     got = teacher.compute_logprobs(trio.ModelInput.from_ints(TOKENS)).result()
     assert got[0] is None and len(got) == len(TOKENS)
+    assert teacher.model_id == str(Path(teacher_path).resolve())  # the client loads the teacher's tokenizer from it
     expected = reference_logprobs(teacher_path, TOKENS)
     torch.testing.assert_close(torch.tensor(got[1:]), expected, rtol=0, atol=1e-4)
     # the student (the training model, on the shared engine of any precision) answers with its own weights

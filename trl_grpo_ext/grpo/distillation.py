@@ -145,6 +145,24 @@ def normalize_distillation(config) -> None:
     config.distillation = block
 
 
+def tokenizer_mismatch(teacher_tokenizer, student_tokenizer, teacher: str, student: str) -> str | None:
+    """Why the teacher's tokenizer is not the student's (another token for some id), naming both; None if it is.
+    Per-token KL needs one tokenizer: the teacher scores the student's token ids, and nothing is aligned here."""
+
+    def vocabulary(tokenizer) -> dict:
+        return getattr(tokenizer, "tokenizer", tokenizer).get_vocab()  # a processor's tokenizer
+
+    teacher_vocab, student_vocab = vocabulary(teacher_tokenizer), vocabulary(student_tokenizer)
+    if teacher_vocab == student_vocab:
+        return None
+    differ = len(set(teacher_vocab.items()) ^ set(student_vocab.items()))
+    return (
+        f"distillation.teacher={teacher!r} does not share the tokenizer of the student {student!r} "
+        f"({len(teacher_vocab)} vs {len(student_vocab)} tokens, {differ} entries differ): on-policy distillation "
+        "scores the student's token ids with the teacher, so both must use one tokenizer"
+    )
+
+
 def distillation_of(config) -> DistillationSpec | None:
     """The validated `DistillationSpec` of a config's ``distillation`` mapping; None without one."""
     block = getattr(config, "distillation", None)

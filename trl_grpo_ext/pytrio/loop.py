@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from trl_grpo_ext.grpo.curriculum import CurriculumPromptStream, curriculum_from_tasks, passed_values
-from trl_grpo_ext.grpo.distillation import DistillationSpec, distillation_of
+from trl_grpo_ext.grpo.distillation import DistillationSpec, distillation_of, tokenizer_mismatch
 from trl_grpo_ext.grpo.dynamic_sampling import GroupFilter, GroupRef
 from trl_grpo_ext.grpo.loss_table import print_loss_type_notice, wire_loss_config
 from trl_grpo_ext.grpo.spec import curriculum_pass_reward
@@ -504,8 +504,8 @@ class GRPOLoop:
         that drive `train_step` themselves). ``curriculum_state``: a resumed run's saved pass rates."""
         self.tokenizer = self._load_tokenizer(training_client)
         self.reward_funcs, self.reward_names, self.reward_weights = self._reward_setup()
-        if self.distillation is not None:
-            self._teacher_client()  # a service without the teacher fails here, before the first step
+        if self.distillation is not None:  # a service without the teacher fails here, before the first step
+            self._check_teacher_tokenizer(self._teacher_client())
         rows = self._load_rows(chat=use_chat_prompts(self.config.prompt_format, self.tokenizer))
         if self.config.curriculum:
             c = self.config
@@ -570,6 +570,21 @@ class GRPOLoop:
                 model_path=spec.teacher_model_path,
             )
         return self._teacher
+
+    def _check_teacher_tokenizer(self, teacher) -> None:
+        """The teacher's tokenizer (its sampling client's ``get_tokenizer``) against the student's: one line naming
+        both when they differ. A teacher whose tokenizer cannot be loaded here is trusted, with a warning."""
+        try:
+            teacher_tokenizer = teacher.get_tokenizer()
+        except Exception as error:  # noqa: BLE001 - e.g. a hosted model's tokenizer while offline
+            logger.warning("distillation: the teacher's tokenizer could not be loaded to compare with the student's "
+                           "(%s: %s); they must be the same", type(error).__name__, redact(error))  # fmt: skip
+            return
+        mismatch = tokenizer_mismatch(
+            teacher_tokenizer, self.tokenizer, self.distillation.teacher, self.config.base_model
+        )
+        if mismatch:
+            raise PyTrioLoopError(mismatch)
 
     def _distill(self, scored: ScoredBatch) -> dict:
         """The teacher's log-probs of every sampled completion (``compute_logprobs`` on prompt + completion), made

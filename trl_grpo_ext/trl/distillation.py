@@ -13,14 +13,14 @@ from __future__ import annotations
 import torch
 
 from trl_grpo_ext.errors import raise_problems
-from trl_grpo_ext.grpo.distillation import DistillationSpec, distillation_advantages, distillation_of
+from trl_grpo_ext.grpo.distillation import (
+    DistillationSpec,
+    distillation_advantages,
+    distillation_of,
+    tokenizer_mismatch,
+)
 from trl_grpo_ext.models import resolve_model
 from trl_grpo_ext.trl import internals
-
-
-def _vocabulary(tokenizer) -> dict:
-    tokenizer = getattr(tokenizer, "tokenizer", tokenizer)  # a processor's tokenizer
-    return tokenizer.get_vocab()
 
 
 def teacher_problems(spec: DistillationSpec, student_tokenizer, student_name: str) -> list[str]:
@@ -33,15 +33,8 @@ def teacher_problems(spec: DistillationSpec, student_tokenizer, student_name: st
         teacher_tokenizer = AutoTokenizer.from_pretrained(path)
     except (OSError, ValueError) as error:
         return [f"distillation.teacher={spec.teacher!r} cannot be loaded: {str(error).splitlines()[0]}"]
-    teacher_vocab, student_vocab = _vocabulary(teacher_tokenizer), _vocabulary(student_tokenizer)
-    if teacher_vocab != student_vocab:
-        return [
-            f"distillation.teacher={spec.teacher!r} does not share the tokenizer of the student {student_name!r} "
-            f"({len(teacher_vocab)} vs {len(student_vocab)} tokens, "
-            f"{len(set(teacher_vocab.items()) ^ set(student_vocab.items()))} entries differ): on-policy distillation "
-            "scores the student's token ids with the teacher, so both must use one tokenizer"
-        ]
-    return []
+    mismatch = tokenizer_mismatch(teacher_tokenizer, student_tokenizer, spec.teacher, student_name)
+    return [] if mismatch is None else [mismatch]
 
 
 class DistillationMixin:

@@ -193,8 +193,9 @@ class ControlHandlers:
             "status": run.status,
             "run_index": run.index,
             "model_spec_cuid": "model_local",
-            "model_alias": self.model_alias,
-            "model_id": self.model_id,
+            # a sampling-only model's run (its `model`) reports that model: its tokenizer is the client's
+            "model_alias": getattr(run, "model", "") or self.model_alias,
+            "model_id": getattr(run, "model", "") or self.model_id,
             "trainer" if training else "sampler": self._caps(training),
             "actor": self._actor(),
             "actor_jwt": self._jwt(kind, run.cuid),
