@@ -160,6 +160,18 @@ def test_a_short_teacher_answer_is_refused():
         loop._distill(scored_batch())
 
 
+def test_a_datum_takes_one_advantage_per_completion_token():
+    from trl_grpo_ext.pytrio.datums import shifted_sequences
+
+    seq = shifted_sequences([1, 2], [3, 4, 5], [-0.1, -0.2, -0.3], [0.5, -1.0, 2.0])
+    assert seq["advantages"] == [0.0, 0.5, -1.0, 2.0]
+    assert shifted_sequences([1, 2], [3, 4, 5], [-0.1, -0.2, -0.3], 0.5)["advantages"] == [0.0, 0.5, 0.5, 0.5]
+    with pytest.raises(ValueError, match="2 advantages for 3 tokens"):
+        shifted_sequences([1, 2], [3, 4, 5], [-0.1, -0.2, -0.3], [0.5, 1.0])
+    with pytest.raises(ValueError, match="advantage is"):
+        shifted_sequences([1, 2], [3, 4, 5], [-0.1, -0.2, -0.3], [0.5, float("nan"), 1.0])
+
+
 # ------------------------------------------------------------------------------------------ on the local server
 
 SECRET_KEY = "trio-local-opd-key-0123456789"

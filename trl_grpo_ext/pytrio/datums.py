@@ -51,7 +51,9 @@ def shifted_sequences(
         raise ValueError(f"cannot build a training datum: {problem}")
     pad = len(prompt_tokens) - 1
     completion_len = len(completion_tokens)
-    per_token = [float(advantage)] * completion_len if isinstance(advantage, (int, float)) else list(advantage)
+    per_token = (
+        [float(a) for a in advantage] if isinstance(advantage, (list, tuple)) else [float(advantage)] * completion_len
+    )
     if len(per_token) != completion_len:
         raise ValueError(f"cannot build a training datum: {len(per_token)} advantages for {completion_len} tokens")
     if not all(math.isfinite(a) for a in per_token):
