@@ -64,6 +64,8 @@ def test_teacher_log_probs_over_sockets(make_server, teacher_path, tiny_model_pa
     saved = tc.save_weights_for_sampler("s").result().path
     with pytest.raises(Exception, match="served without one"):
         a.create_sampling_client(base_model=teacher_path, model_path=saved)
+    # listed with the served models, for sampling only
+    assert a.get_supported_models() == [server.model_id, str(Path(teacher_path).resolve())]
     # per-key isolation: another client does not see A's teacher run
     b = Raw(server, KEY_B)
     rid = teacher.sampling_run_cuid

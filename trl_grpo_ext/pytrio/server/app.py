@@ -251,8 +251,8 @@ class LocalPyTrioServer(ControlHandlers, ActorHandlers, TrainingHandlers, Checkp
         token = self.registry.issue_token(kind, run)
         return {"token": token.token, "expires_at": token.expires.isoformat()}
 
-    def _caps(self, training: bool) -> dict:
-        max_seq = self.engine.max_seq_len
+    def _caps(self, training: bool, engine: ModelEngine | None = None) -> dict:
+        max_seq = (engine or self.engine).max_seq_len
         return {
             "max_batch_size": self.config.max_batch_size if training else None,
             "max_tokens_per_request": self.config.max_tokens_per_request if training else None,

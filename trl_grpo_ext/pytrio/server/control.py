@@ -55,7 +55,8 @@ class ControlHandlers:
         return {"compatibility": {"status": "compatible", "sdk_version": version}, "notices": []}
 
     def models(self, query, _b, _caller) -> dict:
-        """The served model under its path, then once under each served name (what `get_supported_models` lists)."""
+        """The served model under its path, then once under each served name, then the sampling-only models (what
+        `get_supported_models` lists)."""
         created = iso(self.started)
         items = [
             {
@@ -73,6 +74,13 @@ class ControlHandlers:
             }
             for i, model_id in enumerate(dict.fromkeys([self.model_id, *self.served_names]))
         ]
+        for key, model in self.sampling_models.items():  # sampling-only models (a distillation teacher)
+            items.append({
+                "cuid": f"model_local_sampling_{len(items)}", "alias": key, "model_id": key, "display_name": key,
+                "context_length": model.engine.max_seq_len, "train_available": False, "sample_available": True,
+                "trainer": self._caps(True, model.engine), "sampler": self._caps(False, model.engine), "created_at": created,
+                "updated_at": created,
+            })  # fmt: skip
         offset = query_int(query, "offset", 0)
         return {"items": items[offset:], "total": len(items), "limit": 100, "offset": offset}
 
@@ -196,7 +204,7 @@ class ControlHandlers:
             # a sampling-only model's run (its `model`) reports that model: its tokenizer is the client's
             "model_alias": getattr(run, "model", "") or self.model_alias,
             "model_id": getattr(run, "model", "") or self.model_id,
-            "trainer" if training else "sampler": self._caps(training),
+            "trainer" if training else "sampler": self._caps(training, self.model_for(getattr(run, "model", ""))[0]),
             "actor": self._actor(),
             "actor_jwt": self._jwt(kind, run.cuid),
             "created_at": iso(run.created),
