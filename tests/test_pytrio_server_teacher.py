@@ -83,7 +83,11 @@ def test_teacher_requests_share_the_memory_budget(make_server, teacher_path):
 
 
 def test_unknown_model_and_repeated_flag(make_server, teacher_path):
-    make_server(sampling_models=(teacher_path,))
+    make_server(sampling_models=(f"Qwen/Qwen3-8B={teacher_path}",))
+    # a script written for the hosted service names the teacher by the hosted id
+    teacher = trio.ServiceClient().create_sampling_client(base_model="Qwen/Qwen3-8B")
+    got = teacher.compute_logprobs(trio.ModelInput.from_ints(TOKENS)).result()
+    assert len(got) == len(TOKENS) and teacher.model_id == str(Path(teacher_path).resolve())
     with pytest.raises(Exception, match="for sampling"):  # the error lists the sampling model's names
         trio.ServiceClient().create_sampling_client(base_model="no-such-model")
     parser = argparse.ArgumentParser()

@@ -32,7 +32,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         action="append",
         help="model folder, hub id, or 'embedded' (SmolLM2-135M-Instruct). Repeat it to serve more base models: "
         "the first is trained (LoRA), the others are served for sampling and log-probs only (e.g. a distillation "
-        "teacher: create_sampling_client(base_model=<its path or folder name>) + compute_logprobs)",
+        "teacher: create_sampling_client(base_model=<its path or folder name>) + compute_logprobs); NAME=MODEL "
+        "also answers to NAME (e.g. Qwen/Qwen3-8B=outputs/teacher for a script written for the hosted service)",
     )
     parser.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1: this machine only)")
     parser.add_argument("--port", type=int, default=8710, help="port (0 picks a free one)")

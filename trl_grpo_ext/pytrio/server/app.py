@@ -28,7 +28,7 @@ from trl_grpo_ext.pytrio.server.actor import ActorHandlers
 from trl_grpo_ext.pytrio.server.adapters import LoraSnapshot
 from trl_grpo_ext.pytrio.server.checkpoints import CheckpointStore
 from trl_grpo_ext.pytrio.server.clients import KeyRing
-from trl_grpo_ext.pytrio.server.config import ServerConfig, default_storage_dir
+from trl_grpo_ext.pytrio.server.config import ServerConfig, default_storage_dir, split_sampling_model
 from trl_grpo_ext.pytrio.server.control import ControlHandlers
 from trl_grpo_ext.pytrio.server.engine import ModelEngine
 from trl_grpo_ext.pytrio.server.errors import ApiError
@@ -83,11 +83,13 @@ class LocalPyTrioServer(ControlHandlers, ActorHandlers, TrainingHandlers, Checkp
         self.sampler = SamplingBatcher(self.engine, config.max_sampling_rows, self.memory)
         # sampling-only base models (`ServerConfig.sampling_models`): engine and decode batcher each, one budget
         self.sampling_models: dict[str, SamplingModel] = {}
-        for requested in config.sampling_models:
+        for entry in config.sampling_models:
+            requested, served_name = split_sampling_model(entry)
             engine = ModelEngine(_resolve_model(requested), device=config.device, dtype=config.dtype,
                                  bf16=config.bf16, max_batch_tokens=config.max_batch_tokens,
                                  share_prefix=config.share_prefix)  # fmt: skip
             names = {engine.model_path, str(requested), _default_alias(requested, engine.model_path)}
+            names |= {served_name} if served_name else set()
             if names & (self.aliases | {n for m in self.sampling_models.values() for n in m.names}):
                 raise ValueError(f"sampling model {requested!r} has a name another served model has: {sorted(names)}")
             model = SamplingModel(engine, SamplingBatcher(engine, config.max_sampling_rows, self.memory), names)

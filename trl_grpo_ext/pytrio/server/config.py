@@ -34,8 +34,9 @@ class ServerConfig:
     # The first one is the alias the server reports (`models`, run views).
     served_names: tuple[str, ...] = ()
     # More base models, served for sampling and log-probs only (e.g. a distillation teacher): each a model folder,
-    # hub id or 'embedded', passed as ``base_model`` by its path, the name given here or its folder name. Training
-    # runs use `model`. They share the working-memory budget.
+    # hub id or 'embedded', passed as ``base_model`` by its path, the name given here or its folder name; written
+    # ``NAME=MODEL`` it answers to NAME too (a hosted model's id, for scripts written for the hosted service).
+    # Training runs use `model`. They share the working-memory budget.
     sampling_models: tuple[str, ...] = ()
     # Checkpoints and their records; None: `default_storage_dir()`, a stable folder, so a restarted server can
     # load_state from an earlier process's checkpoints. ephemeral_storage: a temporary folder removed on stop.
@@ -95,7 +96,7 @@ class ServerConfig:
             parse_bf16_setting(self.bf16)
         except ValueError as error:
             problems.append(str(error))
-        if any(not isinstance(m, str) or not m.strip() for m in self.sampling_models):
+        if any(not isinstance(m, str) or not split_sampling_model(m)[0].strip() for m in self.sampling_models):
             problems.append(
                 f"sampling_models must be model folders, hub ids or 'embedded', got {list(self.sampling_models)}"
             )
@@ -132,6 +133,12 @@ class ServerConfig:
             )
         if problems:
             raise ValueError("invalid local PyTRIO server config: " + "; ".join(problems))
+
+
+def split_sampling_model(entry: str) -> tuple[str, str | None]:
+    """(model, served name or None) of a `ServerConfig.sampling_models` entry: ``MODEL`` or ``NAME=MODEL``."""
+    name, sep, model = entry.partition("=")
+    return (model, name.strip()) if sep and name.strip() else (entry, None)
 
 
 def _usable_key(key: object) -> bool:
