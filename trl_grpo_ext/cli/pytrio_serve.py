@@ -26,7 +26,15 @@ LIMIT_FLAGS = [
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     defaults = ServerConfig(model=EMBEDDED_NAME)
-    parser.add_argument("--model", required=True, help="model folder, hub id, or 'embedded' (SmolLM2-135M-Instruct)")
+    parser.add_argument(
+        "--model",
+        required=True,
+        action="append",
+        help="model folder, hub id, or 'embedded' (SmolLM2-135M-Instruct). Repeat it to serve more base models: "
+        "the first is trained (LoRA), the others are served for sampling and log-probs only (e.g. a distillation "
+        "teacher: create_sampling_client(base_model=<its path or folder name>) + compute_logprobs); NAME=MODEL "
+        "also answers to NAME (e.g. Qwen/Qwen3-8B=outputs/teacher for a script written for the hosted service)",
+    )
     parser.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1: this machine only)")
     parser.add_argument("--port", type=int, default=8710, help="port (0 picks a free one)")
     parser.add_argument(
@@ -124,7 +132,8 @@ def _config(args: argparse.Namespace) -> tuple[ServerConfig, bool]:
         keys = [os.environ[API_KEY_ENV]]
     admin_keys = read_api_key_file(args.admin_key_file) if args.admin_key_file else []
     config = ServerConfig(
-        model=args.model,
+        model=args.model[0],
+        sampling_models=tuple(args.model[1:]),
         host=args.host,
         port=args.port,
         api_key=keys[0] if keys else None,
@@ -168,6 +177,8 @@ def run(args: argparse.Namespace) -> int:
     names = ", ".join(sorted(server.aliases))
     print(f"PyTRIO local server: {server.base_url}  model: {server.model_alias} ({server.model_id})", flush=True)
     print(f"  base_model may be any of: {names}", flush=True)
+    for model in server.sampling_models.values():
+        print(f"  for sampling and log-probs only: {', '.join(sorted(model.names))}", flush=True)
     clients = 1 + len(set(config.api_keys) - {config.api_key})
     if clients > 1 or config.admin_keys:
         print(f"  {clients} client keys, each seeing only its own sessions, runs and checkpoints; "

@@ -26,6 +26,7 @@ from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 
 from trl_grpo_ext.grpo.curriculum import curriculum_settings_problems
+from trl_grpo_ext.grpo.distillation import distillation_block_problems, normalize_distillation
 from trl_grpo_ext.grpo.loss_table import (
     CISPO_CLIP,
     DEFAULT_CLIP,
@@ -146,6 +147,17 @@ class GRPOSpec:
     curriculum_pass_threshold: float = field(
         default=1.0, metadata={"help": "A completion passes when that reward is >= this (boxed/hybrid: 1.0)."}
     )
+    # On-policy distillation: `trl_grpo_ext.grpo.distillation` (docs/distillation.md).
+    distillation: dict | str | None = field(
+        default=None,
+        metadata={
+            "help": "On-policy distillation: a mapping of teacher (model id or folder; on PyTRIO the base model), "
+            "teacher_model_path (PyTRIO: a saved checkpoint of it), coef (weight of the negative reverse KL per "
+            "token, default 1.0), reward_coef (weight of GRPO's reward advantage, default 0: pure distillation) "
+            "and discount (0: per-token terms; > 0: discounted sum of the later terms). From the command line: "
+            "JSON text. None: plain GRPO."
+        },
+    )
 
 
 def spec_field(name: str, default):
@@ -178,7 +190,9 @@ def _name_problem(name: str, value) -> list[str]:
 
 
 def normalize_values(config) -> None:
-    """Before validation: TRL's boolean spellings of ``scale_rewards`` (also as CLI/YAML strings)."""
+    """Before validation: TRL's boolean spellings of ``scale_rewards`` (also as CLI/YAML strings); the
+    ``distillation`` block as a full mapping (`trl_grpo_ext.grpo.distillation.normalize_distillation`)."""
+    normalize_distillation(config)
     scale = getattr(config, "scale_rewards", None)
     if isinstance(scale, str) and scale.lower() in ("true", "false"):
         scale = scale.lower() == "true"
@@ -283,6 +297,12 @@ def spec_problems(config, path: str) -> list[str]:
     problems += _name_problem("degenerate_reward", config.degenerate_reward)
     problems += _name_problem("curriculum_reward", config.curriculum_reward)
     problems += _sampling_problems(config)
+    problems += distillation_block_problems(getattr(config, "distillation", None))
+    if getattr(config, "distillation", None) is not None and config.dynamic_sampling:
+        problems.append(
+            "distillation: dynamic_sampling filters groups by their rewards, which a teacher's per-token signal "
+            "does not follow; unset one of them"
+        )
     return problems
 
 

@@ -42,26 +42,32 @@ def shifted_sequences(
     prompt_tokens: Sequence[int],
     completion_tokens: Sequence[int],
     completion_logprobs: Sequence[float],
-    advantage: float,
+    advantage: float | Sequence[float],
 ) -> dict[str, list]:
-    """Plain-list form of one datum: ``input``, ``target_tokens``, ``logprobs``, ``advantages``, ``mask``."""
+    """Plain-list form of one datum: ``input``, ``target_tokens``, ``logprobs``, ``advantages``, ``mask``.
+    `advantage`: one value for every completion token, or one per completion token (on-policy distillation)."""
     problem = validate_rollout(prompt_tokens, completion_tokens, completion_logprobs)
     if problem:
         raise ValueError(f"cannot build a training datum: {problem}")
-    if not math.isfinite(advantage):
-        raise ValueError(f"cannot build a training datum: advantage is {advantage}")
     pad = len(prompt_tokens) - 1
     completion_len = len(completion_tokens)
+    per_token = (
+        [float(a) for a in advantage] if isinstance(advantage, (list, tuple)) else [float(advantage)] * completion_len
+    )
+    if len(per_token) != completion_len:
+        raise ValueError(f"cannot build a training datum: {len(per_token)} advantages for {completion_len} tokens")
+    if not all(math.isfinite(a) for a in per_token):
+        raise ValueError(f"cannot build a training datum: advantage is {advantage}")
     return {
         "input": list(prompt_tokens) + list(completion_tokens[:-1]),
         "target_tokens": [0] * pad + list(completion_tokens),
         "logprobs": [0.0] * pad + [float(x) for x in completion_logprobs],
-        "advantages": [0.0] * pad + [float(advantage)] * completion_len,
+        "advantages": [0.0] * pad + [float(a) for a in per_token],
         "mask": [0.0] * pad + [1.0] * completion_len,
     }
 
 
-def build_datum(prompt_tokens, completion_tokens, completion_logprobs, advantage: float):
+def build_datum(prompt_tokens, completion_tokens, completion_logprobs, advantage: float | Sequence[float]):
     """A `pytrio.Datum` for the ``importance_sampling`` / ``ppo`` / ``cispo`` losses (no ``mask`` key: the
     wire format has none; custom losses use `shifted_sequences`' ``mask``)."""
     import pytrio as trio

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import random
 import time
 from concurrent.futures import TimeoutError as FutureTimeout
@@ -32,6 +33,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from trl_grpo_ext.grpo.curriculum import CurriculumPromptStream, curriculum_from_tasks, passed_values
+from trl_grpo_ext.grpo.distillation import DistillationSpec, distillation_of, tokenizer_mismatch
 from trl_grpo_ext.grpo.dynamic_sampling import GroupFilter, GroupRef
 from trl_grpo_ext.grpo.loss_table import print_loss_type_notice, wire_loss_config
 from trl_grpo_ext.grpo.spec import curriculum_pass_reward
@@ -193,6 +195,8 @@ class ScoredBatch:
     advantages: list[float]
     degenerate: list[bool]  # per prompt group
     logged: dict = field(default_factory=dict)  # what the reward functions sent to ``log_metric``
+    # on-policy distillation: one advantage per completion token of each rollout (`GRPOLoop._distill`), else None
+    token_advantages: list[list[float]] | None = None
 
 
 def reward_step_metrics(config: PyTrioGRPOConfig, scored: ScoredBatch, reward_names) -> dict:
@@ -297,7 +301,8 @@ class TrainBatch:
 def build_train_batch(config: PyTrioGRPOConfig, scored: ScoredBatch, step: int) -> TrainBatch:
     """One `pytrio.Datum` per completion with tokens (`trl_grpo_ext.pytrio.datums`); empty completions count for
     the rewards and the group baseline only."""
-    trained = [(r, a) for r, a in zip(scored.rollouts, scored.advantages, strict=True) if r.completion_tokens]
+    advantages = scored.advantages if scored.token_advantages is None else scored.token_advantages
+    trained = [(r, a) for r, a in zip(scored.rollouts, advantages, strict=True) if r.completion_tokens]
     if not trained:
         raise PyTrioLoopError(f"step {step + 1}: every completion was empty; nothing to train on")
     token_rows = TokenRows()
@@ -310,11 +315,33 @@ def build_train_batch(config: PyTrioGRPOConfig, scored: ScoredBatch, step: int) 
     scale = 1.0
     if config.uses_builtin_loss and config.loss_aggregation == "token_mean":
         scale = 1.0 / max(token_rows.completion_tokens, 1)
-    datums = [build_datum(r.prompt_tokens, r.completion_tokens, r.completion_logprobs, a * scale) for r, a in trained]
-    train_tokens = sum(
-        len(r.completion_tokens) for r, a in zip(scored.rollouts, scored.advantages, strict=True) if a != 0.0
-    )
+    if scored.token_advantages is None:
+        datums = [
+            build_datum(r.prompt_tokens, r.completion_tokens, r.completion_logprobs, a * scale) for r, a in trained
+        ]
+        train_tokens = sum(
+            len(r.completion_tokens) for r, a in zip(scored.rollouts, scored.advantages, strict=True) if a != 0.0
+        )
+    else:
+        datums = [
+            build_datum(r.prompt_tokens, r.completion_tokens, r.completion_logprobs, [x * scale for x in a])
+            for r, a in trained
+        ]
+        train_tokens = sum(sum(x != 0.0 for x in a) for _, a in trained)
     return TrainBatch(datums, token_rows, train_tokens)
+
+
+def teacher_completion_logprobs(prompt_tokens, completion_tokens, logprobs, what: str) -> list[float]:
+    """The completion tokens' log-probs out of a ``compute_logprobs`` answer on prompt + completion (one per
+    position, the first None), checked: as many as tokens, finite numbers."""
+    values = list(logprobs or [])
+    total = len(prompt_tokens) + len(completion_tokens)
+    if len(values) != total:
+        raise PyTrioLoopError(f"{what}: {len(values)} log-probs for {total} tokens")
+    tail = values[len(prompt_tokens) :]
+    if any(isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) for v in tail):
+        raise PyTrioLoopError(f"{what}: the teacher's log-probs of the completion tokens must be finite numbers")
+    return [float(v) for v in tail]
 
 
 def builtin_loss_metrics(config: PyTrioGRPOConfig, batch: TrainBatch, fb_out) -> dict:
@@ -422,6 +449,8 @@ class GRPOLoop:
         self._checked: tuple[LoopState | None] | None = None  # (resume state,) once `check_inputs` has passed
         # else `_service_client` makes one, and a new one after an outage
         self._given_service = service_client is not None
+        self.distillation: DistillationSpec | None = distillation_of(config)
+        self._teacher = None  # the teacher's sampling client (`_teacher_client`), with a distillation block
 
     # --- setup -------------------------------------------------------------------------------------------------
 
@@ -438,6 +467,7 @@ class GRPOLoop:
         if self._service is not None:
             connection.close_service_client(self._service)
         self._service = None
+        self._teacher = None  # it belonged to the lost service
         return True
 
     def _load_rows(self, chat: bool | None = None) -> list[dict]:
@@ -474,6 +504,8 @@ class GRPOLoop:
         that drive `train_step` themselves). ``curriculum_state``: a resumed run's saved pass rates."""
         self.tokenizer = self._load_tokenizer(training_client)
         self.reward_funcs, self.reward_names, self.reward_weights = self._reward_setup()
+        if self.distillation is not None:  # a service without the teacher fails here, before the first step
+            self._check_teacher_tokenizer(self._teacher_client())
         rows = self._load_rows(chat=use_chat_prompts(self.config.prompt_format, self.tokenizer))
         if self.config.curriculum:
             c = self.config
@@ -526,6 +558,70 @@ class GRPOLoop:
             # A function of (seed, step, prompt): a resumed run samples what an uninterrupted one would.
             seed=(c.seed * 1_000_003 + step * 1_009 + index) % (2**31 - 1),
         )
+
+    def _teacher_client(self):
+        """The teacher's sampling client: ``create_sampling_client(base_model=teacher, model_path=...)``."""
+        if self._teacher is None:
+            spec = self.distillation
+            self._teacher = _call(
+                self._service_client().create_sampling_client,
+                f"create_sampling_client (teacher {spec.teacher!r})",
+                base_model=spec.teacher,
+                model_path=spec.teacher_model_path,
+            )
+        return self._teacher
+
+    def _check_teacher_tokenizer(self, teacher) -> None:
+        """The teacher's tokenizer (its sampling client's ``get_tokenizer``) against the student's: one line naming
+        both when they differ. A teacher whose tokenizer cannot be loaded here is trusted, with a warning."""
+        try:
+            teacher_tokenizer = teacher.get_tokenizer()
+        except Exception as error:  # noqa: BLE001 - e.g. a hosted model's tokenizer while offline
+            logger.warning("distillation: the teacher's tokenizer could not be loaded to compare with the student's "
+                           "(%s: %s); they must be the same", type(error).__name__, redact(error))  # fmt: skip
+            return
+        mismatch = tokenizer_mismatch(
+            teacher_tokenizer, self.tokenizer, self.distillation.teacher, self.config.base_model
+        )
+        if mismatch:
+            raise PyTrioLoopError(mismatch)
+
+    def _distill(self, scored: ScoredBatch) -> dict:
+        """The teacher's log-probs of every sampled completion (``compute_logprobs`` on prompt + completion), made
+        per-token advantages by `trl_grpo_ext.grpo.distillation` (the student's log-probs: the sampler's); sets
+        ``scored.token_advantages`` and returns the ``distill/*`` metrics."""
+        import pytrio as trio
+
+        from trl_grpo_ext.grpo.distillation import distillation_row_advantages  # torch: first step
+
+        t0 = time.perf_counter()
+        teacher = self._teacher_client()
+        rollouts = [r for r in scored.rollouts if r.completion_tokens]
+        what = [f"compute_logprobs (teacher, completion {i})" for i in range(len(rollouts))]
+
+        def submit(i, r):
+            tokens = list(r.prompt_tokens) + list(r.completion_tokens)
+            return _call(teacher.compute_logprobs, what[i], trio.ModelInput.from_ints(tokens))
+
+        timeout = self.config.request_timeout_s
+        if self.config.mode == "async":
+            futures = [submit(i, r) for i, r in enumerate(rollouts)]
+            answers = [_wait(f, what[i], timeout) for i, f in enumerate(futures)]
+        else:
+            answers = [_wait(submit(i, r), what[i], timeout) for i, r in enumerate(rollouts)]
+        teacher_rows = iter(
+            teacher_completion_logprobs(r.prompt_tokens, r.completion_tokens, a, what[i])
+            for i, (r, a) in enumerate(zip(rollouts, answers, strict=True))
+        )
+        student, teacher_logps = [], []
+        for r in scored.rollouts:  # empty completions: no tokens, no teacher call
+            student.append(list(r.completion_logprobs))
+            teacher_logps.append(next(teacher_rows) if r.completion_tokens else [])
+        scored.token_advantages, metrics = distillation_row_advantages(
+            student, teacher_logps, self.distillation, scored.advantages
+        )
+        metrics["time/teacher_logprobs"] = time.perf_counter() - t0
+        return metrics
 
     def _sampling_client(self, training_client, times: StepTimes):
         """A sampler holding the current weights: the "old" policy of this step."""
@@ -684,6 +780,8 @@ class GRPOLoop:
         times = StepTimes()
         t_step = time.perf_counter()
         scored, sampling_metrics = self._sample_and_score(training_client, stream, step, times)
+        if self.distillation is not None:
+            sampling_metrics = {**sampling_metrics, **self._distill(scored)}
         batch = build_train_batch(self.config, scored, step)
         learning_rate = self.config.learning_rate_at(step)
         loss_record, optim_metrics = self._optimizer_step(training_client, batch, learning_rate, times)
@@ -733,8 +831,10 @@ class GRPOLoop:
         # unknown names, bad reward options, a reward model that is no classifier, a judge that does not answer
         preflight_rewards(reward_functions(c.reward_funcs, c, settings=c))
         self._load_rows()
-        if c.pytrio_base_url == LOCAL_SERVER_NAME and not is_embedded(c.base_model):
-            check_local_model(c.base_model)  # a local-looking path that is not a model folder
+        if c.pytrio_base_url == LOCAL_SERVER_NAME:
+            for model in (c.base_model, *local_sampling_models(c)):
+                if not is_embedded(model):
+                    check_local_model(model)  # a local-looking path that is not a model folder
         previous = load_loop_state(c.output_dir) if c.resume else None
         if c.resume and previous is None:
             logger.warning("resume: no loop state in %s; starting from step 0", c.output_dir)
@@ -894,6 +994,15 @@ def _write_config(config: PyTrioGRPOConfig, out: Path) -> None:
     write_run_config(out, {**config.to_dict(), "backend": "pytrio"})
 
 
+def local_sampling_models(config: PyTrioGRPOConfig) -> tuple[str, ...]:
+    """The base models the local server serves besides ``base_model``: a distillation teacher that is another
+    model (a teacher checkpoint, ``teacher_model_path``, is an adapter of ``base_model`` and needs none)."""
+    spec = distillation_of(config)
+    if spec is None or spec.teacher_model_path or spec.teacher == config.base_model:
+        return ()
+    return (spec.teacher,)
+
+
 def run_from_config(config: PyTrioGRPOConfig, loop: GRPOLoop | None = None, **kwargs) -> dict:
     """Connect as ``pytrio_base_url`` says (``local``: start the local server first) and train ``loop`` (default:
     ``GRPOLoop(config, **kwargs)``). Its inputs are checked before the local server loads the model."""
@@ -904,9 +1013,11 @@ def run_from_config(config: PyTrioGRPOConfig, loop: GRPOLoop | None = None, **kw
         # Checkpoints live beside the run, so a resumed run's fresh server finds the earlier process's states. The
         # recipe is the operator of its own server: it keeps the newest 3 of each kind per run (and always what its
         # loop state resumes from), as it did before the server's default became keeping everything, and sums the
-        # loss over tokens (`build_train_batch` normalises the advantages itself).
+        # loss over tokens (`build_train_batch` normalises the advantages itself). A distillation teacher other than
+        # the base model is served beside it for sampling and log-probs.
         storage = str(Path(config.output_dir) / PYTRIO_SERVER_DIRNAME)
         options = {"storage_dir": storage, "keep_checkpoints": 3, "loss_normalization": "sum"}
+        options["sampling_models"] = local_sampling_models(config)
         with connection.local_server(config.base_model, **options) as server:
             connection.configure_client(base_url=server.base_url, api_key=server.api_key)
             return loop.run()

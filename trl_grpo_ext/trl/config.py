@@ -140,6 +140,8 @@ class GRPOConfig(GRPOSpec, trl.GRPOConfig):
             resolve_precision(self.bf16, on_cpu=runs_on_cpu(self))
         except ValueError as error:  # a bad bf16 value or TRL_GRPO_EXT_CPU_BF16
             problems.append(str(error))
+        if self.distillation is not None and self.cast_lm_head_to_fp32:
+            problems.append("cast_lm_head_to_fp32 is not supported with a distillation teacher; unset one of them")
         packed = self.max_packed_tokens
         if packed is not None and (isinstance(packed, bool) or not isinstance(packed, int) or packed < 1):
             problems.append(f"max_packed_tokens={packed!r} must be a positive integer or None")

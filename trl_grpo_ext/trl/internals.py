@@ -26,8 +26,16 @@ from dataclasses import dataclass, field
 
 import torch
 from trl.extras.profiling import profiling_context
-from trl.models import unwrap_model_for_generation
-from trl.trainer.utils import pad, shuffle_sequence_dict, split_tensor_dict
+from trl.models import prepare_deepspeed, prepare_fsdp, unwrap_model_for_generation
+from trl.models.utils import disable_gradient_checkpointing
+from trl.trainer.utils import (
+    add_fused_lm_head,
+    create_model_from_path,
+    disable_dropout_in_model,
+    pad,
+    shuffle_sequence_dict,
+    split_tensor_dict,
+)
 
 from trl_grpo_ext.grpo.losses import token_level_mean
 
@@ -304,6 +312,53 @@ GENERATION_BATCH_RIGHT_PADDED = {
     "importance_sampling_ratio": 0.0,
     "advantages": 0.0,
 }
+
+# ------------------------------------------------------------------------------------------ a frozen second model
+
+
+@mirrors(f"{TRL_GRPO}.__init__", {"1.16.0": "14a358d3b256d96a"}, part="reference model")
+def load_frozen_model(trainer, name_or_path: str):
+    """TRL 1.16's reference-model setup for another model (the distillation teacher): loaded from `name_or_path` as
+    TRL loads the reference (``model_init_kwargs``, the policy's dtype and attention implementation), dropout off,
+    TRL's fused LM head at the sampling temperature, prepared by accelerate for evaluation (DeepSpeed / FSDP as TRL
+    does); no gradients. ``cast_lm_head_to_fp32`` is refused with a teacher (`trl_grpo_ext.trl.config`)."""
+    args = trainer.args
+    model_init_kwargs = dict(args.model_init_kwargs or {})
+    if args.distributed_state.distributed_type in ["MULTI_GPU", "DEEPSPEED"]:
+        model_init_kwargs["device_map"] = None
+    model_init_kwargs.setdefault("trust_remote_code", args.trust_remote_code)
+    model_init_kwargs.setdefault("dtype", trainer.model.dtype)
+    model_init_kwargs.setdefault("attn_implementation", trainer.model.config._attn_implementation)
+    model = create_model_from_path(name_or_path, **model_init_kwargs)
+    if args.disable_dropout:
+        disable_dropout_in_model(model)
+    add_fused_lm_head(model, temperature=trainer.temperature, cast_lm_head_to_fp32=args.cast_lm_head_to_fp32)
+    model.requires_grad_(False)
+    model.eval()
+    if trainer.is_deepspeed_enabled:
+        return prepare_deepspeed(model, trainer.accelerator)
+    if trainer.is_fsdp_enabled:
+        return prepare_fsdp(model, trainer.accelerator)
+    return trainer.accelerator.prepare_model(model, evaluation_mode=True)
+
+
+@mirrors(f"{TRL_GRPO}._generate_and_score_completions", {"1.16.0": "5f6267d35c18c248"}, part="reference log-probs")
+def completion_logps(trainer, model, output: dict, mode: str) -> torch.Tensor:
+    """TRL 1.16's no-grad log-prob forward of the reference model, for `model` over a scored generation batch
+    (`output` of ``_generate_and_score_completions``: prompt and completion ids and masks); text only. Runs through
+    the trainer's ``_get_per_token_logps_and_entropies`` (prefix sharing applies). Returns (B, completion length)."""
+    prompt_completion_ids = torch.cat([output["prompt_ids"], output["completion_ids"]], dim=1)
+    attention_mask = torch.cat([output["prompt_mask"], output["completion_mask"]], dim=1)
+    logits_to_keep = output["completion_ids"].size(1)
+    batch_size = (
+        trainer.args.per_device_train_batch_size if mode == "train" else trainer.args.per_device_eval_batch_size
+    )
+    with torch.no_grad(), disable_gradient_checkpointing(trainer.model, trainer.args.gradient_checkpointing_kwargs):
+        logps, _, _ = trainer._get_per_token_logps_and_entropies(
+            model, prompt_completion_ids, attention_mask, logits_to_keep, batch_size=batch_size
+        )
+    return logps
+
 
 # Code elsewhere that mirrors TRL, checked by the same test: copies in the layers below the TRL path (the PyTRIO
 # loop imports them without TRL, so they cannot live here), the recipe parser's steps of TrlParser (it runs before

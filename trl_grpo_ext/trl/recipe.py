@@ -17,6 +17,7 @@ from pathlib import Path
 from trl_grpo_ext.cpu_threads import current_governor, govern_cpu_threads, runs_on_cpu
 from trl_grpo_ext.errors import raise_problems
 from trl_grpo_ext.evaluation import HELDOUT_SEED, heldout_lines, problems_from_rows
+from trl_grpo_ext.grpo.distillation import distillation_of
 from trl_grpo_ext.grpo.loss_table import print_loss_type_notice
 from trl_grpo_ext.grpo.reward_aggregation import reward_func_name
 from trl_grpo_ext.grpo.spec import reward_option_problems
@@ -32,6 +33,7 @@ from trl_grpo_ext.runs import (
 from trl_grpo_ext.task.data import load_dataset_split, load_problems
 from trl_grpo_ext.task.data.prompts import use_chat_prompts
 from trl_grpo_ext.task.rewards import preflight_rewards, reward_functions, reward_names
+from trl_grpo_ext.trl.distillation import teacher_problems
 
 _START = time.time()
 
@@ -66,6 +68,9 @@ def prepare_run(script_args, training_args, model_args) -> PreparedRun:
         raise ValueError("model_name_or_path is not set; use 'embedded', a hub id or a local path")
     path = resolve_model(model_args.model_name_or_path, progress=not getattr(training_args, "disable_tqdm", False))
     tokenizer = load_tokenizer(path, model_args, training_args)
+    distillation = distillation_of(training_args)
+    if distillation is not None:  # a teacher that cannot load or tokenizes otherwise: one line, nothing written yet
+        raise_problems("distillation", teacher_problems(distillation, tokenizer, model_args.model_name_or_path))
     train_dataset, eval_problems = build_datasets(script_args, training_args, tokenizer)
     funcs = reward_functions(names, training_args, tokenizer, settings=script_args)
     check_reward_options(training_args, funcs, names)

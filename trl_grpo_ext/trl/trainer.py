@@ -12,6 +12,8 @@
   ``degenerate_tol``) get exactly zero advantage (``zero_degenerate_advantages``) and ``frac_degenerate`` is logged.
 - Rows that share prompt tokens are encoded once in the log-prob forward and in non-vLLM generation
   (``share_prompt_prefix``, `trl_grpo_ext.trl.prefix_mixin.PrefixSharingMixin`; docs/prefix_sharing.md).
+- With a ``distillation`` block, a teacher's log-probs give per-token advantages (`trl_grpo_ext.trl.distillation`,
+  `DistillationMixin`), computed after the degenerate groups' reward advantages were zeroed.
 - ``dynamic_sampling`` (DAPO's group filter) and the task ``curriculum`` are the mixins of
   `trl_grpo_ext.trl.sampling`; they read what this class resolves and computes through ``mixin_state``
   (`trl_grpo_ext.trl.internals.MixinState`: the reward columns the options name, each generation batch's degenerate
@@ -37,6 +39,7 @@ from trl_grpo_ext.task.rewards import reward_index, reward_names
 from trl_grpo_ext.task.rewards.judge import JudgeUnavailableError, judges_in
 from trl_grpo_ext.trl import internals
 from trl_grpo_ext.trl.config import EXTRA_LOSS_TYPES, GRPOConfig, trl_loss_type
+from trl_grpo_ext.trl.distillation import DistillationMixin
 from trl_grpo_ext.trl.internals import MixinState, log_metric
 from trl_grpo_ext.trl.prefix_mixin import PrefixSharingMixin
 from trl_grpo_ext.trl.sampler_precision import SamplerPrecisionMixin
@@ -49,7 +52,14 @@ def _on_policy_ratio_metrics(clip_low, clip_high) -> dict[str, float]:
     return {name: value.item() for name, value in ratio_metrics(torch.ones(1), None, clip_low, clip_high).items()}
 
 
-class GRPOTrainer(DynamicSamplingMixin, CurriculumMixin, SamplerPrecisionMixin, PrefixSharingMixin, trl.GRPOTrainer):
+class GRPOTrainer(
+    DistillationMixin,
+    DynamicSamplingMixin,
+    CurriculumMixin,
+    SamplerPrecisionMixin,
+    PrefixSharingMixin,
+    trl.GRPOTrainer,
+):
     """TRL's `GRPOTrainer` plus ``loss_type`` ``importance_sampling`` / ``cispo`` (two-sided) / ``ppo``, degenerate groups.
 
     Takes the same arguments as `trl.GRPOTrainer`. With a `trl_grpo_ext.GRPOConfig` the names of
@@ -144,7 +154,7 @@ class GRPOTrainer(DynamicSamplingMixin, CurriculumMixin, SamplerPrecisionMixin, 
         output = super()._generate_and_score_completions(inputs)
         rewards_per_func, state.rewards_per_func = state.rewards_per_func, None
         if rewards_per_func is None:
-            return output
+            return self._with_distillation(output)
         mode = "train" if self.model.training else "eval"
         num_generations = self.num_generations if mode == "train" else self.num_generations_eval
         degenerate = self._degenerate_group_mask(rewards_per_func, num_generations)
@@ -159,7 +169,8 @@ class GRPOTrainer(DynamicSamplingMixin, CurriculumMixin, SamplerPrecisionMixin, 
                 local_zero = local_zero.unsqueeze(1)
             output["advantages"] = output["advantages"].masked_fill(local_zero, 0.0)
             internals.zero_logged_advantages(self, zero.tolist())
-        return output
+        # a teacher's per-token advantages (`trl.distillation`), after degenerate groups lost their reward advantage
+        return self._with_distillation(output)
 
     # ------------------------------------------------------------------ loss
     def _get_per_token_logps_and_entropies(self, *args, **kwargs):

@@ -44,6 +44,7 @@ class SampleJob:
     prompt: list[int]
     snapshot: LoraSnapshot | None
     results: Future  # list[SampleResult]
+    engine: object = None  # the served model's engine (`LocalPyTrioServer.model_for`)
 
 
 @contextlib.contextmanager
@@ -135,11 +136,12 @@ class ActorHandlers:
         run = self.registry.sampling_run(rid)
         request = validate(SampleRequest, body, "invalid_sample_request")
         prompt = prompt_tokens(request.prompt)
-        limits = self.engine.sample_limits(self.config.max_num_samples)
+        engine, sampler = self.model_for(run.model)
+        limits = engine.sample_limits(self.config.max_num_samples)
         with _sampling_errors():  # every value checked here, before the request can join a decode batch
             spec = sample_spec(prompt, request.num_samples, request.sampling_params, limits, request.return_text)
             check_topk(request.topk_prompt_logprobs, self.config.max_topk_logprobs)
-        model = self.engine.memory_model
+        model = engine.memory_model
         cost = model.sample_bytes(len(prompt), spec.num_samples, spec.max_tokens)
         self.memory.refuse_beyond(cost, f"this sample request ({spec.num_samples} x {spec.max_tokens} tokens)")
         if request.return_prompt_logprobs or request.topk_prompt_logprobs:
@@ -149,15 +151,16 @@ class ActorHandlers:
         if run.source_checkpoint_uri:
             snapshot = self._snapshot(self.registry.checkpoint(run.source_checkpoint_uri), with_optimizer=False)
         with _sampling_errors():
-            return SampleJob(request, rid, prompt, snapshot, self.sampler.submit(snapshot, spec, cost))
+            return SampleJob(request, rid, prompt, snapshot, sampler.submit(snapshot, spec, cost), engine)
 
     def _sample_answer(self, job: SampleJob, results: list[SampleResult]) -> dict:
         request, prompt = job.request, job.prompt
         prompt_logprobs, topk = None, None
         if request.return_prompt_logprobs or request.topk_prompt_logprobs:
-            cost = self.engine.memory_model.prompt_logprobs_bytes(len(prompt), request.topk_prompt_logprobs)
+            engine = job.engine or self.engine
+            cost = engine.memory_model.prompt_logprobs_bytes(len(prompt), request.topk_prompt_logprobs)
             with _sampling_errors(), self.memory.reserve(cost):
-                prompt_logprobs, topk = self.engine.prompt_logprobs(job.snapshot, prompt, request.topk_prompt_logprobs)
+                prompt_logprobs, topk = engine.prompt_logprobs(job.snapshot, prompt, request.topk_prompt_logprobs)
         return {
             "request_id": request.request_id,
             "sampling_run": job.run,

@@ -20,6 +20,7 @@ import time
 from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import wait as wait_futures
+from dataclasses import dataclass
 from pathlib import Path
 
 from trl_grpo_ext.models import EMBEDDED_NAME, is_embedded, resolve_model
@@ -27,7 +28,7 @@ from trl_grpo_ext.pytrio.server.actor import ActorHandlers
 from trl_grpo_ext.pytrio.server.adapters import LoraSnapshot
 from trl_grpo_ext.pytrio.server.checkpoints import CheckpointStore
 from trl_grpo_ext.pytrio.server.clients import KeyRing
-from trl_grpo_ext.pytrio.server.config import ServerConfig, default_storage_dir
+from trl_grpo_ext.pytrio.server.config import ServerConfig, default_storage_dir, split_sampling_model
 from trl_grpo_ext.pytrio.server.control import ControlHandlers
 from trl_grpo_ext.pytrio.server.engine import ModelEngine
 from trl_grpo_ext.pytrio.server.errors import ApiError
@@ -82,6 +83,21 @@ class LocalPyTrioServer(ControlHandlers, ActorHandlers, OpenAIHandlers, Training
         logger.info("PyTRIO local server: working memory budget %s", gib(self.memory.budget))
         logger.info("PyTRIO local server: %s", self.engine.precision.line())
         self.sampler = SamplingBatcher(self.engine, config.max_sampling_rows, self.memory)
+        # sampling-only base models (`ServerConfig.sampling_models`): engine and decode batcher each, one budget
+        self.sampling_models: dict[str, SamplingModel] = {}
+        for entry in config.sampling_models:
+            requested, served_name = split_sampling_model(entry)
+            engine = ModelEngine(_resolve_model(requested), device=config.device, dtype=config.dtype,
+                                 bf16=config.bf16, bf16_sampling=config.bf16_sampling,
+                                 max_batch_tokens=config.max_batch_tokens,
+                                 share_prefix=config.share_prefix)  # fmt: skip
+            names = {engine.model_path, str(requested), _default_alias(requested, engine.model_path)}
+            names |= {served_name} if served_name else set()
+            if names & (self.aliases | {n for m in self.sampling_models.values() for n in m.names}):
+                raise ValueError(f"sampling model {requested!r} has a name another served model has: {sorted(names)}")
+            model = SamplingModel(engine, SamplingBatcher(engine, config.max_sampling_rows, self.memory), names)
+            self.sampling_models[engine.model_path] = model
+            logger.info("PyTRIO local server: also serving %s for sampling (%s)", requested, engine.model_path)
         self._queues: dict[str, RunEventQueue] = {}
         self._snapshot_cache: OrderedDict[str, LoraSnapshot] = OrderedDict()
         self._cache_lock = threading.Lock()
@@ -134,6 +150,8 @@ class LocalPyTrioServer(ControlHandlers, ActorHandlers, OpenAIHandlers, Training
         if not self._closing.done():
             self._closing.set_result(None)
         self.sampler.stop()
+        for model in self.sampling_models.values():
+            model.sampler.stop()
         if self._reaper is not None:
             self._reaper.join()
             self._reaper = None
@@ -238,24 +256,47 @@ class LocalPyTrioServer(ControlHandlers, ActorHandlers, OpenAIHandlers, Training
         token = self.registry.issue_token(kind, run)
         return {"token": token.token, "expires_at": token.expires.isoformat()}
 
-    def _caps(self, training: bool) -> dict:
-        max_seq = self.engine.max_seq_len
+    def _caps(self, training: bool, engine: ModelEngine | None = None) -> dict:
+        max_seq = (engine or self.engine).max_seq_len
         return {
             "max_batch_size": self.config.max_batch_size if training else None,
             "max_tokens_per_request": self.config.max_tokens_per_request if training else None,
             "max_seq_len": max_seq,
         }
 
-    def _resolve_base_model(self, name: str) -> None:
-        if name not in self.aliases:
-            raise ApiError(404, "model_not_found", self.not_served_message(name))
+    def _resolve_base_model(self, name: str) -> str:
+        """The key of the served model `name` names: "" for the main (training) model, else a sampling model's."""
+        if name in self.aliases:
+            return ""
+        for key, model in self.sampling_models.items():
+            if name in model.names:
+                return key
+        raise ApiError(404, "model_not_found", self.not_served_message(name))
+
+    def model_for(self, key: str):
+        """(engine, decode batcher) of the served model `key` (`_resolve_base_model`)."""
+        if not key:
+            return self.engine, self.sampler
+        model = self.sampling_models[key]
+        return model.engine, model.sampler
 
     def not_served_message(self, name: str) -> str:
         """The "model not served" error: the names served, and the option that adds one."""
         return (
-            f"model {name!r} is not served here; served names: {sorted(self.aliases)}. To serve this model under "
+            f"model {name!r} is not served here; served names: {sorted(self.aliases)}"
+            + "".join(f", for sampling: {sorted(m.names)}" for m in self.sampling_models.values())
+            + f". To serve this model under "
             f"that name start the server with --served-name {name!r} (ServerConfig(served_names=...))"
         )
+
+
+@dataclass(frozen=True)
+class SamplingModel:
+    """A base model served for sampling and log-probs only: its engine, decode batcher and the names it answers to."""
+
+    engine: ModelEngine
+    sampler: SamplingBatcher
+    names: frozenset | set
 
 
 def _resolve_model(model: str) -> str:

@@ -34,6 +34,11 @@ class ServerConfig:
     # (e.g. "Qwen/Qwen3-4B-Instruct-2507", so a script written for the hosted service runs unmodified).
     # The first one is the alias the server reports (`models`, run views).
     served_names: tuple[str, ...] = ()
+    # More base models, served for sampling and log-probs only (e.g. a distillation teacher): each a model folder,
+    # hub id or 'embedded', passed as ``base_model`` by its path, the name given here or its folder name; written
+    # ``NAME=MODEL`` it answers to NAME too (a hosted model's id, for scripts written for the hosted service).
+    # Training runs use `model`. They share the working-memory budget.
+    sampling_models: tuple[str, ...] = ()
     # Checkpoints and their records; None: `default_storage_dir()`, a stable folder, so a restarted server can
     # load_state from an earlier process's checkpoints. ephemeral_storage: a temporary folder removed on stop.
     storage_dir: str | None = None
@@ -90,7 +95,7 @@ class ServerConfig:
     max_connections_per_peer: int = 256
 
     def __post_init__(self):
-        for name in ("served_names", "api_keys", "admin_keys"):
+        for name in ("served_names", "api_keys", "admin_keys", "sampling_models"):
             value = getattr(self, name)
             setattr(self, name, (value,) if isinstance(value, str) else tuple(value))
         problems = []
@@ -102,6 +107,10 @@ class ServerConfig:
             problems.append(str(error))
         if not isinstance(self.bf16_sampling, bool):
             problems.append(f"bf16_sampling must be true or false, got {self.bf16_sampling!r}")
+        if any(not isinstance(m, str) or not split_sampling_model(m)[0].strip() for m in self.sampling_models):
+            problems.append(
+                f"sampling_models must be model folders, hub ids or 'embedded', got {list(self.sampling_models)}"
+            )
         if any(not isinstance(n, str) or not n.strip() for n in self.served_names):
             problems.append(f"served_names must be non-empty strings, got {list(self.served_names)}")
         for name in ("max_batch_tokens", "snapshot_cache_size", "max_temporary_checkpoints", "max_request_bytes",
@@ -137,6 +146,12 @@ class ServerConfig:
             )
         if problems:
             raise ValueError("invalid local PyTRIO server config: " + "; ".join(problems))
+
+
+def split_sampling_model(entry: str) -> tuple[str, str | None]:
+    """(model, served name or None) of a `ServerConfig.sampling_models` entry: ``MODEL`` or ``NAME=MODEL``."""
+    name, sep, model = entry.partition("=")
+    return (model, name.strip()) if sep and name.strip() else (entry, None)
 
 
 def _usable_key(key: object) -> bool:

@@ -55,7 +55,8 @@ class ControlHandlers:
         return {"compatibility": {"status": "compatible", "sdk_version": version}, "notices": []}
 
     def models(self, query, _b, _caller) -> dict:
-        """The served model under its path, then once under each served name (what `get_supported_models` lists)."""
+        """The served model under its path, then once under each served name, then the sampling-only models (what
+        `get_supported_models` lists)."""
         created = iso(self.started)
         items = [
             {
@@ -73,6 +74,13 @@ class ControlHandlers:
             }
             for i, model_id in enumerate(dict.fromkeys([self.model_id, *self.served_names]))
         ]
+        for key, model in self.sampling_models.items():  # sampling-only models (a distillation teacher)
+            items.append({
+                "cuid": f"model_local_sampling_{len(items)}", "alias": key, "model_id": key, "display_name": key,
+                "context_length": model.engine.max_seq_len, "train_available": False, "sample_available": True,
+                "trainer": self._caps(True, model.engine), "sampler": self._caps(False, model.engine), "created_at": created,
+                "updated_at": created,
+            })  # fmt: skip
         offset = query_int(query, "offset", 0)
         return {"items": items[offset:], "total": len(items), "limit": 100, "offset": offset}
 
@@ -162,8 +170,12 @@ class ControlHandlers:
             lora = source.lora if not request.base_model else lora
         elif not request.base_model:
             raise ApiError(400, "invalid_request", "base_model is required without source_checkpoint_uri")
-        if request.base_model:
-            self._resolve_base_model(request.base_model)
+        if request.base_model and self._resolve_base_model(request.base_model):
+            raise ApiError(
+                400,
+                "invalid_request",
+                f"model {request.base_model!r} is served for sampling only; train on {self.model_alias!r}",
+            )
         with self.registry.lock:
             session = self.registry.session(sid, caller)
             run = TrainingRunRecord(
@@ -189,9 +201,10 @@ class ControlHandlers:
             "status": run.status,
             "run_index": run.index,
             "model_spec_cuid": "model_local",
-            "model_alias": self.model_alias,
-            "model_id": self.model_id,
-            "trainer" if training else "sampler": self._caps(training),
+            # a sampling-only model's run (its `model`) reports that model: its tokenizer is the client's
+            "model_alias": getattr(run, "model", "") or self.model_alias,
+            "model_id": getattr(run, "model", "") or self.model_id,
+            "trainer" if training else "sampler": self._caps(training, self.model_for(getattr(run, "model", ""))[0]),
             "actor": self._actor(),
             "actor_jwt": self._jwt(kind, run.cuid),
             "created_at": iso(run.created),
@@ -321,15 +334,23 @@ class ControlHandlers:
         )
 
     def create_sampling_run(self, _q, request: SamplingRunCreateRequest, caller: Caller, sid) -> dict:
-        self._resolve_base_model(request.base_model)
+        model = self._resolve_base_model(request.base_model)
+        if model and request.source_checkpoint_uri:
+            raise ApiError(
+                400,
+                "invalid_request",
+                f"checkpoints are adapters of {self.model_alias!r}; model "
+                f"{request.base_model!r} is served without one",
+            )
         if request.source_checkpoint_uri:
             source = self.registry.checkpoint(request.source_checkpoint_uri, caller)
             self._snapshot(source, with_optimizer=False)
         with self.registry.lock:
             session = self.registry.session(sid, caller)
             run = SamplingRunRecord(
-                new_id("sr"), sid, len(session.sampling_runs), request.source_checkpoint_uri, owner=session.owner
-            )
+                new_id("sr"), sid, len(session.sampling_runs), request.source_checkpoint_uri, owner=session.owner,
+                model=model,
+            )  # fmt: skip
             self.registry.sampling_runs[run.cuid] = run
             session.sampling_runs.append(run.cuid)
         return self._created_reply("sampling", run)
@@ -337,8 +358,8 @@ class ControlHandlers:
     def get_sampling_run(self, _q, _b, caller: Caller, rid) -> dict:
         run = self.registry.sampling_run(rid, caller)
         return {"sampling_run_cuid": rid, "service_session_cuid": run.session, "workspace_cuid": WORKSPACE,
-                "status": run.status, "base_model": self.model_id, "model_id": self.model_id,
-                "alias": self.model_alias, "source_checkpoint_uri": run.source_checkpoint_uri or None,
+                "status": run.status, "base_model": run.model or self.model_id, "model_id": run.model or self.model_id,
+                "alias": run.model or self.model_alias, "source_checkpoint_uri": run.source_checkpoint_uri or None,
                 "created_at": iso(run.created), "updated_at": iso(run.created)}  # fmt: skip
 
     def renew_sampling_run(self, _q, _b, caller: Caller, rid) -> dict:

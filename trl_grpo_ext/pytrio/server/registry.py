@@ -86,6 +86,7 @@ class SamplingRunRecord:
     source_checkpoint_uri: str  # "" samples the base model
     owner: str = LOCAL_OWNER
     status: str = "RUNNING"
+    model: str = ""  # one of the server's sampling-only models (`LocalPyTrioServer.sampling_models`); "": the main one
     created: float = field(default_factory=time.time)
 
 
