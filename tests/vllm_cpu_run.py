@@ -3,6 +3,7 @@ this runs under ``if __name__ == "__main__"``). Prints one JSON line (``RESULT {
 
     python tests/vllm_cpu_run.py sync MODEL_DIR OUT_DIR     # the weight sync after an optimizer step
     python tests/vllm_cpu_run.py train LOSS MODEL_DIR OUT_DIR  # 2 GRPO steps with TRL's vLLM IS correction
+                                                               # (LOSS "cispo+lora": with LoRA adapters)
 """
 
 import json
@@ -51,11 +52,18 @@ def _digit_reward(completions, **kwargs):
     return [float(sum(ch.isdigit() for ch in t)) for t in text]
 
 
-def _trainer(model_dir, out_dir, **overrides):
+def _trainer(model_dir, out_dir, lora=False, **overrides):
+    from peft import LoraConfig
+
     from trl_grpo_ext.trl.trainer import GRPOTrainer
 
+    peft_config = LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"]) if lora else None
     return GRPOTrainer(
-        model=model_dir, reward_funcs=_digit_reward, args=_config(out_dir, **overrides), train_dataset=_dataset()
+        model=model_dir,
+        reward_funcs=_digit_reward,
+        args=_config(out_dir, **overrides),
+        train_dataset=_dataset(),
+        peft_config=peft_config,
     )
 
 
@@ -133,7 +141,8 @@ def run_sync(model_dir, out_dir):
 
 def run_train(loss_type, model_dir, out_dir):
     """Two GRPO steps with `loss_type` and TRL's vLLM importance-sampling correction; the logged metrics."""
-    trainer = _trainer(model_dir, out_dir, loss_type=loss_type)
+    loss_type, _, lora = loss_type.partition("+")  # "cispo+lora": LoRA adapters, merged into each sync
+    trainer = _trainer(model_dir, out_dir, lora=lora == "lora", loss_type=loss_type)
     generation = trainer.vllm_generation
     sync, syncs = generation.sync_weights, []
 
