@@ -1,7 +1,7 @@
 """Colocated vLLM on the CPU, for real: run by tests/test_vllm_cpu.py as a subprocess (vLLM spawns its engine, so
 this runs under ``if __name__ == "__main__"``). Prints one JSON line (``RESULT {...}``) that the test checks.
 
-    python tests/vllm_cpu_run.py sync MODEL_DIR OUT_DIR     # the weight sync after an optimizer step
+    python tests/vllm_cpu_run.py sync MODEL_DIR OUT_DIR [lora]  # the weight sync after an optimizer step
     python tests/vllm_cpu_run.py train LOSS MODEL_DIR OUT_DIR  # 2 GRPO steps with TRL's vLLM IS correction
                                                                # (LOSS "cispo+lora": with LoRA adapters)
 """
@@ -99,12 +99,13 @@ def _max_gap(a, b):
     return max(abs(x - y) for row_a, row_b in zip(a, b, strict=True) for x, y in zip(row_a, row_b, strict=True))
 
 
-def run_sync(model_dir, out_dir):
+def run_sync(model_dir, out_dir, adapters="full"):
     """vLLM's log-probs match the trainer's before a step; after an optimizer step and the sync TRL calls, they
-    match the trainer's updated model (and no longer the old one)."""
+    match the trainer's updated model (and no longer the old one). `adapters` "lora": the step trains LoRA
+    adapters, which the sync merges into the weights vLLM gets."""
     import torch
 
-    trainer = _trainer(model_dir, out_dir)
+    trainer = _trainer(model_dir, out_dir, lora=adapters == "lora")
     model = trainer.model
     tokenizer = trainer.processing_class
     prompt_ids = [tokenizer.apply_chat_template(p, add_generation_prompt=True) for p in _dataset()["prompt"][:4]]
@@ -114,7 +115,7 @@ def run_sync(model_dir, out_dir):
     trainer_before = _trainer_logps(model, prompt_ids, completions)
 
     # One optimizer step that lowers the probability of the sampled completions.
-    optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
+    optimizer = torch.optim.Adam([p for p in model.parameters() if p.requires_grad], lr=1e-2)
     rows = []
     for prompt, completion in zip(prompt_ids, completions, strict=True):
         logits = model(input_ids=torch.tensor([prompt + completion])).logits[0, len(prompt) - 1 : -1]
