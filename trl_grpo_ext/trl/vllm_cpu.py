@@ -17,9 +17,9 @@ What vLLM needs on the CPU is set here, before TRL builds the engine, where the 
   multi-process executor only). Its CPU worker replaces ``torch.set_num_threads`` with a no-op for the whole
   process; the real one is put back after the engine is built, so the trainer's thread governor
   (`trl_grpo_ext.cpu_threads`) keeps working for generation and training alike.
-- dtype: the model folder's (``model.name_or_path``, TRL passes none): the trainer's updated weights are cast to
-  it at each sync; TRL's importance-sampling correction (``vllm_importance_sampling_correction``) accounts for the
-  gap between the two engines.
+- dtype: TRL passes none, so vLLM picks it: an fp32 model folder runs in vLLM's preferred CPU dtype (bf16 on
+  x86). The trainer's updated weights are cast to it at each sync; TRL's importance-sampling correction
+  (``vllm_importance_sampling_correction``) accounts for the gap between the two engines.
 """
 
 from __future__ import annotations
