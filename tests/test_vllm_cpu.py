@@ -55,6 +55,17 @@ def test_colocate_mode_and_missing_weight_loaders_are_detected():
     assert not lacks_weight_loaders(layer)
 
 
+def test_the_run_summary_names_the_sampler():
+    from types import SimpleNamespace
+
+    from trl_grpo_ext.trl.recipe import run_sampler
+
+    assert run_sampler(SimpleNamespace(), SimpleNamespace(use_vllm=False)) == {"name": "generate"}
+    trainer = SimpleNamespace(vllm_weight_sync="reload_weights")
+    args = SimpleNamespace(use_vllm=True, vllm_mode="colocate")
+    assert run_sampler(trainer, args) == {"name": "vllm", "vllm_mode": "colocate", "weight_sync": "reload_weights"}
+
+
 @pytest.fixture(scope="module")
 def vllm_model(tmp_path_factory):
     return build_tiny_model(
@@ -133,6 +144,8 @@ def test_the_embedded_vllm_recipe_trains(tmp_path):
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     assert "weight sync via reload_weights" in proc.stdout + proc.stderr
+    summary = json.loads((out / "run_summary.json").read_text())
+    assert summary["sampler"] == {"name": "vllm", "vllm_mode": "colocate", "weight_sync": "reload_weights"}
     steps = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [s["step"] for s in steps] == [1, 2]
     for step in steps:
