@@ -106,6 +106,11 @@ def run_sync(model_dir, out_dir, adapters="full"):
     import torch
 
     trainer = _trainer(model_dir, out_dir, lora=adapters == "lora")
+    # vLLM's CPU worker turns torch.set_num_threads into a no-op; the trainer puts the real one back.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(threads + 1)
+    thread_control = torch.get_num_threads() == threads + 1
+    torch.set_num_threads(threads)
     model = trainer.model
     tokenizer = trainer.processing_class
     prompt_ids = [tokenizer.apply_chat_template(p, add_generation_prompt=True) for p in _dataset()["prompt"][:4]]
@@ -130,6 +135,7 @@ def run_sync(model_dir, out_dir, adapters="full"):
     trainer_on_new = _trainer_logps(model, prompt_ids, new_completions)
     return {
         "weight_sync": trainer.vllm_weight_sync,
+        "thread_control": thread_control,
         "gap_before": _max_gap(vllm_before, trainer_before),
         "step_moved": _max_gap(trainer_before, trainer_after),
         "stale_same_samples": stale_completions == completions,
