@@ -59,7 +59,8 @@ $(VLLMCPU_VENV)/.installed: pyproject.toml $(CONSTRAINTS) constraints/vllmcpu.tx
 
 install-vllmcpu: $(VLLMCPU_VENV)/.installed
 
-# `make test-vllmcpu`: the colocated vLLM engine on the CPU, for real (its tests fail there, not skip, without vLLM).
+# `make test-vllmcpu`: the colocated vLLM engine on the CPU, for real (without vLLM there a test fails, so the
+# engine tests cannot skip unnoticed).
 test-vllmcpu: $(VLLMCPU_VENV)/.installed
 	TRL_GRPO_EXT_EXPECT_VLLM=1 $(VLLMCPU_VENV)/bin/python -m pytest -q $(VLLMCPU_TESTS) $(ARGS)
 

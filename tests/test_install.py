@@ -209,7 +209,7 @@ def test_make_builds_each_cell_with_its_constraints():
 
 def test_make_builds_the_vllmcpu_cell_beside_the_cpu_torch():
     """vLLM's CPU build: every resolving install pins the CPU torch, the packages built for another torch go, and
-    the cell's run expects vLLM (its engine tests fail there rather than skip); CI runs it."""
+    the cell's run expects vLLM (a test fails there without it, so the engine tests cannot skip); CI runs it."""
     lines = [line.strip() for line in _make_dry_run("-B", ".venv-vllmcpu/.installed").splitlines()]
     installs = [line for line in lines if re.search(r"\bpip install\b", line) and "--no-deps" not in line]
     for line in installs:
