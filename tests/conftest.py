@@ -20,8 +20,9 @@ CHAT_TEMPLATE = (
 )
 
 
-def build_tiny_model(path, vocab_size=512, seed=0):
-    """Write a tiny Llama-style causal LM and a BPE tokenizer trained on digits and math words to `path`."""
+def build_tiny_model(path, vocab_size=512, seed=0, hidden_size=32, num_attention_heads=4, num_key_value_heads=2):
+    """Write a tiny Llama-style causal LM and a BPE tokenizer trained on digits and math words to `path` (the vLLM
+    tests use ``hidden_size=128, num_attention_heads=2``: a head size of 64, one vLLM's CPU attention supports)."""
     import torch
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
@@ -53,11 +54,11 @@ def build_tiny_model(path, vocab_size=512, seed=0):
     torch.manual_seed(seed)
     config = LlamaConfig(
         vocab_size=len(tokenizer),
-        hidden_size=32,
-        intermediate_size=64,
+        hidden_size=hidden_size,
+        intermediate_size=2 * hidden_size,
         num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
+        num_attention_heads=num_attention_heads,
+        num_key_value_heads=num_key_value_heads,
         max_position_embeddings=512,
         pad_token_id=tokenizer.pad_token_id,
         bos_token_id=tokenizer.bos_token_id,

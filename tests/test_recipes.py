@@ -56,7 +56,8 @@ def test_every_recipe_parses_into_the_real_classes(path):
         obj = next(o for o in (script_args, training_args, model_args) if hasattr(o, key))
         if key not in ("report_to", "save_strategy", "lr_scheduler_type", "use_cpu", "bf16"):
             assert getattr(obj, key) == value, key
-    if Path(path).stem not in ("embedded", "hybrid_judge", "opd"):  # hybrid_judge, opd: the embedded model on CPU
+    # hybrid_judge, opd: the embedded model on CPU; embedded_vllm: the embedded default sampled by vLLM
+    if Path(path).stem not in ("embedded", "hybrid_judge", "opd", "embedded_vllm"):
         assert model_args.model_name_or_path == "Qwen/Qwen2.5-0.5B-Instruct" and model_args.use_peft
         assert script_args.dataset_name == "openai/gsm8k"
 
@@ -74,6 +75,8 @@ def test_recipes_encode_their_methods():
     assert load("importance_sampling").loss_type == "importance_sampling"
     assert load("multi_iteration").num_iterations == 4
     assert load("gspo").importance_sampling_level == "sequence"
+    vllm = load("embedded_vllm")
+    assert (vllm.use_vllm, vllm.vllm_mode, vllm.vllm_importance_sampling_correction) == (True, "colocate", True)
 
 
 def test_unknown_yaml_key_names_it_with_a_suggestion(tmp_path):

@@ -299,6 +299,26 @@ def train_dataloader(trainer, sampler_fn: Callable, description: str):
     )
 
 
+VLLM_GENERATION = "trl.generation.vllm_generation.VLLMGeneration"
+
+
+@mirrors(f"{VLLM_GENERATION}.sync_weights", {"1.16.0": "d5b24c4b1adc2b01"}, part="colocate mode")
+def sync_weights_by_reload(generation) -> None:
+    """TRL 1.16 ``VLLMGeneration.sync_weights`` in colocate mode, with vLLM's in-place
+    ``model_runner.reload_weights(weights_iterator=..., is_checkpoint_format=True)`` in place of one
+    ``model.load_weights([(name, param)])`` per parameter. The weights go through the model's checkpoint loader and
+    then the backend's post-load processing again, so a backend that repacks its weights after loading (vLLM's CPU
+    backend repacks linear layers and drops the per-parameter ``weight_loader`` TRL's call needs) gets them in its
+    own layout. Parameters are gathered, named and PEFT-merged as TRL does (``_iter_named_params``); then the
+    prefix cache is reset, as TRL does."""
+    if generation.enable_sleep_mode:
+        generation.llm.wake_up(tags=["weights"])
+        generation._llm_weights_sleeping = False
+    model_runner = generation.llm.llm_engine.model_executor.driver_worker.model_runner
+    model_runner.reload_weights(weights_iterator=generation._iter_named_params(), is_checkpoint_format=True)
+    generation.llm.reset_prefix_cache()
+
+
 # Per-completion tensors of a TRL 1.16 generation batch (`_generate_and_score_completions`' output) and the value
 # that pads each: prompts are left-padded, completions right-padded ("pad": the tokenizer's pad token).
 GENERATION_BATCH_LEFT_PADDED = {"prompt_ids": "pad", "prompt_mask": 0}

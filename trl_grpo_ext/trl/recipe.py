@@ -131,6 +131,18 @@ def run_precision(training_args) -> dict | None:
     return precision.as_dict() if precision is not None else None
 
 
+def run_sampler(trainer, training_args) -> dict:
+    """The run's sampler, as run_summary.json keeps it: transformers' ``generate``, or vLLM with its mode and, in
+    colocate mode, how weights reached it (`trl_grpo_ext.trl.vllm_cpu`)."""
+    if not getattr(training_args, "use_vllm", False):
+        return {"name": "generate"}
+    return {
+        "name": "vllm",
+        "vllm_mode": training_args.vllm_mode,
+        "weight_sync": getattr(trainer, "vllm_weight_sync", None),
+    }
+
+
 def precision_line(training_args) -> str:
     """The recipe's startup line on precision: the choice and why (`trl_grpo_ext.precision`)."""
     precision = getattr(training_args, "precision", None)
@@ -236,6 +248,7 @@ def report_run(trainer, training_args) -> dict:
     if governor:  # the count followed the machine's load: how often, and how low
         summary["torch_threads_governor"] = {"changes": governor.changes, "lowest": governor.lowest}
     summary["precision"] = run_precision(training_args)
+    summary["sampler"] = run_sampler(trainer, training_args)
     summary["wall_time_s"] = round(time.time() - _START, 1)
     usage = resource.getrusage(resource.RUSAGE_SELF)
     summary["cpu_time_s"] = round(usage.ru_utime + usage.ru_stime, 1)

