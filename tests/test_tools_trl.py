@@ -12,6 +12,8 @@ from datasets import Dataset
 from packaging.version import Version
 from tool_model import build_tool_model
 
+from trl_grpo_ext.environments import CalculatorEnvironment, environment_factory
+from trl_grpo_ext.errors import ConfigError
 from trl_grpo_ext.trl.config import GRPOConfig
 from trl_grpo_ext.trl.trainer import GRPOTrainer
 
@@ -239,3 +241,62 @@ def test_rollout_rows_step_out_of_the_sampler_correction(tool_model_path, tmp_pa
         trainer._with_sampler_correction(dict(inputs))
     assert corrected["advantages"] is inputs["advantages"]  # untouched: no correction weights
     assert sum("rollout_func" in r.getMessage() for r in caplog.records) == 1
+
+
+def env_trainer(path, tmp_path, factory, rows, **kwargs):
+    args = GRPOConfig(output_dir=str(tmp_path / "out"), **{**COMMON, **kwargs})
+    trainer = GRPOTrainer(path, [length_reward], args=args, train_dataset=Dataset.from_list(rows),
+                          environment_factory=factory)  # fmt: skip
+    trainer.model.train()
+    return trainer
+
+
+def test_calculator_environment_through_our_trainer(tool_model_path, tmp_path):
+    rows = [{"prompt": p} for p in PROMPTS]
+    trainer = env_trainer(tool_model_path, tmp_path, CalculatorEnvironment, rows)
+    torch.manual_seed(0)
+    inputs = trainer._generate_and_score_completions([rows[i // 4] for i in range(8)])
+    texts = [
+        trainer.processing_class.decode(ids[tool_positions(inputs)[i]])
+        for i, ids in enumerate(inputs["completion_ids"])
+    ]
+    assert any(TOOL_RESULT in text for text in texts)  # the model's "3 * 4" went to our calculator: "12"
+    metrics = {key: values[-1] for key, values in trainer._metrics["train"].items()}
+    assert metrics["tools/calls_per_completion"] > 0 and metrics["tools/turns"] > 1
+    assert 0 < metrics["tools/token_fraction"] < 1 and metrics["tools/errors"] == 0
+    calls = sum(environment.tool_calls for environment in trainer.environments)
+    assert calls == metrics["tools/calls_per_completion"] * 8
+
+
+def test_two_environments_in_one_batch(tool_model_path, tmp_path):
+    """A dict factory: each row picks its environment; the retrieval rows have no calculator (the model's call is
+    TRL's "not found" error, counted); the retrieval environment's own reward scores only its rows."""
+    rows = [{"prompt": PROMPTS[0], "environment": "calculator"}, {"prompt": PROMPTS[1], "environment": "retrieval",
+            "fact": "days in a week"}]  # fmt: skip
+    trainer = env_trainer(tool_model_path, tmp_path, environment_factory(["calculator", "retrieval"]), rows)
+    assert trainer.reward_func_names == ["length_reward", "RetrievalEnvironment"]
+    torch.manual_seed(0)
+    inputs = trainer._generate_and_score_completions([rows[i // 4] for i in range(8)])
+    metrics = {key: values[-1] for key, values in trainer._metrics["train"].items()}
+    tool_rows = tool_positions(inputs).any(1).tolist()
+    texts = [
+        trainer.processing_class.decode(ids[tool_positions(inputs)[i]])
+        for i, ids in enumerate(inputs["completion_ids"])
+    ]
+    assert any(tool_rows[:4]) and any(tool_rows[4:])
+    assert all(TOOL_RESULT in text for text, used in zip(texts[:4], tool_rows[:4], strict=True) if used)
+    assert all("Tool calculate not found" in text for text, used in zip(texts[4:], tool_rows[4:], strict=True) if used)
+    assert metrics["tools/errors"] == sum(text.count("not found") for text in texts) > 0
+    assert metrics["rewards/RetrievalEnvironment/mean"] == 0.0  # nothing looked up; the calculator rows: None
+
+
+def test_bad_tool_definitions_are_one_line_before_the_model_loads(tmp_path):
+    def undocumented(x: int) -> int:
+        return x
+
+    args = GRPOConfig(output_dir=str(tmp_path / "out"), **COMMON)
+    with pytest.raises(ConfigError) as error:  # the model path does not exist: nothing was loaded
+        GRPOTrainer(str(tmp_path / "no-model"), [length_reward], args=args, tools=[undocumented, calculate])
+    assert str(error.value) == (
+        "invalid tools: tool undocumented: no docstring (the model reads the tool's description and its Args: from it)"
+    )

@@ -5,7 +5,12 @@ metrics."""
 
 from trl_grpo_ext.environments.calculator import CalculatorEnvironment, calculate
 from trl_grpo_ext.environments.metrics import TOOL_METRIC_KEYS, tool_metrics
-from trl_grpo_ext.environments.registry import ENVIRONMENTS, environment_factory, environment_problems
+from trl_grpo_ext.environments.registry import (
+    ENVIRONMENTS,
+    definition_problems,
+    environment_factory,
+    environment_problems,
+)
 from trl_grpo_ext.environments.retrieval import FACTS, RetrievalEnvironment, retrieval_problems
 from trl_grpo_ext.environments.tools import ToolError, environment_tools, tool, tool_problems
 
@@ -17,6 +22,7 @@ __all__ = [
     "RetrievalEnvironment",
     "ToolError",
     "calculate",
+    "definition_problems",
     "environment_factory",
     "environment_problems",
     "environment_tools",

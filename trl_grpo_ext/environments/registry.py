@@ -26,6 +26,19 @@ def environment_problems(environment_class: type, name: str | None = None) -> li
     return problems
 
 
+def definition_problems(tools=None, factory=None) -> list[str]:
+    """Problems of a trainer's ``tools`` and ``environment_factory`` (a class, or a dict of classes), one line each,
+    before any model loads; factories that are not classes are left to TRL's own probe of an instance."""
+    problems = []
+    for function in tools or []:
+        problems += tool_problems(function)
+    factories = factory if isinstance(factory, dict) else {None: factory} if factory is not None else {}
+    for name, candidate in factories.items():
+        if isinstance(candidate, type):
+            problems += environment_problems(candidate, name)
+    return problems
+
+
 def environment_factory(names: Sequence[str]) -> Callable | dict[str, Callable]:
     """TRL's ``environment_factory`` for `names`: the class itself for one name, a {name: class} dict for several
     (then each dataset row names its environment in an ``environment`` column)."""

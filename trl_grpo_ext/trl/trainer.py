@@ -12,6 +12,8 @@
   ``degenerate_tol``) get exactly zero advantage (``zero_degenerate_advantages``) and ``frac_degenerate`` is logged.
 - Rows that share prompt tokens are encoded once in the log-prob forward and in non-vLLM generation
   (``share_prompt_prefix``, `trl_grpo_ext.trl.prefix_mixin.PrefixSharingMixin`; docs/prefix_sharing.md).
+- TRL's ``tools`` / ``environment_factory`` / ``rollout_func``: TRL's tool loop, its ``tool_mask`` in every loss;
+  the definitions checked at start and ``tools/*`` logged (`trl_grpo_ext.trl.tools.ToolsMixin`).
 - ``dynamic_sampling`` (DAPO's group filter) and the task ``curriculum`` are the mixins of
   `trl_grpo_ext.trl.sampling`; they read what this class resolves and computes through ``mixin_state``
   (`trl_grpo_ext.trl.internals.MixinState`: the reward columns the options name, each generation batch's degenerate
@@ -41,6 +43,7 @@ from trl_grpo_ext.trl.internals import MixinState, log_metric
 from trl_grpo_ext.trl.prefix_mixin import PrefixSharingMixin
 from trl_grpo_ext.trl.sampler_precision import SamplerPrecisionMixin
 from trl_grpo_ext.trl.sampling import CurriculumMixin, DynamicSamplingMixin
+from trl_grpo_ext.trl.tools import ToolsMixin
 
 
 @functools.cache
@@ -49,7 +52,9 @@ def _on_policy_ratio_metrics(clip_low, clip_high) -> dict[str, float]:
     return {name: value.item() for name, value in ratio_metrics(torch.ones(1), None, clip_low, clip_high).items()}
 
 
-class GRPOTrainer(DynamicSamplingMixin, CurriculumMixin, SamplerPrecisionMixin, PrefixSharingMixin, trl.GRPOTrainer):
+class GRPOTrainer(
+    DynamicSamplingMixin, CurriculumMixin, ToolsMixin, SamplerPrecisionMixin, PrefixSharingMixin, trl.GRPOTrainer
+):
     """TRL's `GRPOTrainer` plus ``loss_type`` ``importance_sampling`` / ``cispo`` (two-sided) / ``ppo``, degenerate groups.
 
     Takes the same arguments as `trl.GRPOTrainer`. With a `trl_grpo_ext.GRPOConfig` the names of
