@@ -15,6 +15,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from trl_grpo_ext.cpu_threads import current_governor, govern_cpu_threads, runs_on_cpu
+from trl_grpo_ext.environments import definition_problems, environment_factory
+from trl_grpo_ext.environments.data import with_environments
 from trl_grpo_ext.errors import raise_problems
 from trl_grpo_ext.evaluation import HELDOUT_SEED, heldout_lines, problems_from_rows
 from trl_grpo_ext.grpo.loss_table import print_loss_type_notice
@@ -49,6 +51,7 @@ class PreparedRun:
     train_dataset: object
     eval_problems: list
     resume_from_checkpoint: str | None
+    environment_factory: object = None  # TRL's environment_factory (a class, or {name: class}), or None
 
 
 def prepare_run(script_args, training_args, model_args) -> PreparedRun:
@@ -67,9 +70,31 @@ def prepare_run(script_args, training_args, model_args) -> PreparedRun:
     path = resolve_model(model_args.model_name_or_path, progress=not getattr(training_args, "disable_tqdm", False))
     tokenizer = load_tokenizer(path, model_args, training_args)
     train_dataset, eval_problems = build_datasets(script_args, training_args, tokenizer)
+    factory = None
+    if script_args.environments:
+        factory = environment_factory(script_args.environments)
+        raise_problems("environments", definition_problems(factory=factory))
+        use_tool_chat_template(tokenizer)
+        train_dataset = with_environments(
+            train_dataset, script_args.environments, seed=training_args.seed, one_shot=script_args.one_shot
+        )
     funcs = reward_functions(names, training_args, tokenizer, settings=script_args)
     check_reward_options(training_args, funcs, names)
-    return PreparedRun(path, tokenizer, funcs, train_dataset, eval_problems, resume)
+    return PreparedRun(path, tokenizer, funcs, train_dataset, eval_problems, resume, factory)
+
+
+def use_tool_chat_template(tokenizer) -> None:
+    """A chat template that renders tool calls: the model's own when it does, else TRL's Qwen 2.5 template for a
+    ChatML model (the embedded SmolLM2 is one); any other model without one is a one-line error."""
+    import trl
+    from trl.chat_template_utils import supports_tool_calling
+
+    if supports_tool_calling(tokenizer):
+        return
+    if "<|im_start|>" not in tokenizer.get_vocab():
+        raise ValueError("environments: the model's chat template renders no tool calls and it is not a ChatML model")
+    tokenizer.chat_template = (Path(trl.__file__).parent / "chat_templates" / "qwen2_5.jinja").read_text()
+    print("tools: the model's chat template renders no tool calls; using TRL's ChatML tool template (qwen2_5)")
 
 
 def check_reward_options(training_args, funcs, entries=None) -> None:
