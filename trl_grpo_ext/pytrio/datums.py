@@ -43,30 +43,38 @@ def shifted_sequences(
     completion_tokens: Sequence[int],
     completion_logprobs: Sequence[float],
     advantage: float,
+    tool_mask: Sequence[int] | None = None,
 ) -> dict[str, list]:
-    """Plain-list form of one datum: ``input``, ``target_tokens``, ``logprobs``, ``advantages``, ``mask``."""
+    """Plain-list form of one datum: ``input``, ``target_tokens``, ``logprobs``, ``advantages``, ``mask``.
+
+    With a multi-turn completion's `tool_mask` (0 on the tokens tools wrote), those tokens stay in the input (the
+    model attends to them) with zero advantage and zero mask: no weight in any loss."""
     problem = validate_rollout(prompt_tokens, completion_tokens, completion_logprobs)
     if problem:
         raise ValueError(f"cannot build a training datum: {problem}")
     if not math.isfinite(advantage):
         raise ValueError(f"cannot build a training datum: advantage is {advantage}")
     pad = len(prompt_tokens) - 1
-    completion_len = len(completion_tokens)
+    weights = [1.0] * len(completion_tokens)
+    if tool_mask is not None:
+        if len(tool_mask) != len(completion_tokens) or any(m not in (0, 1) for m in tool_mask):
+            raise ValueError("cannot build a training datum: tool_mask must be 0/1, one per completion token")
+        weights = [float(m) for m in tool_mask]
     return {
         "input": list(prompt_tokens) + list(completion_tokens[:-1]),
         "target_tokens": [0] * pad + list(completion_tokens),
         "logprobs": [0.0] * pad + [float(x) for x in completion_logprobs],
-        "advantages": [0.0] * pad + [float(advantage)] * completion_len,
-        "mask": [0.0] * pad + [1.0] * completion_len,
+        "advantages": [0.0] * pad + [float(advantage) * w for w in weights],
+        "mask": [0.0] * pad + weights,
     }
 
 
-def build_datum(prompt_tokens, completion_tokens, completion_logprobs, advantage: float):
+def build_datum(prompt_tokens, completion_tokens, completion_logprobs, advantage: float, tool_mask=None):
     """A `pytrio.Datum` for the ``importance_sampling`` / ``ppo`` / ``cispo`` losses (no ``mask`` key: the
     wire format has none; custom losses use `shifted_sequences`' ``mask``)."""
     import pytrio as trio
 
-    seq = shifted_sequences(prompt_tokens, completion_tokens, completion_logprobs, advantage)
+    seq = shifted_sequences(prompt_tokens, completion_tokens, completion_logprobs, advantage, tool_mask)
     return trio.Datum(
         model_input=trio.ModelInput.from_ints(seq["input"]),
         loss_fn_inputs={
