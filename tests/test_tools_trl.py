@@ -300,3 +300,33 @@ def test_bad_tool_definitions_are_one_line_before_the_model_loads(tmp_path):
     assert str(error.value) == (
         "invalid tools: tool undocumented: no docstring (the model reads the tool's description and its Args: from it)"
     )
+
+
+def test_hybrid_reward_grades_the_model_turns_of_multi_turn_rows(tool_model_path, tmp_path):
+    """The hybrid reward (vetoes, then boxed + format) reads the assistant turns only: a row that called the tool
+    and then answered is graded on its answer, never on the tool's output; the truncation veto reads TRL's ids."""
+    from trl_grpo_ext.task.rewards import get_reward_funcs
+
+    args = GRPOConfig(output_dir=str(tmp_path / "out"), **COMMON)
+    tokenizer_eos = [build_eos(tool_model_path)]
+    hybrid = get_reward_funcs(
+        ["hybrid"], max_completion_length=args.max_completion_length, eos_token_ids=tokenizer_eos
+    )
+    rows = [{"prompt": p, "answer": "#### 12"} for p in PROMPTS]
+    trainer = GRPOTrainer(tool_model_path, hybrid, args=args, train_dataset=Dataset.from_list(rows), tools=[calculate])
+    trainer.model.train()
+    torch.manual_seed(0)
+    trainer._generate_and_score_completions([rows[i // 4] for i in range(8)])
+    completions = trainer._generate([r["prompt"] for r in (rows[i // 4] for i in range(8))])[3]
+    scores = hybrid[0](completions, answer=["#### 12"] * 8, completion_ids=[[tokenizer_eos[0]]] * 8)
+    for messages, score in zip(completions, scores, strict=True):
+        answered = messages[-1].get("content", "").startswith("The answer is")
+        assert (score > 0) == answered  # an answer after tool turns counts; a last turn that only calls is no box
+    assert any(len(m) > 1 and m[-1]["content"].startswith("The answer") for m in completions)
+    assert trainer._metrics["train"]["rewards/hybrid_reward/mean"][-1] > 0
+
+
+def build_eos(path):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(path).eos_token_id
