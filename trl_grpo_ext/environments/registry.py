@@ -12,16 +12,13 @@ ENVIRONMENTS: dict[str, type] = {"calculator": CalculatorEnvironment, "retrieval
 
 
 def environment_problems(environment_class: type, name: str | None = None) -> list[str]:
-    """One line per problem of an environment class: no callable ``reset``, no tool, a tool the model could not be
-    shown (`tool_problems`)."""
+    """One line per problem of an environment class: no callable ``reset``, a tool the model could not be shown
+    (`tool_problems`)."""
     where = f"environment {name or environment_class.__name__}"
     problems = []
     if not callable(getattr(environment_class, "reset", None)):
         problems.append(f"{where}: no reset() method")
-    tools = environment_tools(environment_class)
-    if not tools:
-        problems.append(f"{where}: no public method to offer as a tool")
-    for function in tools:
+    for function in environment_tools(environment_class):  # none is fine: an environment may only own a reward
         problems += tool_problems(function, where=f"{where}.")
     return problems
 
