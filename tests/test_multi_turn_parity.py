@@ -79,7 +79,7 @@ def test_driver_matches_trls_tool_loop(model_path, tmp_path):
         prompt_ids,
         sample(prompt_ids),
         sample,
-        lambda ids, prefix: parse_response(tokenizer, ids, prefix=prefix, tools=calculate_schema),
+        lambda ids, prefix, row: parse_response(tokenizer, ids, prefix=prefix, tools=calculate_schema),
         lambda messages: tool_suffix_ids(tokenizer, messages),
         tools,
         CAP,

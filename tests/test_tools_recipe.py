@@ -60,7 +60,7 @@ def test_a_chatml_model_gets_the_tool_template(tiny_model_path, capsys):
     from transformers import AutoTokenizer
     from trl.chat_template_utils import supports_tool_calling
 
-    from trl_grpo_ext.trl.recipe import use_tool_chat_template
+    from trl_grpo_ext.environments.chat import use_tool_chat_template
 
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_path)
     assert not supports_tool_calling(tokenizer)

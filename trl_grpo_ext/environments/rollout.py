@@ -9,7 +9,7 @@ only), so a rollout gets the token ids, ``tool_mask``, log-probs and messages TR
   that called (its calls show as cut); the last turn is cut to the completion budget;
 - a tool that raises, or a call of a tool the row does not have, gives ``{'error': ...}`` as TRL does.
 
-The sampler, the parser of a turn (``parse(ids, prefix) -> message``) and the tools are passed in, so the same
+The sampler, the parser of row i's turn (``parse(ids, prefix, i) -> message``) and the tools are passed in, so the same
 driver serves any sampler; nothing here imports TRL or torch.
 """
 
@@ -72,7 +72,7 @@ def multi_turn_rollouts(
     prompt_ids: Sequence[list[int]],
     first_turns: tuple[list[list[int]], list[list[float]]],
     sample: Sampler,
-    parse: Callable[[list[int], list[int]], dict],
+    parse: Callable[[list[int], list[int], int], dict],
     suffix_ids: Callable[[list[dict]], list[int]],
     tools: Sequence[dict[str, Callable]],
     max_iterations: int | None,
@@ -84,7 +84,7 @@ def multi_turn_rollouts(
     completion_ids = [list(ids) for ids in first_turns[0]]
     logprobs = [list(lps) for lps in first_turns[1]]
     tool_mask = [[1] * len(ids) for ids in completion_ids]
-    completions = [[parse(ids, list(prompt_ids[i]))] for i, ids in enumerate(completion_ids)]
+    completions = [[parse(ids, list(prompt_ids[i]), i)] for i, ids in enumerate(completion_ids)]
     pending = [i for i, c in enumerate(completions) if c[0].get("tool_calls")]
     rounds = 0
     cap = max_iterations if max_iterations is not None else float("inf")
@@ -110,7 +110,7 @@ def multi_turn_rollouts(
             tool_mask[i] += [0] * tool_length + [1] * len(turn)
             logprobs[i] += [0.0] * tool_length + turn_logprobs
             completion_ids[i] = ids[len(prompt_ids[i]) :] + turn
-            message = parse(turn, ids) if turn else {}
+            message = parse(turn, ids, i) if turn else {}
             if message:
                 completions[i].append(message)
             if message.get("tool_calls"):

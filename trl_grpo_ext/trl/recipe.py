@@ -16,6 +16,7 @@ from pathlib import Path
 
 from trl_grpo_ext.cpu_threads import current_governor, govern_cpu_threads, runs_on_cpu
 from trl_grpo_ext.environments import definition_problems, environment_factory
+from trl_grpo_ext.environments.chat import use_tool_chat_template
 from trl_grpo_ext.environments.data import with_environments
 from trl_grpo_ext.errors import raise_problems
 from trl_grpo_ext.evaluation import HELDOUT_SEED, heldout_lines, problems_from_rows
@@ -81,20 +82,6 @@ def prepare_run(script_args, training_args, model_args) -> PreparedRun:
     funcs = reward_functions(names, training_args, tokenizer, settings=script_args)
     check_reward_options(training_args, funcs, names)
     return PreparedRun(path, tokenizer, funcs, train_dataset, eval_problems, resume, factory)
-
-
-def use_tool_chat_template(tokenizer) -> None:
-    """A chat template that renders tool calls: the model's own when it does, else TRL's Qwen 2.5 template for a
-    ChatML model (the embedded SmolLM2 is one); any other model without one is a one-line error."""
-    import trl
-    from trl.chat_template_utils import supports_tool_calling
-
-    if supports_tool_calling(tokenizer):
-        return
-    if "<|im_start|>" not in tokenizer.get_vocab():
-        raise ValueError("environments: the model's chat template renders no tool calls and it is not a ChatML model")
-    tokenizer.chat_template = (Path(trl.__file__).parent / "chat_templates" / "qwen2_5.jinja").read_text()
-    print("tools: the model's chat template renders no tool calls; using TRL's ChatML tool template (qwen2_5)")
 
 
 def check_reward_options(training_args, funcs, entries=None) -> None:
