@@ -78,3 +78,24 @@ def test_loop_runs_tools_and_masks_their_tokens(tool_server, tmp_path, monkeypat
         pad = len(rollout.prompt_tokens) - 1
         assert mask[pad:] == [float(m) for m in (rollout.tool_mask or [1] * len(rollout.completion_tokens))]
     assert batch.token_rows.completion_tokens == sum(sum(m) for m in batch.token_rows.masks)
+
+
+def test_pytrio_tools_recipe_runs_two_steps_with_tool_calls(tool_server, tmp_path, capfd):
+    """recipes/pytrio/tools.yaml through recipes/gsm8k_pytrio.py (its own local server), on the tool model: the
+    mixed rows, real tool calls executed, the retrieval rows' call of a tool they lack counted as an error."""
+    import importlib.util
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    spec = importlib.util.spec_from_file_location("gsm8k_pytrio", root / "recipes" / "gsm8k_pytrio.py")
+    recipe = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(recipe)
+    out = tmp_path / "run"
+    args = ["--config", str(root / "recipes" / "pytrio" / "tools.yaml"), "--base_model", tool_server.model_path,
+            "--lora_r", "4", "--max_steps", "2", "--max_completion_length", "96", "--num_train_samples", "16",
+            "--output_dir", str(out)]  # fmt: skip
+    assert recipe.main(args) == 0
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2]
+    assert all(set(TOOL_METRIC_KEYS) <= set(r) for r in rows)
+    assert sum(r["tools/calls_per_completion"] for r in rows) > 0 and sum(r["tools/errors"] for r in rows) > 0
