@@ -68,6 +68,7 @@ def main(argv=None) -> int:
         processing_class=run.tokenizer,
         peft_config=get_peft_config(model_args),
         callbacks=callbacks,
+        environment_factory=run.environment_factory,  # `environments:` (multi-turn with tools), else None
     )
     if swanlab_on:
         trainer.add_callback(cbs.SwanLabCompletionsCallback(trainer))

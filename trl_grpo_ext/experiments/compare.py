@@ -182,6 +182,10 @@ def summarize(run: RunData, smooth_window: int = 1) -> dict:
         "clip_low_frac": _mean(run.series("clip_low_frac")[1]),
         "clip_high_frac": _mean(run.series("clip_high_frac")[1]),
         "completion_length": _mean(run.series("completions/mean_length")[1]),
+        # multi-turn runs with tools (`environments.tool_metrics`); None elsewhere, so the columns drop out
+        "tool_calls": _mean(run.series("tools/calls_per_completion")[1]),
+        "tool_errors": _mean(run.series("tools/errors")[1]),
+        "tool_token_fraction": _mean(run.series("tools/token_fraction")[1]),
         "tokens_per_s": tok_s,
         "wall_time": run.wall_time,
     }
@@ -265,6 +269,9 @@ COLUMNS = (
     ("clip_low_frac", "clip low"),
     ("clip_high_frac", "clip high"),
     ("completion_length", "completion len"),
+    ("tool_calls", "tool calls/completion"),
+    ("tool_errors", "tool errors/step"),
+    ("tool_token_fraction", "tool token frac"),
     ("tokens_per_s", "train tok/s"),
     ("wall_time", "wall time"),
     ("heldout_before", "held-out acc before"),
@@ -361,6 +368,12 @@ def build_report(run_paths: list[str | os.PathLike], out_dir: str | os.PathLike,
         " train tok/s: tokens with non-zero advantage per second of step time.",
         "",
     ]
+    if any(s.get("tool_calls") is not None for s in summaries):
+        md += [
+            "tool calls/completion, tool errors/step, tool token frac: means over logged steps of"
+            " `tools/calls_per_completion`, `tools/errors` and `tools/token_fraction` (runs with tools).",
+            "",
+        ]
     sizes = sorted({r.heldout["n"] for r in runs if "n" in r.heldout})
     if sizes:
         md += [

@@ -15,6 +15,7 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass, field
 
+from trl_grpo_ext.environments.data import environment_name_problems
 from trl_grpo_ext.errors import raise_problems
 from trl_grpo_ext.grpo.loss_table import LOSSES, PYTRIO, ratio_bounds
 from trl_grpo_ext.grpo.spec import GRPOSpec, normalize_values, number_problem, reward_option_problems, spec_problems
@@ -108,6 +109,16 @@ class PyTrioGRPOConfig(GRPOSpec, DataSpec):
     run_name: str | None = field(default=None, metadata={"help": "Run name for SwanLab."})
     swanlab_project: str = swanlab_project_field()
     swanlab_mode: str | None = swanlab_mode_field()
+    environments: list[str] = field(
+        default_factory=list,
+        metadata={
+            "help": "Environments whose tools the model may call (multi-turn, as the TRL recipe's key): "
+            "calculator, retrieval, or both (rows alternate). Empty: single-turn."
+        },
+    )
+    max_tool_calling_iterations: int | None = field(
+        default=None, metadata={"help": "Most tool rounds per rollout (TRL's name); None: no cap."}
+    )
     request_timeout_s: float = field(
         default=1800.0, metadata={"help": "Longest wait for any one service call before the run stops with an error."}
     )
@@ -148,6 +159,14 @@ class PyTrioGRPOConfig(GRPOSpec, DataSpec):
         problems = spec_problems(self, PYTRIO) + self.data_problems()  # data_problems: reward_funcs made a list
         problems += reward_option_problems(self, reward_names(self.reward_funcs))
         problems += self._run_problems()
+        entries = [self.environments] if isinstance(self.environments, str) else list(self.environments or [])
+        self.environments = [name.strip() for entry in entries for name in str(entry).split(",") if name.strip()]
+        problems += environment_name_problems(self.environments)
+        if self.environments and self.prompt_format == "text":
+            problems.append("environments need chat prompts; prompt_format: text has none")
+        cap = self.max_tool_calling_iterations
+        if cap is not None and (isinstance(cap, bool) or not isinstance(cap, int) or cap < 1):
+            problems.append(f"max_tool_calling_iterations must be an int >= 1 or null, got {cap!r}")
         raise_problems("PyTRIO GRPO config", problems)
 
     def _run_problems(self) -> list[str]:

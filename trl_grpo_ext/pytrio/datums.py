@@ -21,6 +21,9 @@ class Rollout:
     completion_tokens: tuple[int, ...]
     completion_logprobs: tuple[float, ...]
     stop_reason: str = ""
+    # multi-turn (tools): 0 on the tokens tools wrote (their log-probs are 0.0), and the turns as TRL's messages
+    tool_mask: tuple[int, ...] | None = None
+    messages: tuple | None = None
 
 
 def validate_rollout(prompt_tokens: Sequence[int], tokens: Sequence[int], logprobs: Sequence[float]) -> str | None:
@@ -43,9 +46,13 @@ def shifted_sequences(
     completion_tokens: Sequence[int],
     completion_logprobs: Sequence[float],
     advantage: float | Sequence[float],
+    tool_mask: Sequence[int] | None = None,
 ) -> dict[str, list]:
     """Plain-list form of one datum: ``input``, ``target_tokens``, ``logprobs``, ``advantages``, ``mask``.
-    `advantage`: one value for every completion token, or one per completion token (on-policy distillation)."""
+    `advantage`: one value for every completion token, or one per completion token (on-policy distillation).
+
+    With a multi-turn completion's `tool_mask` (0 on the tokens tools wrote), those tokens stay in the input (the
+    model attends to them) with zero advantage and zero mask: no weight in any loss."""
     problem = validate_rollout(prompt_tokens, completion_tokens, completion_logprobs)
     if problem:
         raise ValueError(f"cannot build a training datum: {problem}")
@@ -58,21 +65,28 @@ def shifted_sequences(
         raise ValueError(f"cannot build a training datum: {len(per_token)} advantages for {completion_len} tokens")
     if not all(math.isfinite(a) for a in per_token):
         raise ValueError(f"cannot build a training datum: advantage is {advantage}")
+    weights = [1.0] * len(completion_tokens)
+    if tool_mask is not None:
+        if len(tool_mask) != len(completion_tokens) or any(m not in (0, 1) for m in tool_mask):
+            raise ValueError("cannot build a training datum: tool_mask must be 0/1, one per completion token")
+        weights = [float(m) for m in tool_mask]
     return {
         "input": list(prompt_tokens) + list(completion_tokens[:-1]),
         "target_tokens": [0] * pad + list(completion_tokens),
         "logprobs": [0.0] * pad + [float(x) for x in completion_logprobs],
-        "advantages": [0.0] * pad + [float(a) for a in per_token],
-        "mask": [0.0] * pad + [1.0] * completion_len,
+        "advantages": [0.0] * pad + [a * w for a, w in zip(per_token, weights, strict=True)],
+        "mask": [0.0] * pad + weights,
     }
 
 
-def build_datum(prompt_tokens, completion_tokens, completion_logprobs, advantage: float | Sequence[float]):
+def build_datum(
+    prompt_tokens, completion_tokens, completion_logprobs, advantage: float | Sequence[float], tool_mask=None
+):
     """A `pytrio.Datum` for the ``importance_sampling`` / ``ppo`` / ``cispo`` losses (no ``mask`` key: the
     wire format has none; custom losses use `shifted_sequences`' ``mask``)."""
     import pytrio as trio
 
-    seq = shifted_sequences(prompt_tokens, completion_tokens, completion_logprobs, advantage)
+    seq = shifted_sequences(prompt_tokens, completion_tokens, completion_logprobs, advantage, tool_mask)
     return trio.Datum(
         model_input=trio.ModelInput.from_ints(seq["input"]),
         loss_fn_inputs={

@@ -32,6 +32,9 @@ from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from trl_grpo_ext.environments import ENVIRONMENTS, environment_tools, tool_metrics
+from trl_grpo_ext.environments.chat import turn_parser, use_tool_chat_template
+from trl_grpo_ext.environments.rollout import multi_turn_rollouts, tool_suffix_ids
 from trl_grpo_ext.grpo.curriculum import CurriculumPromptStream, curriculum_from_tasks, passed_values
 from trl_grpo_ext.grpo.distillation import DistillationSpec, distillation_of, tokenizer_mismatch
 from trl_grpo_ext.grpo.dynamic_sampling import GroupFilter, GroupRef
@@ -308,26 +311,34 @@ def build_train_batch(config: PyTrioGRPOConfig, scored: ScoredBatch, step: int) 
     token_rows = TokenRows()
     for rollout, adv in trained:
         token_rows.add(
-            shifted_sequences(rollout.prompt_tokens, rollout.completion_tokens, rollout.completion_logprobs, adv)
+            shifted_sequences(
+                rollout.prompt_tokens, rollout.completion_tokens, rollout.completion_logprobs, adv, rollout.tool_mask
+            )
         )
     # The service sums a built-in loss over tokens; dividing the advantages by the batch's completion tokens
     # turns that sum into TRL's token-level mean ("dapo" normalisation) for both linear-in-A losses.
     scale = 1.0
     if config.uses_builtin_loss and config.loss_aggregation == "token_mean":
         scale = 1.0 / max(token_rows.completion_tokens, 1)
-    if scored.token_advantages is None:
-        datums = [
-            build_datum(r.prompt_tokens, r.completion_tokens, r.completion_logprobs, a * scale) for r, a in trained
-        ]
+    per_token = scored.token_advantages is not None
+    datums = [
+        build_datum(
+            r.prompt_tokens,
+            r.completion_tokens,
+            r.completion_logprobs,
+            [x * scale for x in a] if per_token else a * scale,
+            r.tool_mask,
+        )
+        for r, a in trained
+    ]
+    if per_token:  # tokens with a non-zero advantage of their own, tool tokens left out
         train_tokens = sum(
-            len(r.completion_tokens) for r, a in zip(scored.rollouts, scored.advantages, strict=True) if a != 0.0
+            sum(x != 0.0 and (r.tool_mask is None or r.tool_mask[i]) for i, x in enumerate(a)) for r, a in trained
         )
     else:
-        datums = [
-            build_datum(r.prompt_tokens, r.completion_tokens, r.completion_logprobs, [x * scale for x in a])
-            for r, a in trained
-        ]
-        train_tokens = sum(sum(x != 0.0 for x in a) for _, a in trained)
+        train_tokens = sum(
+            _model_tokens(r) for r, a in zip(scored.rollouts, scored.advantages, strict=True) if a != 0.0
+        )
     return TrainBatch(datums, token_rows, train_tokens)
 
 
@@ -360,9 +371,14 @@ def builtin_loss_metrics(config: PyTrioGRPOConfig, batch: TrainBatch, fb_out) ->
     return record
 
 
+def _model_tokens(rollout: Rollout) -> int:
+    """The completion tokens the model sampled (a multi-turn completion's tool tokens left out, TRL's count)."""
+    return len(rollout.completion_tokens) if rollout.tool_mask is None else sum(rollout.tool_mask)
+
+
 def completion_metrics(rollouts: list[Rollout]) -> dict:
     """TRL's ``completions/*`` length metrics; ``clipped_ratio``: the share stopped by ``max_tokens``."""
-    lengths = [len(r.completion_tokens) for r in rollouts]
+    lengths = [_model_tokens(r) for r in rollouts]
     return {
         "completions/mean_length": sum(lengths) / len(lengths),
         "completions/min_length": min(lengths),
@@ -503,6 +519,13 @@ class GRPOLoop:
         """Tokenizer, reward functions and the prompt stream for ``training_client`` (`run` calls it; so do benches
         that drive `train_step` themselves). ``curriculum_state``: a resumed run's saved pass rates."""
         self.tokenizer = self._load_tokenizer(training_client)
+        if self.config.environments:  # tools: a template that renders them, each environment's tools for prompts
+            use_tool_chat_template(self.tokenizer)
+            self._env_tools = {
+                name: [getattr(ENVIRONMENTS[name](), f.__name__) for f in environment_tools(ENVIRONMENTS[name])]
+                for name in self.config.environments
+            }
+            self._parsers = {name: turn_parser(self.tokenizer, t) for name, t in self._env_tools.items()}
         self.reward_funcs, self.reward_names, self.reward_weights = self._reward_setup()
         if self.distillation is not None:  # a service without the teacher fails here, before the first step
             self._check_teacher_tokenizer(self._teacher_client())
@@ -535,7 +558,8 @@ class GRPOLoop:
             prompt = row["prompt"]
             tok = self.tokenizer
             if isinstance(prompt, list):
-                text = tok.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True)
+                tools = self._env_tools[self._environment_name(row)] if self.config.environments else None
+                text = tok.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True, tools=tools or None)
             else:
                 text = str(prompt)
             ids = tok(text, add_special_tokens=False)["input_ids"]
@@ -543,6 +567,61 @@ class GRPOLoop:
                 raise PyTrioLoopError("a prompt tokenized to nothing")
             self._prompt_cache[key] = list(ids)
         return self._prompt_cache[key]
+
+    def _environment_name(self, row: dict) -> str:
+        names = self.config.environments
+        return row.get("environment") if len(names) > 1 else names[0]
+
+    def _continue_with_tools(self, sampler, rows: list[dict], rollouts: list[Rollout], step: int, first_index: int):
+        """Multi-turn: each first turn continued through its tool calls (`environments.rollout`, TRL's rules),
+        one environment instance per rollout, reset with its row; continuations sampled one per prompt."""
+        import pytrio as trio
+
+        c = self.config
+        per_rollout = [row for row in rows for _ in range(c.num_generations)]
+        names = [self._environment_name(row) for row in per_rollout]
+        environments = []
+        for row, name in zip(per_rollout, names, strict=True):
+            environment = ENVIRONMENTS[name]()
+            environment.reset(**{k: v for k, v in row.items() if k != "environment"})
+            environments.append(environment)
+        tools = [{f.__name__: getattr(e, f.__name__) for f in environment_tools(type(e))} for e in environments]
+        rounds = iter(range(1, 1_000_000))
+
+        def sample(prompts):
+            base = 10_000 * next(rounds) + first_index * c.num_generations  # seeds of (step, round, rollout)
+            futures = [
+                _call(sampler.sample, "sample", trio.ModelInput.from_ints(tokens), num_samples=1,
+                      sampling_params=self._sampling_params(step, base + i), return_text=False)
+                for i, tokens in enumerate(prompts)
+            ]  # fmt: skip
+            replies = [_wait(f, "sample (tool turn)", c.request_timeout_s) for f in futures]
+            turns = [rollouts_from_response(r, p, 1, "sample (tool turn)")[0] for r, p in zip(replies, prompts,
+                     strict=True)]  # fmt: skip
+            return [list(t.completion_tokens) for t in turns], [list(t.completion_logprobs) for t in turns]
+
+        results = multi_turn_rollouts(
+            [list(r.prompt_tokens) for r in rollouts],
+            ([list(r.completion_tokens) for r in rollouts], [list(r.completion_logprobs) for r in rollouts]),
+            sample,
+            lambda ids, prefix, i: self._parsers[names[i]](ids, prefix),
+            lambda messages: tool_suffix_ids(self.tokenizer, messages),
+            tools,
+            c.max_tool_calling_iterations,
+            c.max_completion_length,
+            getattr(self.tokenizer, "model_max_length", None) or 1_000_000,
+        )
+        return [
+            Rollout(
+                prompt_tokens=first.prompt_tokens,
+                completion_tokens=tuple(result.completion_ids),
+                completion_logprobs=tuple(result.logprobs),
+                stop_reason=first.stop_reason if len(result.messages) == 1 else "",
+                tool_mask=tuple(result.tool_mask),
+                messages=tuple(result.messages),
+            )
+            for first, result in zip(rollouts, results, strict=True)
+        ]
 
     # --- one step: sample -> score -> build datums -> step -> metrics --------------------------------------------
 
@@ -661,6 +740,8 @@ class GRPOLoop:
             for (i, tokens), reply in zip(indexed, replies, strict=True)
             for r in rollouts_from_response(reply, tokens, c.num_generations, f"sample (prompt {i})")
         ]
+        if c.environments:
+            rollouts = self._continue_with_tools(sampler, rows, rollouts, step, first_index)
         times.sampling += time.perf_counter() - t0
         return rollouts
 
@@ -679,6 +760,8 @@ class GRPOLoop:
         texts = self.tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
         conversational = isinstance(rows[0]["prompt"], list)
         completions = [[{"role": "assistant", "content": t}] if conversational else t for t in texts]
+        if rollouts and rollouts[0].messages is not None:  # multi-turn: the turns and tool results, as TRL has them
+            completions = [list(r.messages) for r in rollouts]
         inputs = [row for row in rows for _ in range(g)]  # TRL's per-completion inputs
         log = RewardMetricLog()
         rewards_per_func = score_completions(
@@ -721,6 +804,11 @@ class GRPOLoop:
         """Reward and completion metrics of one sampled batch; with the curriculum, its update and weights."""
         metrics = reward_step_metrics(self.config, scored, self.reward_names)
         metrics.update(completion_metrics(scored.rollouts))
+        if self.config.environments:
+            rollouts = scored.rollouts
+            masks = [list(r.tool_mask or [1] * len(r.completion_tokens)) for r in rollouts]
+            messages = [list(r.messages or []) for r in rollouts]
+            metrics.update(tool_metrics(messages, masks, self.config.max_tool_calling_iterations))
         if self.curriculum is not None:
             c = self.config
             name = curriculum_pass_reward(c)

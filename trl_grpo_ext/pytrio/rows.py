@@ -8,6 +8,7 @@ columns other than ``prompt`` reach the reward functions as keyword arguments, a
 
 from __future__ import annotations
 
+from trl_grpo_ext.environments.data import with_environments
 from trl_grpo_ext.task.data import load_dataset_split
 
 
@@ -25,6 +26,9 @@ def load_train_rows(config, chat: bool = True) -> list[dict]:
         chat=chat,
         on_malformed=config.on_malformed,
     )
+    environments = getattr(config, "environments", None)
+    if environments and chat:  # the same rows as the TRL recipe's with `environments:`
+        dataset = with_environments(dataset, environments, seed=config.seed, one_shot=config.one_shot)
     rows = dataset.to_list()
     if not rows:
         raise ValueError(f"dataset {config.dataset_name!r} produced no rows")

@@ -1,7 +1,7 @@
 """TRL's internals in one place: the code this package copies from TRL and every access to TRL's private state.
 
 The TRL path extends `trl.GRPOTrainer` by overriding its hooks (`OVERRIDDEN_HOOKS`, defined in `trl.trainer`,
-`trl.sampling`, `trl.prefix_mixin` and `trl.sampler_precision` under TRL's private names, each calling ``super()``). Everything else it
+`trl.sampling`, `trl.prefix_mixin`, `trl.sampler_precision` and `trl.tools` under TRL's private names, each calling ``super()``). Everything else it
 needs of TRL beyond TRL's public API is here, so a TRL upgrade re-checks this module:
 
 - **Copies.** Each function copied from TRL is marked ``@mirrors(TRL function, {TRL version: source hash})``;
@@ -486,7 +486,7 @@ OVERRIDDEN_HOOKS = (
     "_generate_and_score_completions",  # trl.trainer
     "_get_per_token_logps_and_entropies",  # trl.trainer (captured log-probs), trl.prefix_mixin,
     # trl.sampler_precision (the bf16 sampler's correction)
-    "_generate",  # trl.sampler_precision (bf16 autocast around generation)
+    "_generate",  # trl.sampler_precision (bf16 autocast around generation), trl.tools (tool metrics)
     "_compute_loss",  # trl.trainer
     "_prepare_inputs",  # trl.sampling (dynamic sampling)
     "_get_train_sampler",  # trl.sampling (curriculum)

@@ -15,6 +15,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from trl_grpo_ext.cpu_threads import current_governor, govern_cpu_threads, runs_on_cpu
+from trl_grpo_ext.environments import definition_problems, environment_factory
+from trl_grpo_ext.environments.chat import use_tool_chat_template
+from trl_grpo_ext.environments.data import with_environments
 from trl_grpo_ext.errors import raise_problems
 from trl_grpo_ext.evaluation import HELDOUT_SEED, heldout_lines, problems_from_rows
 from trl_grpo_ext.grpo.distillation import distillation_of
@@ -51,6 +54,7 @@ class PreparedRun:
     train_dataset: object
     eval_problems: list
     resume_from_checkpoint: str | None
+    environment_factory: object = None  # TRL's environment_factory (a class, or {name: class}), or None
 
 
 def prepare_run(script_args, training_args, model_args) -> PreparedRun:
@@ -72,9 +76,17 @@ def prepare_run(script_args, training_args, model_args) -> PreparedRun:
     if distillation is not None:  # a teacher that cannot load or tokenizes otherwise: one line, nothing written yet
         raise_problems("distillation", teacher_problems(distillation, tokenizer, model_args.model_name_or_path))
     train_dataset, eval_problems = build_datasets(script_args, training_args, tokenizer)
+    factory = None
+    if script_args.environments:
+        factory = environment_factory(script_args.environments)
+        raise_problems("environments", definition_problems(factory=factory))
+        use_tool_chat_template(tokenizer)
+        train_dataset = with_environments(
+            train_dataset, script_args.environments, seed=training_args.seed, one_shot=script_args.one_shot
+        )
     funcs = reward_functions(names, training_args, tokenizer, settings=script_args)
     check_reward_options(training_args, funcs, names)
-    return PreparedRun(path, tokenizer, funcs, train_dataset, eval_problems, resume)
+    return PreparedRun(path, tokenizer, funcs, train_dataset, eval_problems, resume, factory)
 
 
 def check_reward_options(training_args, funcs, entries=None) -> None:

@@ -14,6 +14,10 @@ every TRL loss type and ours is linear in the advantage with a non-negative weig
 (``importance_sampling_ratio``). The mismatch (``sampling/*``, `SAMPLER_MISMATCH_KEYS`) is logged every step.
 
 The fp32 path (and vLLM, which TRL corrects itself) runs exactly as before: no autocast region, no recorder.
+
+Multi-turn rows (TRL's tool loop): each turn's generation records its own tokens, and TRL splices them with 0.0 for
+the tool turns' tokens, which ``tool_mask`` keeps out of the correction and the loss. A ``rollout_func`` samples with
+a sampler of its own: this class steps aside for its rows (no autocast region, no correction; logged once).
 """
 
 from __future__ import annotations
@@ -72,6 +76,7 @@ class SamplerPrecisionMixin:
 
     _pending_correction: dict | None = None
     _warned_uncorrected = False
+    _warned_rollout = False
 
     def _sampler_bf16(self) -> bool:
         """Generation runs in bf16 autocast here: bf16 on the CPU, not vLLM (TRL's own sampler and correction)."""
@@ -80,7 +85,13 @@ class SamplerPrecisionMixin:
     def _keeps_sampler_logprobs(self) -> bool:
         return self._sampler_bf16() and bool(self.vllm_importance_sampling_correction)
 
+    def _user_rollout(self) -> bool:
+        """A ``rollout_func`` samples the completions: its sampler, precision and log-probs are its own."""
+        return getattr(self, "rollout_func", None) is not None
+
     def _generate(self, prompts):
+        if self._user_rollout():  # TRL's dispatch alone: the rollout needs none of this class's config
+            return super()._generate(prompts)
         with bf16_autocast(self._sampler_bf16()):
             return super()._generate(prompts)
 
@@ -101,6 +112,15 @@ class SamplerPrecisionMixin:
         """Hook at the start of ``_compute_loss``: a copy of `inputs` whose advantages the first log-prob forward
         weighs by the sampler correction (the batch buffered for ``num_iterations > 1`` stays as generated)."""
         if self.use_vllm or not self._keeps_sampler_logprobs():
+            return inputs
+        if self._user_rollout():
+            # the rollout's log-probs come from a sampler of its own (TRL reads them only with vLLM): no correction
+            if not self._warned_rollout:
+                self._warned_rollout = True
+                logger.warning(
+                    "rollout_func supplies the completions and their log-probs: the bf16 sampler correction steps "
+                    "aside for its rows (the loss is TRL's, uncorrected)"
+                )
             return inputs
         if inputs.get("sampling_per_token_logps") is None:
             if not self._warned_uncorrected:

@@ -14,6 +14,7 @@ import types
 import typing
 from dataclasses import dataclass, field
 
+from trl_grpo_ext.environments.data import environment_name_problems
 from trl_grpo_ext.errors import raise_problems
 from trl_grpo_ext.runs import load_yaml
 from trl_grpo_ext.runs.tracking import (
@@ -41,11 +42,22 @@ class ScriptArguments(DataSpec):
     )
     swanlab_project: str = swanlab_project_field()
     swanlab_mode: str | None = swanlab_mode_field()
+    environments: list[str] = field(
+        default_factory=list,
+        metadata={
+            "help": "Environments whose tools the model may call (multi-turn; TRL's environment_factory): "
+            "calculator, retrieval, or both (rows alternate between them). Empty: single-turn."
+        },
+    )
 
     def __post_init__(self):
         # DataSpec.__post_init__ is replaced, not extended: its problems and this class's make one error line
         normalize_swanlab_mode(self)  # cloud -> online, with a deprecation warning
         problems = self.data_problems() + swanlab_mode_problems(self.swanlab_mode)
+        entries = [self.environments] if isinstance(self.environments, str) else list(self.environments or [])
+        # 'calculator,retrieval' as well as a list (like reward_funcs)
+        self.environments = [name.strip() for entry in entries for name in str(entry).split(",") if name.strip()]
+        problems += environment_name_problems(self.environments)
         if self.eval_num_samples < 0:
             problems.append(f"eval_num_samples must be >= 0, got {self.eval_num_samples}")
         raise_problems("script arguments", problems)

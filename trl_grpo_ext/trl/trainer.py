@@ -14,6 +14,8 @@
   (``share_prompt_prefix``, `trl_grpo_ext.trl.prefix_mixin.PrefixSharingMixin`; docs/prefix_sharing.md).
 - With a ``distillation`` block, a teacher's log-probs give per-token advantages (`trl_grpo_ext.trl.distillation`,
   `DistillationMixin`), computed after the degenerate groups' reward advantages were zeroed.
+- TRL's ``tools`` / ``environment_factory`` / ``rollout_func``: TRL's tool loop, its ``tool_mask`` in every loss;
+  the definitions checked at start and ``tools/*`` logged (`trl_grpo_ext.trl.tools.ToolsMixin`).
 - ``dynamic_sampling`` (DAPO's group filter) and the task ``curriculum`` are the mixins of
   `trl_grpo_ext.trl.sampling`; they read what this class resolves and computes through ``mixin_state``
   (`trl_grpo_ext.trl.internals.MixinState`: the reward columns the options name, each generation batch's degenerate
@@ -46,6 +48,7 @@ from trl_grpo_ext.trl.internals import MixinState, log_metric
 from trl_grpo_ext.trl.prefix_mixin import PrefixSharingMixin
 from trl_grpo_ext.trl.sampler_precision import SamplerPrecisionMixin
 from trl_grpo_ext.trl.sampling import CurriculumMixin, DynamicSamplingMixin
+from trl_grpo_ext.trl.tools import ToolsMixin
 from trl_grpo_ext.trl.vllm_cpu import VLLMCPUMixin
 
 
@@ -59,6 +62,7 @@ class GRPOTrainer(
     DistillationMixin,
     DynamicSamplingMixin,
     CurriculumMixin,
+    ToolsMixin,
     SamplerPrecisionMixin,
     PrefixSharingMixin,
     VLLMCPUMixin,
