@@ -242,6 +242,29 @@ def test_make_builds_the_vllmcpu_cell_beside_the_cpu_torch():
     assert "make test-vllmcpu" in (ROOT / ".ci" / "run").read_text()
 
 
+def test_make_train_samples_with_vllm_where_its_cpu_build_is_installed(tmp_path):
+    """`make train` picks the embedded recipe sampled by vLLM when the vllmcpu venv is installed, generate's
+    otherwise, and says which at start; a recipe the user names runs in .venv as it is."""
+    installed = tmp_path / "vllmcpu"
+    installed.mkdir()
+    (installed / ".installed").touch()
+
+    def train(*args):
+        out = _make_dry_run("train", *args)
+        said = next(line for line in out.splitlines() if line.startswith("echo "))
+        launch = next(line for line in out.splitlines() if "accelerate launch" in line)
+        return said, launch, out
+
+    said, launch, out = train(f"VLLMCPU_VENV={installed}")
+    assert "sampler: vLLM" in said and launch.startswith(f"TRL_GRPO_EXT_CPU_THREADS=auto {installed}/bin/accelerate")
+    assert "--config recipes/gsm8k/embedded_vllm.yaml" in out
+    said, launch, out = train(f"VLLMCPU_VENV={tmp_path / 'absent'}")
+    assert "sampler: transformers generate" in said and " .venv/bin/accelerate" in launch
+    assert "--config recipes/gsm8k/embedded.yaml" in out
+    said, launch, out = train(f"VLLMCPU_VENV={installed}", "RECIPE=recipes/gsm8k/cispo.yaml")
+    assert " .venv/bin/accelerate" in launch and "--config recipes/gsm8k/cispo.yaml" in out
+
+
 def _vllm_extra():
     import importlib.util
 
