@@ -83,10 +83,13 @@ ifeq ($(origin RECIPE)$(wildcard $(VLLMCPU_VENV)/.installed),undefined$(VLLMCPU_
 TRAIN_VENV := $(VLLMCPU_VENV)
 RECIPE := recipes/gsm8k/embedded_vllm.yaml
 TRAIN_SAMPLER := vLLM ($(VLLMCPU_VENV) holds vLLM's CPU build, the faster sampler here)
+else ifeq ($(origin RECIPE),undefined)
+TRAIN_VENV := $(VENV)
+RECIPE := recipes/gsm8k/embedded.yaml
+TRAIN_SAMPLER := transformers generate (vLLM's CPU build is not installed: make install-vllmcpu)
 else
 TRAIN_VENV := $(VENV)
-RECIPE ?= recipes/gsm8k/embedded.yaml
-TRAIN_SAMPLER := $(if $(findstring vllm,$(RECIPE)),as $(RECIPE) sets it,transformers generate (vLLM's CPU build is not installed: make install-vllmcpu))
+TRAIN_SAMPLER := as $(RECIPE) sets it
 endif
 
 train: $(TRAIN_VENV)/.installed

@@ -263,6 +263,7 @@ def test_make_train_samples_with_vllm_where_its_cpu_build_is_installed(tmp_path)
     assert "--config recipes/gsm8k/embedded.yaml" in out
     said, launch, out = train(f"VLLMCPU_VENV={installed}", "RECIPE=recipes/gsm8k/cispo.yaml")
     assert " .venv/bin/accelerate" in launch and "--config recipes/gsm8k/cispo.yaml" in out
+    assert "sampler: as recipes/gsm8k/cispo.yaml sets it" in said
 
 
 def _vllm_extra():
