@@ -7,6 +7,7 @@ import pytest
 import torch
 from conftest import build_tiny_model
 from datasets import Dataset
+from multiprocess_grpo import CPU_RUN  # the CPU trainer options the tests share
 
 from trl_grpo_ext.errors import ConfigError
 from trl_grpo_ext.trl.config import GRPOConfig
@@ -16,15 +17,10 @@ pytestmark = pytest.mark.slow
 
 PROMPTS = [[{"role": "user", "content": f"What is {i} + 4?"}] for i in range(8)]
 COMMON = dict(
-    report_to="none",
-    use_cpu=True,
-    bf16=False,
+    **CPU_RUN,
     per_device_train_batch_size=4,
     num_generations=4,
     max_completion_length=8,
-    logging_steps=1,
-    save_strategy="no",
-    disable_tqdm=True,
     seed=0,
     loss_type="importance_sampling",
 )

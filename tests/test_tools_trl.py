@@ -9,6 +9,7 @@ import torch
 import transformers
 import trl
 from datasets import Dataset
+from multiprocess_grpo import CPU_RUN  # the CPU trainer options the tests share
 from packaging.version import Version
 from tool_model import build_tool_model
 
@@ -26,16 +27,11 @@ pytestmark = [
 
 PROMPTS = [[{"role": "user", "content": f"What is {i} * 4?"}] for i in range(4)]
 COMMON = dict(
-    report_to="none",
-    use_cpu=True,
-    bf16=False,
+    **CPU_RUN,
     per_device_train_batch_size=8,
     num_generations=4,
     max_completion_length=96,
     max_tool_calling_iterations=2,
-    logging_steps=1,
-    save_strategy="no",
-    disable_tqdm=True,
     seed=0,
 )
 TOOL_RESULT = "<tool_response>\n12\n</tool_response>"
