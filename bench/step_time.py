@@ -20,16 +20,16 @@ this run (best of repeated ``(2048 x 576) @ (576 x 1536)`` products, the embedde
 between steps): fp32 and bf16 are both measured and printed, and the faster one is the bound (bf16 where the CPU
 has bf16 matrix units; without them torch emulates bf16, slower than fp32).
 
-Precision (issue 28): each configuration runs in fp32 (``--bf16 false``) and in the recipe's ``bf16: auto`` choice
+Precision: each configuration runs in fp32 (``--bf16 false``) and in the recipe's ``bf16: auto`` choice
 (`trl_grpo_ext.precision`) when that is bf16; vanilla TRL gets the same resolved ``bf16``, so for the bf16 rows
 its peer is vanilla TRL with ``bf16: true``. Where auto is fp32 the auto rows are the fp32 rows (said so, not run
 twice).
 
 Last line: ``step time ours/vanilla: <x> (G=4), <y> (G=8); ours at <z>x the compute bound`` (z for G=4), for the
-auto choice. Targets (issue 11): x <= 0.55, y <= 0.40, z <= 1.5.
+auto choice. Targets: x <= 0.55, y <= 0.40, z <= 1.5.
 
 ``--eval N`` also times the eval's greedy pass (``trl-grpo-ext eval``'s generator, batches of 8, 64 new tokens)
-over N held-out problems with plain ``generate`` (before this change) and with the shared prefix, alternated.
+over N held-out problems with plain ``generate`` (no sharing) and with the shared prefix, alternated.
 
 Run on an idle machine: ``python bench/step_time.py --eval 400`` (embedded model, 4 timed steps per trainer and
 config; tens of minutes on 2 CPU cores); ``--quick`` runs the tiny random test model for a smoke test (about a
@@ -333,7 +333,7 @@ def plain_generate(model, prompts, pad_token_id, generation_config=None, pad_to_
 
 def eval_time(model_name: str, limit: int, max_new_tokens: int = 64):
     """Seconds of the eval's greedy pass over `limit` held-out problems (``trl-grpo-ext eval`` without the
-    cache), with the generator's plain ``generate`` (before this change) and with prefix sharing, alternated."""
+    cache), with the generator's plain ``generate`` (no sharing) and with prefix sharing, alternated."""
     import trl_grpo_ext.prefix as prefix
     from trl_grpo_ext.evaluation import (
         EMBEDDED_DATA,

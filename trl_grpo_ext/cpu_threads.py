@@ -3,7 +3,7 @@ single-process CPU run gets back from `accelerate launch`, and the thread count 
 
 OpenMP threads that finish their share of a parallel region spin, waiting for the next one (the GNU runtime torch
 ships spins ~300k iterations before sleeping). Beside another busy process they take the cores the working thread
-needs, and a step slows several-fold (issue 19: `make train`'s 2 threads ran 100 s a step beside one busy process,
+needs, and a step slows several-fold (`make train`'s 2 threads ran 100 s a step beside one busy process,
 18 s with one thread, ~12 s idle). No fixed setting keeps both an idle and a loaded machine's speed (`bench/
 cpu_threads.py`, docs/recipes.md#cpu-threads): every core is best idle, one thread fewer per busy core is best
 loaded. So:

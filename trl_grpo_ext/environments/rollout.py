@@ -94,7 +94,7 @@ def multi_turn_rollouts(
             results = run_tool_calls(completions[i][-1]["tool_calls"], tools[i])
             ids = list(prompt_ids[i]) + completion_ids[i] + suffix_ids(results)
             if len(ids) - len(prompt_ids[i]) > max_completion_length or len(ids) >= max_model_len:
-                continue  # this round does not fit: the rollout ends with the turn that called
+                continue  # this tool round does not fit: the rollout ends with the turn that called
             completions[i].extend(results)
             extended.append(ids)
             kept.append(i)

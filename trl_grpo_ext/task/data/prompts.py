@@ -15,7 +15,7 @@ SYSTEM_PROMPT = "Solve the math problem. Reason briefly, then give the final num
 # A short worked example: brief reasoning and a single boxed integer, like the answers we reward.
 ONE_SHOT_QUESTION = "Tom has 3 bags of 4 apples. He eats 2. How many apples are left?"
 ONE_SHOT_ANSWER = "3 * 4 = 12 apples. 12 - 2 = 10.\n\\boxed{10}"
-# The example for bare arithmetic (docs/recipes.md, "Learning on the embedded default"): after RL with the word
+# The example for bare arithmetic (docs/experiments.md): after RL with the word
 # example above, SmolLM2-135M boxed a different number than the one it had just computed in 83 of 320 held-out
 # arithmetic answers (`1 - 0 = 1.` then `\\boxed{10}`: the example's two-digit box), 0-19 of 320 with this one.
 # It also shows a step at a time and a negative intermediate, the model's commonest arithmetic slip.
