@@ -235,3 +235,19 @@ def test_mask_image_targets_positions():
     assert images.mask_image_targets(targets, Vision(), auto_shift=False) == [10, -100, -100, 13, 14]
     assert images.mask_image_targets(targets, Vision(), auto_shift=True) == [10, 11, -100, -100, 14]
     assert images.mask_image_targets(targets, None, auto_shift=False) == targets
+
+
+def test_without_vision_an_image_text_checkpoint_serves_its_language_model(vision_engine, tiny_vision_model_path):
+    from trl_grpo_ext.pytrio.server.engine import ModelEngine
+
+    text_engine = ModelEngine(tiny_vision_model_path, bf16=False, vision=False)
+    assert not text_engine.accepts_images and type(text_engine.base).__name__ == "Qwen3_5ForCausalLM"
+    with pytest.raises(EngineError, match="has no vision tower") as error:
+        text_engine.vision_input(chunks(text_engine))
+    assert error.value.code == "images_not_supported"
+    # the same language model either way: text prompts score the same
+    prompt = text_engine.tokenizer.encode("What is 3 + 4? The answer is 7")
+    with_vision, _ = vision_engine.prompt_logprobs(None, prompt)
+    without, _ = text_engine.prompt_logprobs(None, prompt)
+    assert without[0] is None and with_vision[0] is None
+    torch.testing.assert_close(torch.tensor(without[1:]), torch.tensor(with_vision[1:]), rtol=0, atol=1e-5)

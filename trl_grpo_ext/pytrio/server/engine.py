@@ -34,8 +34,8 @@ class ModelEngine(LoraAdapters, ForwardBackward, Sampling, TokenLogprobs, ImageI
     """Loads `model_path` once and serves training runs and samplers on it.
 
     An image-text checkpoint (`images.is_image_text`: a Qwen-VL style ``...ForConditionalGeneration``) is loaded
-    with its vision tower and image processor, and takes image chunks (`images`); any other model is loaded as a
-    causal LM and takes token chunks only."""
+    with its vision tower and image processor, and takes image chunks (`images`), unless `vision` is false; any
+    other model is loaded as a causal LM and takes token chunks only."""
 
     def __init__(
         self,
@@ -49,6 +49,7 @@ class ModelEngine(LoraAdapters, ForwardBackward, Sampling, TokenLogprobs, ImageI
         checkpoint_tokens: int = 1024,
         bf16: str | bool | None = "auto",
         bf16_sampling: bool = False,
+        vision: bool = True,
     ):
         from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText, AutoTokenizer
 
@@ -69,7 +70,8 @@ class ModelEngine(LoraAdapters, ForwardBackward, Sampling, TokenLogprobs, ImageI
         # every forward of the model (sampling, training, a direct call) runs in bf16 autocast.
         self.sample_bf16 = self.autocast_bf16 and bool(bf16_sampling)
         config = AutoConfig.from_pretrained(self.model_path)
-        if is_image_text(config):  # the vision tower too (AutoModelForCausalLM would load the text part only)
+        # the vision tower too (AutoModelForCausalLM would load the text part only)
+        if vision and is_image_text(config):
             model = AutoModelForImageTextToText.from_pretrained(self.model_path, dtype=torch_dtype)
             self.image_processor = load_image_processor(self.model_path, config)
         else:
