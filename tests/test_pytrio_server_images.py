@@ -219,6 +219,14 @@ def test_oversized_image_bytes_and_bombs_are_refused(vision_engine, monkeypatch)
     assert error.value.code == "image_too_large"
 
 
+def test_transparent_pixels_are_composited_onto_white(vision_engine):
+    buffer = io.BytesIO()
+    Image.new("RGBA", (20, 28), (0, 0, 0, 0)).save(buffer, format="PNG")
+    transparent = vision_engine.vision_input(chunks(vision_engine, data=buffer.getvalue()))
+    white = vision_engine.vision_input(chunks(vision_engine, data=png(color=(255, 255, 255))))
+    assert torch.equal(transparent.pixel_values, white.pixel_values)
+
+
 def test_placeholder_ids_in_text_chunks_are_refused(vision_engine):
     bad = chunks(vision_engine)
     bad[0] = WireEncodedTextChunk(tokens=[*bad[0].tokens, vision_engine.base.config.image_token_id])

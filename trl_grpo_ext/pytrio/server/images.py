@@ -59,13 +59,24 @@ def decode_image(data: bytes, fmt: str, where: str = "image"):
                     f"{where}: {width}x{height} pixels exceeds the limit of {MAX_IMAGE_PIXELS} pixels per image",
                 )
             image.load()
-            return image.convert("RGB")
+            return _rgb(image)
     except ImageInputError:
         raise
     except (Image.DecompressionBombError, Image.DecompressionBombWarning) as error:
         raise ImageInputError("image_too_large", f"{where}: {error}") from None
     except Exception as error:  # noqa: BLE001 - any undecodable image is the client's error
         raise ImageInputError("invalid_image", f"{where}: cannot decode the {fmt} image: {error}") from None
+
+
+def _rgb(image):
+    """`image` in RGB, transparency composited onto white (what transformers' ``convert_to_rgb`` does, and what a
+    client that renders its image onto white before encoding it sends)."""
+    from PIL import Image
+
+    if "A" in image.getbands() or image.info.get("transparency") is not None:
+        rgba = image.convert("RGBA")
+        return Image.alpha_composite(Image.new("RGBA", rgba.size, (255, 255, 255, 255)), rgba).convert("RGB")
+    return image.convert("RGB")
 
 
 @dataclass
