@@ -611,3 +611,53 @@ def test_images_sent_to_a_text_only_server_are_refused(make_server):
     with pytest.raises(PyTrioError, match="has no vision tower") as error:
         sampler.sample(prompt=prompt, num_samples=1, sampling_params=trio.SamplingParams(max_tokens=2)).result()
     assert error.value.status_code == 400
+
+
+def test_raw_prompt_logprobs_of_an_image_prompt_equal_the_engines(vision_server, tiny_vision_model_path):
+    """pytrio 0.2.9's `compute_logprobs` refuses images in the client; a raw sample request asking for prompt
+    log-probs (base64 image in JSON) gets them from the server, `null` at the image's placeholders."""
+    import base64
+    import io
+
+    import httpx
+    from PIL import Image
+
+    engine = vision_server.engine
+    buffer = io.BytesIO()
+    Image.new("RGB", (20, 28), (90, 10, 200)).save(buffer, format="PNG")
+    before, after = VISION_PROMPT.split(IMAGE_PAD_TOKEN)
+    chunks = [
+        {"type": "encoded_text", "tokens": engine.tokenizer.encode(before, add_special_tokens=False)},
+        {"type": "image", "format": "png", "data": base64.b64encode(buffer.getvalue()).decode(), "expected_tokens": 8},
+        {"type": "encoded_text", "tokens": engine.tokenizer.encode(after, add_special_tokens=False)},
+    ]
+    auth = {"Authorization": f"Bearer {vision_server.api_key}"}
+    with httpx.Client(base_url=vision_server.base_url, timeout=60) as client:
+        sid = client.post("/api/openapi/v1/service-sessions", json={"sdk_version": "x"}, headers=auth).json()
+        run = client.post(
+            f"/api/openapi/v1/service-sessions/{sid['service_session_cuid']}/sampling-runs",
+            json={"base_model": vision_server.model_alias},
+            headers=auth,
+        ).json()
+        token = {"Authorization": f"Bearer {run['actor_jwt']['token']}"}
+        url = f"/actor/v1/sampling-runs/{run['sampling_run_cuid']}/sample"
+        request = {
+            "request_id": "r1",
+            "prompt": {"chunks": chunks},
+            "sampling_params": {"max_tokens": 1, "seed": 0},
+            "return_prompt_logprobs": True,
+        }
+        answer = client.post(url, json=request, headers=token)
+        bad = dict(request, prompt={"chunks": [chunks[0], dict(chunks[1], data="not base64!")]})
+        refused = client.post(url, json=bad, headers=token)
+    assert answer.status_code == 200, answer.text
+    body = answer.json()
+    from pytrio.protocol.actor.model_input import WireModelInput
+
+    vision = engine.vision_input(WireModelInput.model_validate({"chunks": chunks}).chunks)
+    want, _ = engine.prompt_logprobs(None, vision.tokens, vision=vision)
+    assert body["usage"]["input_tokens"] == len(vision.tokens)
+    got = body["prompt_logprobs"]
+    assert [v is None for v in got] == [v is None for v in want] and sum(v is None for v in got) == 9
+    np.testing.assert_allclose([v for v in got if v is not None], [v for v in want if v is not None], atol=1e-6)
+    assert refused.status_code == 400 and "base64" in refused.text
