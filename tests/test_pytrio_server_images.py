@@ -259,3 +259,24 @@ def test_without_vision_an_image_text_checkpoint_serves_its_language_model(visio
     without, _ = text_engine.prompt_logprobs(None, prompt)
     assert without[0] is None and with_vision[0] is None
     torch.testing.assert_close(torch.tensor(without[1:]), torch.tensor(with_vision[1:]), rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("bf16_sampling", [False, True])
+def test_bf16_engines_take_images(vision_engine, tiny_vision_model_path, bf16_sampling):
+    """bf16 autocast in training (and, with ``bf16_sampling``, bf16 frozen linears, the vision tower's included):
+    every image path runs, and its numbers are the fp32 engine's to bf16 rounding."""
+    from trl_grpo_ext.pytrio.server.engine import ModelEngine
+
+    engine = ModelEngine(tiny_vision_model_path, bf16=True, bf16_sampling=bf16_sampling)
+    assert engine.autocast_bf16 and engine.sample_bf16 == bf16_sampling
+    vision = engine.vision_input(chunks(engine))
+    got, _ = engine.prompt_logprobs(None, vision.tokens, vision=vision)
+    want, _ = vision_engine.prompt_logprobs(None, vision.tokens, vision=vision)
+    assert [g is None for g in got] == [w is None for w in want]
+    assert max(abs(g - w) for g, w in zip(got, want, strict=True) if g is not None) < 0.05
+    assert len(engine.sample(None, vision.tokens, num_samples=2, max_tokens=3, seed=1, vision=vision)) == 2
+    run = engine.create_run("bf16", LoraSettings(rank=4, seed=0))
+    datum = ForwardDatum(vision.tokens, [*vision.tokens[1:], 5], [1.0] * len(vision.tokens), vision=vision)
+    _, metrics = engine.forward("bf16", [datum], parse_loss("cross_entropy", None), backward=True, auto_shift=False)
+    assert metrics["token_count"] == len(vision.tokens) - sum(vision.image_slots)
+    assert all(torch.isfinite(p.grad).all() for _, p in run.params if p.grad is not None)
