@@ -1,4 +1,5 @@
-"""Image inputs of the local PyTRIO server on a tiny random Qwen3.5 image-text model (CPU, fp32): sampling, prompt
+"""Image inputs of the local PyTRIO server on a tiny random Qwen3.5 image-text model (CPU, fp32; Qwen3-VL and
+Qwen2.5-VL for sampling and prompt log-probs): sampling, prompt
 log-probs and forward/backward of inputs with an image chunk equal a direct forward of the whole model, positions that
 score an image placeholder carry no loss, and bad images, wrong ``expected_tokens`` and images sent to a text-only
 model are refused with a clear error."""
@@ -20,7 +21,7 @@ from trl_grpo_ext.pytrio.server.errors import EngineError
 from trl_grpo_ext.pytrio.server.forward import ForwardDatum
 from trl_grpo_ext.pytrio.server.loss_fns import parse_loss
 
-IMAGE_TOKENS = 8  # a 20x28 image: a 4x6 grid of 4-pixel patches... resized to 24x32 (8-pixel multiples): 4x3 merged
+IMAGE_TOKENS = 8  # a 20x28 (w x h) image, resized to 16x32: 4x8 patches of 4 pixels, 2x4 tokens after 2x2 merging
 
 
 def png(width=20, height=28, color=(10, 200, 30)) -> bytes:
@@ -280,3 +281,26 @@ def test_bf16_engines_take_images(vision_engine, tiny_vision_model_path, bf16_sa
     _, metrics = engine.forward("bf16", [datum], parse_loss("cross_entropy", None), backward=True, auto_shift=False)
     assert metrics["token_count"] == len(vision.tokens) - sum(vision.image_slots)
     assert all(torch.isfinite(p.grad).all() for _, p in run.params if p.grad is not None)
+
+
+@pytest.mark.parametrize("family", ["qwen3_vl", "qwen2_5_vl"])
+def test_other_qwen_vl_families_sample_and_score_images_as_a_direct_forward(tmp_path, family):
+    from conftest import build_tiny_vision_model
+
+    from trl_grpo_ext.pytrio.server.engine import ModelEngine
+
+    engine = ModelEngine(build_tiny_vision_model(tmp_path / family, family=family), bf16=False)
+    assert engine.accepts_images and engine.base.config.model_type == family
+    vision = engine.vision_input(chunks(engine, expected=IMAGE_TOKENS))
+    results = engine.sample(None, vision.tokens, num_samples=3, max_tokens=5, seed=2, vision=vision)
+    values, _ = engine.prompt_logprobs(None, vision.tokens, vision=vision)
+    with torch.no_grad():
+        for r in results:
+            logits = direct_logits(engine, vision, r.tokens[:-1])[len(vision.tokens) - 1 :]
+            expected = torch.log_softmax(logits, -1).gather(-1, torch.tensor(r.tokens)[:, None]).squeeze(-1)
+            torch.testing.assert_close(torch.tensor(r.logprobs), expected, rtol=0, atol=1e-4)
+        logits = direct_logits(engine, vision)[:-1]
+    expected = torch.log_softmax(logits, -1).gather(-1, torch.tensor(vision.tokens[1:])[:, None]).squeeze(-1)
+    scored = [(v, float(e)) for v, e in zip(values[1:], expected, strict=True) if v is not None]
+    assert len(scored) == len(vision.tokens) - 1 - IMAGE_TOKENS
+    assert max(abs(v - e) for v, e in scored) < 1e-4
