@@ -213,9 +213,9 @@ def test_oversized_image_bytes_and_bombs_are_refused(vision_engine, monkeypatch)
         vision_engine.vision_input(chunks(vision_engine))
     assert error.value.code == "image_too_large"
     monkeypatch.undo()
-    # Pillow's own decompression-bomb guard (its limit below ours) is an error, not a warning
-    monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", 400)  # 560 pixels: the warning, not the error
-    with pytest.raises(EngineError) as error:
+    # Pillow's own decompression-bomb limit, where below ours, is a refusal too (Pillow alone would only warn)
+    monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", 400)  # 560 pixels: above it, below twice it
+    with pytest.raises(EngineError, match="20x28 pixels exceeds the limit of 400 pixels") as error:
         vision_engine.vision_input(chunks(vision_engine))
     assert error.value.code == "image_too_large"
 

@@ -3,20 +3,20 @@
 A PyTRIO ``ModelInput`` may hold ``ImageChunk``s (png or jpeg bytes, base64 in JSON, raw bytes in MessagePack, with the
 client's ``expected_tokens``) beside its token chunks. On an image-text model (a transformers
 ``...ForConditionalGeneration`` with a vision tower, Qwen-VL style: Qwen3.5, Qwen3-VL, Qwen2.5-VL) each image becomes
-``expected_tokens`` copies of the model's image placeholder token in the token sequence, and its pixels go to the
-vision tower (`VisionInput`). The client's text around the image carries the vision start/end tokens of the chat
+as many copies of the model's image placeholder token as its processor makes tokens of it (the client's
+``expected_tokens``), and its pixels go to the vision tower (`VisionInput`). The client's text around the image carries the vision start/end tokens of the chat
 template, as a client that splits the rendered prompt at the placeholder sends them.
 
 Every image is checked before the model sees it (`decode_image`): its bytes at most `MAX_IMAGE_BYTES`, its signature
-and Pillow's format the declared one, its size at most `MAX_IMAGE_PIXELS` pixels before any pixel is decoded, and
-Pillow's decompression-bomb warning is an error. The processor's token count must equal ``expected_tokens``
-(when sent): a client that counted differently would see its log-probs and loss at the wrong positions.
+and Pillow's format the declared one, its size at most `MAX_IMAGE_PIXELS` pixels (and Pillow's own
+decompression-bomb limit, ``PIL.Image.MAX_IMAGE_PIXELS``) before any pixel is decoded. The processor's token count
+must equal ``expected_tokens`` (when sent): a client that counted differently would see its log-probs and loss at the
+wrong positions.
 """
 
 from __future__ import annotations
 
 import io
-import warnings
 from dataclasses import dataclass
 
 import torch
@@ -49,20 +49,20 @@ def decode_image(data: bytes, fmt: str, where: str = "image"):
     if not bytes(data[:8]).startswith(SIGNATURES[fmt]):
         raise ImageInputError("invalid_image", f"{where}: the bytes are not a {fmt} image (wrong signature)")
     try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("error", Image.DecompressionBombWarning)
-            image = Image.open(io.BytesIO(bytes(data)), formats=[PILLOW_FORMATS[fmt]])
-            width, height = image.size
-            if width < 1 or height < 1 or width * height > MAX_IMAGE_PIXELS:
-                raise ImageInputError(
-                    "image_too_large",
-                    f"{where}: {width}x{height} pixels exceeds the limit of {MAX_IMAGE_PIXELS} pixels per image",
-                )
-            image.load()
-            return _rgb(image)
+        image = Image.open(io.BytesIO(bytes(data)), formats=[PILLOW_FORMATS[fmt]])  # reads the header only
+        width, height = image.size
+        # Pillow's decompression-bomb limit counts as ours (it would only warn below twice its value); no global
+        # warnings filter is changed: request threads decode concurrently
+        limit = min(MAX_IMAGE_PIXELS, Image.MAX_IMAGE_PIXELS or MAX_IMAGE_PIXELS)
+        if width * height > limit:
+            raise ImageInputError(
+                "image_too_large", f"{where}: {width}x{height} pixels exceeds the limit of {limit} pixels per image"
+            )
+        image.load()
+        return _rgb(image)
     except ImageInputError:
         raise
-    except (Image.DecompressionBombError, Image.DecompressionBombWarning) as error:
+    except Image.DecompressionBombError as error:
         raise ImageInputError("image_too_large", f"{where}: {error}") from None
     except Exception as error:  # noqa: BLE001 - any undecodable image is the client's error
         raise ImageInputError("invalid_image", f"{where}: cannot decode the {fmt} image: {error}") from None
@@ -97,18 +97,16 @@ class VisionInput:
         """Whether each position of `tokens` is an image placeholder."""
         return [t == self.image_token_id for t in self.tokens]
 
-    def model_kwargs(self, device: torch.device, rows: int = 1) -> dict:
-        """Keyword arguments of one forward of the model on `rows` copies of this input."""
-        ids = torch.tensor([self.tokens] * rows, device=device)
-        pixel_values, grid = self.pixel_values.to(device), self.image_grid_thw.to(device)
-        if rows > 1:
-            pixel_values, grid = pixel_values.repeat(rows, 1), grid.repeat(rows, 1)
+    def model_kwargs(self, device: torch.device) -> dict:
+        """Keyword arguments of one forward of the image-text model on this input, its 3D positions given (the
+        model would otherwise keep them between calls, shared by every request)."""
+        ids = torch.tensor([self.tokens], device=device)
         return {
             "input_ids": ids,
-            "pixel_values": pixel_values,
-            "image_grid_thw": grid,
+            "pixel_values": self.pixel_values.to(device),
+            "image_grid_thw": self.image_grid_thw.to(device),
             "mm_token_type_ids": (ids == self.image_token_id).int(),
-            "position_ids": self.position_ids.to(device).expand(-1, rows, -1),
+            "position_ids": self.position_ids.to(device),
         }
 
 
