@@ -73,6 +73,69 @@ def build_tiny_model(path, vocab_size=512, seed=0, hidden_size=32, num_attention
     return str(path)
 
 
+VISION_TOKENS = ["<|vision_start|>", "<|image_pad|>", "<|vision_end|>", "<|video_pad|>"]
+
+
+def build_tiny_vision_model(path, seed=0, family="qwen3_5"):
+    """Write a tiny random Qwen-VL style image-text model with `build_tiny_model`'s tokenizer plus the vision tokens,
+    and its image processor (Pillow backend: 4-pixel patches, 2x2 merging, one image token per 8x8 pixels).
+    `family`: "qwen3_5" (`Qwen3_5ForConditionalGeneration`: one linear-attention and one full-attention layer),
+    "qwen3_vl" or "qwen2_5_vl"; each with a one-block vision tower."""
+    import torch
+    import transformers
+    from transformers import AutoTokenizer, Qwen2VLImageProcessorPil
+
+    text_path = build_tiny_model(f"{path}-text", seed=seed)
+    tokenizer = AutoTokenizer.from_pretrained(text_path)
+    tokenizer.add_special_tokens({"additional_special_tokens": VISION_TOKENS})
+    start, image, end, video = tokenizer.convert_tokens_to_ids(VISION_TOKENS)
+    text = {
+        "vocab_size": len(tokenizer), "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 8, "max_position_embeddings": 512,
+        "pad_token_id": tokenizer.pad_token_id, "bos_token_id": tokenizer.bos_token_id,
+        "eos_token_id": tokenizer.eos_token_id,
+    }  # fmt: skip
+    vision = {"depth": 1, "hidden_size": 16, "intermediate_size": 32, "num_heads": 2, "patch_size": 4,
+              "spatial_merge_size": 2, "temporal_patch_size": 2, "out_hidden_size": 32}  # fmt: skip
+    rope = {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [1, 1, 2]}
+    if family == "qwen3_5":
+        text.update(linear_key_head_dim=8, linear_value_head_dim=8, linear_num_key_heads=2, linear_num_value_heads=4,
+                    layer_types=["linear_attention", "full_attention"])  # fmt: skip
+        vision.update(num_position_embeddings=64)
+        config_class, model_class = transformers.Qwen3_5Config, transformers.Qwen3_5ForConditionalGeneration
+    elif family == "qwen3_vl":
+        text.update(rope_parameters={**rope, "mrope_interleaved": True})
+        vision.update(num_position_embeddings=64, deepstack_visual_indexes=[0])
+        config_class, model_class = transformers.Qwen3VLConfig, transformers.Qwen3VLForConditionalGeneration
+    elif family == "qwen2_5_vl":
+        text.update(rope_parameters=rope)
+        vision.update(fullatt_block_indexes=[0], window_size=16)
+        config_class, model_class = transformers.Qwen2_5_VLConfig, transformers.Qwen2_5_VLForConditionalGeneration
+    else:
+        raise ValueError(f"unknown family {family!r}")
+    config = config_class(
+        text_config=text, vision_config=vision, image_token_id=image, video_token_id=video,
+        vision_start_token_id=start, vision_end_token_id=end,
+    )  # fmt: skip
+    torch.manual_seed(seed)
+    model = model_class(config)
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    processor = Qwen2VLImageProcessorPil(
+        patch_size=4, merge_size=2, temporal_patch_size=2, min_pixels=64, max_pixels=32 * 32
+    )
+    processor.save_pretrained(path)
+    return str(path)
+
+
+@pytest.fixture(scope="session")
+def tiny_vision_model_path(tmp_path_factory):
+    """Path of a tiny random Qwen3.5 image-text model with its tokenizer and image processor."""
+    return build_tiny_vision_model(tmp_path_factory.mktemp("tiny-vision") / "model")
+
+
 @pytest.fixture(scope="session")
 def tiny_model_path(tmp_path_factory):
     """Path of a tiny random chat model (Llama architecture, ~60k parameters) with a chat template."""

@@ -1,7 +1,8 @@
 """Conformance: scripted clients that use the local PyTRIO server the way the public agentic RL chapters use the
 hosted service (multi-turn tool calls parsed from sampled ``text``, a teacher's ``compute_logprobs``, custom losses
 through ``forward_backward_custom``, PPO thresholds, ``grad_clip_norm``, resume from ``save_state``, micro-batches),
-each over sockets with the real pytrio client on the tiny test model. Numbers are compared in fp32."""
+each over sockets with the real pytrio client on the tiny test model; and a vision GRPO step with image chunks on a
+tiny Qwen3.5 image-text model. Numbers are compared in fp32."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from conftest import build_tiny_model
 
 trio = pytest.importorskip("pytrio")
 
+from pytrio.errors.base import PyTrioError  # noqa: E402
 from pytrio.errors.event import EventFailedError  # noqa: E402
 
 pytestmark = pytest.mark.slow
@@ -481,3 +483,181 @@ def test_a_logical_batch_split_by_max_batch_size_gives_the_same_gradient(make_se
     assert whole.keys() == split.keys() and whole
     for name, grad in whole.items():
         _close(split[name], grad)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# (h) vision GRPO (09-vision-grpo style): image chunks split at the rendered prompt's image placeholder
+
+IMAGE_PAD_TOKEN = "<|image_pad|>"
+VISION_PROMPT = (
+    "<|im_start|>user\nWhat is 3 + 4? <|vision_start|><|image_pad|><|vision_end|>\n"
+    "Put your final answer within \\boxed{}.<|im_end|>\n<|im_start|>assistant\n"
+)
+
+
+@pytest.fixture(scope="module")
+def vision_server(tiny_vision_model_path, tmp_path_factory):
+    from trl_grpo_ext.pytrio.server import LocalPyTrioServer, ServerConfig
+    from trl_grpo_ext.pytrio.server.engine import ModelEngine
+
+    tmp = tmp_path_factory.mktemp("vision-server")
+    engine = ModelEngine(tiny_vision_model_path, bf16=False)
+    server = LocalPyTrioServer(
+        ServerConfig(model=tiny_vision_model_path, storage_dir=str(tmp / "storage")), engine=engine
+    ).start()
+    yield server
+    server.stop()
+
+
+def _encode_image(image, image_processor, expected_tokens=None):
+    """The image as a PyTRIO chunk with the client's own count of its tokens (09-vision-grpo's `encode_image`)."""
+    import io
+
+    buffer = io.BytesIO()
+    image.save(buffer, format="PNG")
+    patches = image_processor.get_number_of_image_patches(image.height, image.width, images_kwargs={})
+    counted = patches // int(image_processor.merge_size) ** 2
+    return trio.ImageChunk(data=buffer.getvalue(), format="png", expected_tokens=expected_tokens or counted)
+
+
+def _vision_prompt_chunks(tokenizer, image_processor, image, expected_tokens=None):
+    before_image, after_image = VISION_PROMPT.split(IMAGE_PAD_TOKEN)
+    return [
+        trio.types.EncodedTextChunk(tokens=tokenizer.encode(before_image, add_special_tokens=False)),
+        _encode_image(image, image_processor, expected_tokens),
+        trio.types.EncodedTextChunk(tokens=tokenizer.encode(after_image, add_special_tokens=False)),
+    ]
+
+
+def test_vision_grpo_step_samples_and_trains_on_image_prompts(vision_server, tiny_vision_model_path, tmp_path):
+    from PIL import Image
+    from transformers import AutoImageProcessor
+
+    vision_server.configure_client(home=str(tmp_path / "trio-home"), retry_initial_delay_seconds=0.05)
+    tc = _training_client(vision_server)
+    tokenizer = tc.get_tokenizer()
+    image_processor = AutoImageProcessor.from_pretrained(tiny_vision_model_path, backend="pil")
+    prompt_chunks = _vision_prompt_chunks(tokenizer, image_processor, Image.new("RGB", (20, 28), (10, 200, 30)))
+    prompt = trio.ModelInput(chunks=prompt_chunks)
+    prompt_length = len(prompt)
+    sampler = tc.save_weights_and_get_sampling_client()
+    params = trio.SamplingParams(max_tokens=6, temperature=1.0, seed=11, stop="<|im_end|>")
+    response = sampler.sample(prompt=prompt, num_samples=4, sampling_params=params, return_text=True).result()
+    assert response.input_tokens == prompt_length
+    assert len(response.sequences) == 4 and all(len(s.tokens) == len(s.logprobs) > 0 for s in response.sequences)
+
+    rewards = [float(i % 2) for i in range(4)]
+    mean = sum(rewards) / len(rewards)
+    datums = []
+    for sequence, reward in zip(response.sequences, rewards, strict=True):
+        tokens, logprobs = list(sequence.tokens), [float(v) for v in sequence.logprobs]
+        observation_length = prompt_length - 1
+        datums.append(
+            trio.Datum(
+                model_input=trio.ModelInput(chunks=[*prompt_chunks, trio.types.EncodedTextChunk(tokens=tokens[:-1])]),
+                loss_fn_inputs={
+                    "target_tokens": np.asarray([0] * observation_length + tokens, dtype=np.int64),
+                    "logprobs": np.asarray([0.0] * observation_length + logprobs, dtype=np.float32),
+                    "advantages": np.asarray(
+                        [0.0] * observation_length + [reward - mean] * len(tokens), dtype=np.float32
+                    ),
+                },
+            )
+        )
+    result = tc.forward_backward(datums, loss_fn="importance_sampling").result()
+    assert all(np.isfinite(float(v)) for v in result.metrics.values())
+    grads = _grads(vision_server, tc)
+    assert grads and all(torch.isfinite(g).all() for g in grads.values())
+    assert any(float(g.abs().max()) > 0 for g in grads.values())
+    # on-policy: the trainer's log-probs of the completion are the sampler's (same weights, same image)
+    for out, sequence in zip(result.loss_fn_outputs, response.sequences, strict=True):
+        trained = np.asarray(out["logprobs"].to_numpy(), dtype=np.float64)
+        assert len(trained) == prompt_length - 1 + len(sequence.tokens)
+        np.testing.assert_allclose(trained[prompt_length - 1 :], sequence.logprobs, rtol=0, atol=1e-4)
+    tc.optim_step(trio.AdamParams(learning_rate=1e-3)).result()
+
+    # a client that counts the image's tokens differently is told so, for sampling and training alike
+    wrong = _vision_prompt_chunks(tokenizer, image_processor, Image.new("RGB", (20, 28)), expected_tokens=5)
+    with pytest.raises(PyTrioError, match="expected_tokens is 5, but the model's processor makes 8") as error:
+        sampler.sample(prompt=trio.ModelInput(chunks=wrong), num_samples=1, sampling_params=params).result()
+    assert error.value.status_code == 400
+    garbage = [wrong[0], trio.ImageChunk(data=b"\x89PNG\r\n\x1a\n" + b"\0" * 40, format="png"), wrong[2]]
+    with pytest.raises(PyTrioError, match="cannot decode the png image") as error:
+        sampler.sample(prompt=trio.ModelInput(chunks=garbage), num_samples=1, sampling_params=params).result()
+    assert error.value.status_code == 400
+    datum = trio.Datum(
+        model_input=trio.ModelInput(chunks=wrong),
+        loss_fn_inputs={"target_tokens": np.zeros(len(trio.ModelInput(chunks=wrong)), dtype=np.int64)},
+    )
+    with pytest.raises(EventFailedError, match="expected_tokens is 5"):
+        tc.forward_backward([datum], loss_fn="cross_entropy").result()
+
+
+def test_images_sent_to_a_text_only_server_are_refused(make_server):
+    import io
+
+    from PIL import Image
+
+    server = make_server(bf16=False)
+    buffer = io.BytesIO()
+    Image.new("RGB", (8, 8)).save(buffer, format="PNG")
+    prompt = trio.ModelInput(
+        chunks=[
+            trio.types.EncodedTextChunk(tokens=[1, 5, 9]),
+            trio.ImageChunk(data=buffer.getvalue(), format="png", expected_tokens=1),
+        ]
+    )
+    sampler = _client(server).create_sampling_client(base_model=server.model_alias)
+    with pytest.raises(PyTrioError, match="has no vision tower") as error:
+        sampler.sample(prompt=prompt, num_samples=1, sampling_params=trio.SamplingParams(max_tokens=2)).result()
+    assert error.value.status_code == 400
+
+
+def test_raw_prompt_logprobs_of_an_image_prompt_equal_the_engines(vision_server, tiny_vision_model_path):
+    """pytrio 0.2.9's `compute_logprobs` refuses images in the client; a raw sample request asking for prompt
+    log-probs (base64 image in JSON) gets them from the server, `null` at the image's placeholders."""
+    import base64
+    import io
+
+    import httpx
+    from PIL import Image
+
+    engine = vision_server.engine
+    buffer = io.BytesIO()
+    Image.new("RGB", (20, 28), (90, 10, 200)).save(buffer, format="PNG")
+    before, after = VISION_PROMPT.split(IMAGE_PAD_TOKEN)
+    chunks = [
+        {"type": "encoded_text", "tokens": engine.tokenizer.encode(before, add_special_tokens=False)},
+        {"type": "image", "format": "png", "data": base64.b64encode(buffer.getvalue()).decode(), "expected_tokens": 8},
+        {"type": "encoded_text", "tokens": engine.tokenizer.encode(after, add_special_tokens=False)},
+    ]
+    auth = {"Authorization": f"Bearer {vision_server.api_key}"}
+    with httpx.Client(base_url=vision_server.base_url, timeout=60) as client:
+        sid = client.post("/api/openapi/v1/service-sessions", json={"sdk_version": "x"}, headers=auth).json()
+        run = client.post(
+            f"/api/openapi/v1/service-sessions/{sid['service_session_cuid']}/sampling-runs",
+            json={"base_model": vision_server.model_alias},
+            headers=auth,
+        ).json()
+        token = {"Authorization": f"Bearer {run['actor_jwt']['token']}"}
+        url = f"/actor/v1/sampling-runs/{run['sampling_run_cuid']}/sample"
+        request = {
+            "request_id": "r1",
+            "prompt": {"chunks": chunks},
+            "sampling_params": {"max_tokens": 1, "seed": 0},
+            "return_prompt_logprobs": True,
+        }
+        answer = client.post(url, json=request, headers=token)
+        bad = dict(request, prompt={"chunks": [chunks[0], dict(chunks[1], data="not base64!")]})
+        refused = client.post(url, json=bad, headers=token)
+    assert answer.status_code == 200, answer.text
+    body = answer.json()
+    from pytrio.protocol.actor.model_input import WireModelInput
+
+    vision = engine.vision_input(WireModelInput.model_validate({"chunks": chunks}).chunks)
+    want, _ = engine.prompt_logprobs(None, vision.tokens, vision=vision)
+    assert body["usage"]["input_tokens"] == len(vision.tokens)
+    got = body["prompt_logprobs"]
+    assert [v is None for v in got] == [v is None for v in want] and sum(v is None for v in got) == 9
+    np.testing.assert_allclose([v for v in got if v is not None], [v for v in want if v is not None], atol=1e-6)
+    assert refused.status_code == 400 and "base64" in refused.text

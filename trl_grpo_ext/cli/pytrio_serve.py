@@ -101,6 +101,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="sample (and compute_logprobs) in bf16 too where --bf16 is on: faster on some CPUs, but a request's "
         "tokens may then depend on the requests decoded beside it (default: fp32 sampling, batch-invariant)",
     )
+    parser.add_argument(
+        "--no-vision",
+        dest="vision",
+        action="store_false",
+        help="load an image-text checkpoint's language model only, as a causal LM: less memory, image chunks "
+        "refused (default: with its vision tower, image chunks accepted)",
+    )
     parser.add_argument("--max-batch-size", type=int, default=None, help="per-event batch cap advertised to clients")
     parser.add_argument(
         "--max-request-mb",
@@ -148,6 +155,7 @@ def _config(args: argparse.Namespace) -> tuple[ServerConfig, bool]:
         dtype=args.dtype,
         bf16=args.bf16,
         bf16_sampling=args.bf16_sampling,
+        vision=args.vision,
         max_batch_size=args.max_batch_size,
         max_request_bytes=int(args.max_request_mb * MIB),
         **{field: getattr(args, field) for _flag, field, _kind, _what in LIMIT_FLAGS},

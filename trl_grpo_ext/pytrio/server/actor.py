@@ -22,7 +22,7 @@ from trl_grpo_ext.pytrio.server.errors import ApiError, EngineError, EventFailur
 from trl_grpo_ext.pytrio.server.events import EventRecord, RunEventQueue
 from trl_grpo_ext.pytrio.server.registry import ActorToken
 from trl_grpo_ext.pytrio.server.sample_params import check_topk, sample_spec
-from trl_grpo_ext.pytrio.server.wire import item_lengths, prompt_tokens, require_finite, validate
+from trl_grpo_ext.pytrio.server.wire import item_lengths, prompt_input, require_finite, validate
 
 KNOWN_EVENTS = (
     "trainer.init_run",
@@ -45,6 +45,7 @@ class SampleJob:
     snapshot: LoraSnapshot | None
     results: Future  # list[SampleResult]
     engine: object = None  # the served model's engine (`LocalPyTrioServer.model_for`)
+    vision: object = None  # the prompt's images (`images.VisionInput`), None for a token prompt
 
 
 @contextlib.contextmanager
@@ -135,32 +136,38 @@ class ActorHandlers:
             raise ApiError(404, "sampling_run_not_found", f"sampling run {rid} not found")
         run = self.registry.sampling_run(rid)
         request = validate(SampleRequest, body, "invalid_sample_request")
-        prompt = prompt_tokens(request.prompt)
         engine, sampler = self.model_for(run.model)
+        prompt, vision = prompt_input(request.prompt, engine)
         limits = engine.sample_limits(self.config.max_num_samples)
         with _sampling_errors():  # every value checked here, before the request can join a decode batch
             spec = sample_spec(prompt, request.num_samples, request.sampling_params, limits, request.return_text)
+            spec.vision = vision
             check_topk(request.topk_prompt_logprobs, self.config.max_topk_logprobs)
         model = engine.memory_model
-        cost = model.sample_bytes(len(prompt), spec.num_samples, spec.max_tokens)
+        # the vision tower's positions counted as tokens: an estimate of its working memory
+        extra = vision.patches if vision is not None else 0
+        cost = model.sample_bytes(len(prompt) + extra, spec.num_samples, spec.max_tokens)
         self.memory.refuse_beyond(cost, f"this sample request ({spec.num_samples} x {spec.max_tokens} tokens)")
         if request.return_prompt_logprobs or request.topk_prompt_logprobs:
-            scoring = model.prompt_logprobs_bytes(len(prompt), request.topk_prompt_logprobs)
+            scoring = model.prompt_logprobs_bytes(len(prompt) + extra, request.topk_prompt_logprobs)
             self.memory.refuse_beyond(scoring, f"prompt log-probs of {len(prompt)} tokens")
         snapshot = None
         if run.source_checkpoint_uri:
             snapshot = self._snapshot(self.registry.checkpoint(run.source_checkpoint_uri), with_optimizer=False)
         with _sampling_errors():
-            return SampleJob(request, rid, prompt, snapshot, sampler.submit(snapshot, spec, cost), engine)
+            return SampleJob(request, rid, prompt, snapshot, sampler.submit(snapshot, spec, cost), engine, vision)
 
     def _sample_answer(self, job: SampleJob, results: list[SampleResult]) -> dict:
         request, prompt = job.request, job.prompt
         prompt_logprobs, topk = None, None
         if request.return_prompt_logprobs or request.topk_prompt_logprobs:
             engine = job.engine or self.engine
-            cost = engine.memory_model.prompt_logprobs_bytes(len(prompt), request.topk_prompt_logprobs)
+            extra = job.vision.patches if job.vision is not None else 0
+            cost = engine.memory_model.prompt_logprobs_bytes(len(prompt) + extra, request.topk_prompt_logprobs)
             with _sampling_errors(), self.memory.reserve(cost):
-                prompt_logprobs, topk = engine.prompt_logprobs(job.snapshot, prompt, request.topk_prompt_logprobs)
+                prompt_logprobs, topk = engine.prompt_logprobs(
+                    job.snapshot, prompt, request.topk_prompt_logprobs, vision=job.vision
+                )
         return {
             "request_id": request.request_id,
             "sampling_run": job.run,

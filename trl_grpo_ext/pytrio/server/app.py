@@ -73,6 +73,7 @@ class LocalPyTrioServer(ControlHandlers, ActorHandlers, OpenAIHandlers, Training
             bf16_sampling=config.bf16_sampling,
             max_batch_tokens=config.max_batch_tokens,
             share_prefix=config.share_prefix,
+            vision=config.vision,
         )
         self.model_id = self.engine.model_path
         # what a client may pass as base_model: the served names (the first is reported), path, default alias
@@ -90,7 +91,7 @@ class LocalPyTrioServer(ControlHandlers, ActorHandlers, OpenAIHandlers, Training
             engine = ModelEngine(_resolve_model(requested), device=config.device, dtype=config.dtype,
                                  bf16=config.bf16, bf16_sampling=config.bf16_sampling,
                                  max_batch_tokens=config.max_batch_tokens,
-                                 share_prefix=config.share_prefix)  # fmt: skip
+                                 share_prefix=config.share_prefix, vision=config.vision)  # fmt: skip
             names = {engine.model_path, str(requested), _default_alias(requested, engine.model_path)}
             names |= {served_name} if served_name else set()
             if names & (self.aliases | {n for m in self.sampling_models.values() for n in m.names}):

@@ -57,6 +57,9 @@ class ServerConfig:
     # forward/backward: data that share a token prefix (a GRPO group's prompt) encode it once; outputs and
     # gradients equal the unshared computation to float rounding
     share_prefix: bool = True
+    # an image-text checkpoint (Qwen-VL style) is loaded with its vision tower and takes image chunks (`images`);
+    # false loads its language model only, as a causal LM (less memory, image chunks refused)
+    vision: bool = True
     long_poll_seconds: float = 20.0  # below the client's 65 s read timeout for event polls
     snapshot_cache_size: int = 8  # adapter snapshots kept in memory; older ones reload from disk
     max_temporary_checkpoints: int = 8  # per run: save_weights_and_get_sampling_client hand-offs kept
@@ -107,6 +110,8 @@ class ServerConfig:
             problems.append(str(error))
         if not isinstance(self.bf16_sampling, bool):
             problems.append(f"bf16_sampling must be true or false, got {self.bf16_sampling!r}")
+        if not isinstance(self.vision, bool):
+            problems.append(f"vision must be true or false, got {self.vision!r}")
         if any(not isinstance(m, str) or not split_sampling_model(m)[0].strip() for m in self.sampling_models):
             problems.append(
                 f"sampling_models must be model folders, hub ids or 'embedded', got {list(self.sampling_models)}"

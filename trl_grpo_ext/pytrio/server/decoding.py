@@ -4,6 +4,9 @@
 holds the rows of several requests on one adapter snapshot and decodes them together, one token per row per step.
 `server/sampling.py` feeds it concurrent requests. A request's tokens depend on its prompt, parameters and seed only
 (`RequestRows`: its own generator, its own rows), never on its batch-mates.
+
+A request with images (`SampleSpec.vision`) decodes in a batch of its own: its prefill runs the vision tower, and its
+rows continue from 3D (M-RoPE) positions offset by the image's ``rope_delta``, which rows of other prompts do not share.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ import torch
 from trl_grpo_ext.compat import output_cache
 from trl_grpo_ext.pytrio.server.adapters import LoraSnapshot
 from trl_grpo_ext.pytrio.server.errors import EngineError
+from trl_grpo_ext.pytrio.server.images import VisionInput
 
 
 @dataclass
@@ -40,6 +44,7 @@ class SampleSpec:
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
     return_text: bool = True
+    vision: VisionInput | None = None  # the images of the prompt (`prompt` holds their placeholder tokens)
 
 
 def default_stop_ids(model, tokenizer) -> set[int]:
@@ -109,12 +114,18 @@ class Sampling:
             batch.step()
         return rows.results(self.tokenizer)
 
-    def prompt_logprobs(self, snapshot: LoraSnapshot | None, prompt: list[int], topk: int = 0):
-        """``[None, log p(x_1 | x_0), ...]`` and, with ``topk``, the top-k (token, logprob) per position."""
+    def prompt_logprobs(
+        self, snapshot: LoraSnapshot | None, prompt: list[int], topk: int = 0, vision: VisionInput | None = None
+    ):
+        """``[None, log p(x_1 | x_0), ...]`` and, with ``topk``, the top-k (token, logprob) per position. With
+        `vision` (`prompt` is then ``vision.tokens``), an image placeholder's position is None too."""
         with self.lock:
             _model, ctx = self.use_snapshot(snapshot)
             with ctx, torch.no_grad():
-                features, _ = self.decode(input_ids=torch.tensor([prompt], device=self.device))
+                if vision is not None:
+                    features = self.vision_features(vision, use_cache=False)
+                else:
+                    features, _ = self.decode(input_ids=torch.tensor([prompt], device=self.device))
                 features = features[0, :-1]  # position i scores token i + 1
                 targets = torch.tensor(prompt[1:], device=self.device)
                 values = self.token_logprobs(features, targets).tolist() if len(prompt) > 1 else []
@@ -123,7 +134,12 @@ class Sampling:
                     top_v, top_i = self.token_topk(features, topk)
                     pairs = zip(top_i.tolist(), top_v.tolist(), strict=True)
                     top = [None] + [list(zip(i, v, strict=True)) for i, v in pairs]
-        return [None, *values], top
+        values = [None, *values]
+        if vision is not None:
+            values = [None if slot else v for v, slot in zip(values, vision.image_slots, strict=True)]
+            if top is not None:
+                top = [None if slot else t for t, slot in zip(top, vision.image_slots, strict=True)]
+        return values, top
 
 
 class RequestRows:
@@ -203,14 +219,19 @@ class DecodeBatch:
         self.cache = None
         self.mask: torch.Tensor | None = None  # (rows, cached slots): 1 real, 0 left padding
         self.positions: torch.Tensor | None = None  # (rows,): position of the token each row feeds next
+        self.rope_delta = 0  # a request with images: its rows' rotary positions run this far from their indices
+        self.has_images = False
 
     @property
     def rows(self) -> int:
         return sum(r.spec.num_samples for r in self.requests)
 
-    def can_join(self, snapshot: LoraSnapshot | None) -> bool:
-        """Whether a request on `snapshot` can join: same weights, and a cache this class can pad and concatenate."""
+    def can_join(self, snapshot: LoraSnapshot | None, spec: SampleSpec | None = None) -> bool:
+        """Whether a request on `snapshot` can join: same weights, and a cache this class can pad and concatenate
+        (neither it nor the batch has images)."""
         if (snapshot.uid if snapshot is not None else None) != self.uid:
+            return False
+        if self.has_images or (spec is not None and spec.vision is not None):
             return False
         return self.cache is None or all(type(layer) is _dynamic_layer_type() for layer in self.cache.layers)
 
@@ -219,8 +240,14 @@ class DecodeBatch:
         with engine.lock:
             model, ctx = engine.use_snapshot(self.snapshot)
             with ctx, torch.no_grad():
-                prompt = torch.tensor([spec.prompt], device=engine.device)
-                out = model(input_ids=prompt, use_cache=True, logits_to_keep=1)
+                if spec.vision is not None:
+                    if self.requests:
+                        raise EngineError("sampling_failed", "a request with images decodes in a batch of its own")
+                    out = model(**spec.vision.model_kwargs(engine.device), use_cache=True, logits_to_keep=1)
+                    self.has_images, self.rope_delta = True, spec.vision.rope_delta
+                else:
+                    prompt = torch.tensor([spec.prompt], device=engine.device)
+                    out = model(input_ids=prompt, use_cache=True, logits_to_keep=1)
                 cache, logits = output_cache(out), out.logits[:, -1].float()
                 if n > 1:
                     repeat_rows(cache, n)
@@ -265,6 +292,7 @@ class DecodeBatch:
             self.requests = [r for r in self.requests if not r.finished]
             if not self.requests:
                 self.cache = self.mask = self.positions = None
+                self.has_images, self.rope_delta = False, 0
                 return finished
             index = torch.tensor(keep, dtype=torch.long, device=engine.device)
             self.cache.batch_select_indices(index)
@@ -283,7 +311,7 @@ class DecodeBatch:
                 out = model(
                     input_ids=ids,
                     attention_mask=self.mask,
-                    position_ids=self.positions.unsqueeze(-1),
+                    position_ids=(self.positions + self.rope_delta).unsqueeze(-1),
                     use_cache=True,
                     logits_to_keep=1,
                     **{engine.cache_kw: self.cache},

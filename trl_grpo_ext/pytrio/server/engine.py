@@ -24,13 +24,18 @@ from trl_grpo_ext.pytrio.server.adapters import LoraAdapters, LoraSettings, Lora
 from trl_grpo_ext.pytrio.server.decoding import SampleSpec, Sampling, default_stop_ids
 from trl_grpo_ext.pytrio.server.errors import EngineError
 from trl_grpo_ext.pytrio.server.forward import MIN_SHARED_PREFIX, ForwardBackward
+from trl_grpo_ext.pytrio.server.images import ImageInputs, is_image_text, load_image_processor
 from trl_grpo_ext.pytrio.server.logprobs import LOGIT_CHUNK, TokenLogprobs, checkpointing_exact, split_head_exact
 from trl_grpo_ext.pytrio.server.memory import MemoryModel
 from trl_grpo_ext.pytrio.server.sample_params import SampleLimits, check_spec
 
 
-class ModelEngine(LoraAdapters, ForwardBackward, Sampling, TokenLogprobs):
-    """Loads `model_path` once and serves training runs and samplers on it."""
+class ModelEngine(LoraAdapters, ForwardBackward, Sampling, TokenLogprobs, ImageInputs):
+    """Loads `model_path` once and serves training runs and samplers on it.
+
+    An image-text checkpoint (`images.is_image_text`: a Qwen-VL style ``...ForConditionalGeneration``) is loaded
+    with its vision tower and image processor, and takes image chunks (`images`), unless `vision` is false; any
+    other model is loaded as a causal LM and takes token chunks only."""
 
     def __init__(
         self,
@@ -44,8 +49,9 @@ class ModelEngine(LoraAdapters, ForwardBackward, Sampling, TokenLogprobs):
         checkpoint_tokens: int = 1024,
         bf16: str | bool | None = "auto",
         bf16_sampling: bool = False,
+        vision: bool = True,
     ):
-        from transformers import AutoModelForCausalLM, AutoTokenizer
+        from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText, AutoTokenizer
 
         self.model_path = str(model_path)
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -63,7 +69,13 @@ class ModelEngine(LoraAdapters, ForwardBackward, Sampling, TokenLogprobs):
         # the advertised guarantee is that they do not. With it, the frozen base linears are stored in bf16 and
         # every forward of the model (sampling, training, a direct call) runs in bf16 autocast.
         self.sample_bf16 = self.autocast_bf16 and bool(bf16_sampling)
-        model = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=torch_dtype)
+        config = AutoConfig.from_pretrained(self.model_path)
+        # the vision tower too (AutoModelForCausalLM would load the text part only)
+        if vision and is_image_text(config):
+            model = AutoModelForImageTextToText.from_pretrained(self.model_path, dtype=torch_dtype)
+            self.image_processor = load_image_processor(self.model_path, config)
+        else:
+            model = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=torch_dtype)
         if self.sample_bf16:
             bf16_frozen_linears(model)
             model.forward = _in_autocast(model.forward, self.device.type)
@@ -82,7 +94,8 @@ class ModelEngine(LoraAdapters, ForwardBackward, Sampling, TokenLogprobs):
         self._slot_content: dict[str, int] = {}  # sampler adapter -> uid of the snapshot loaded in it
         self.stop_ids = default_stop_ids(model, self.tokenizer)
         self.vocab_size = int(model.get_output_embeddings().weight.shape[0])
-        self.max_seq_len = int(getattr(model.config, "max_position_embeddings", 0) or 0) or None
+        text_config = model.config.get_text_config()
+        self.max_seq_len = int(getattr(text_config, "max_position_embeddings", 0) or 0) or None
         # padded tokens per forward/backward batch: bounds the (batch, length, vocab) logits held for backward
         self.max_batch_tokens = max(1, int(max_batch_tokens))
         # forward/backward: rows sharing >= min_shared_prefix leading tokens encode them once (`forward._plan`)

@@ -7,6 +7,10 @@ rows that share a token prefix (a GRPO group's prompt) encode it once through th
 prompt), `pack_rows` lays them out as segments of one packed forward, its cost model keeps the right-padded batch
 where that is cheaper, and `PackedBatch.row_reads` says where each row's positions lie in the output. Outputs and
 gradients equal the unshared computation to float rounding (tests/test_pytrio_server_prefix.py).
+
+Data with images (`ForwardDatum.vision`, `images.VisionInput`) step aside from both: each runs alone, unpadded and
+unshared, through the whole image-text model (vision tower included); positions that would score an image placeholder
+carry no target (`images.mask_image_targets`).
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ from trl_grpo_ext.prefix import log_fallback_once
 from trl_grpo_ext.prefix.packing import PackedBatch, fit_to, pack_rows, packed_beats_padded
 from trl_grpo_ext.prefix.plan import plan_token_rows
 from trl_grpo_ext.pytrio.server.errors import EngineError
+from trl_grpo_ext.pytrio.server.images import VisionInput, mask_image_targets
 from trl_grpo_ext.pytrio.server.loss_fns import LossSpec, per_token_loss
 
 # Leading tokens forward/backward rows must share before they form a group whose prompt is encoded once: fewer
@@ -43,6 +48,7 @@ class ForwardDatum:
     weights: list[float] | None = None
     old_logprobs: list[float] | None = None
     advantages: list[float] | None = None
+    vision: VisionInput | None = None  # the images of an image-text input (`tokens` hold their placeholders)
 
 
 class ForwardBackward:
@@ -51,6 +57,8 @@ class ForwardBackward:
     ``_activate``) and the ``max_batch_tokens`` / ``share_prefix`` / ``min_shared_prefix`` settings)."""
 
     def _check_tokens(self, datum: ForwardDatum) -> None:
+        if datum.vision is not None and list(datum.tokens) != datum.vision.tokens:
+            raise EngineError("invalid_input", "a datum with images must hold the tokens of its vision input")
         if max(datum.tokens, default=0) >= self.vocab_size or min(datum.tokens, default=0) < 0:
             raise EngineError("token_out_of_range", f"input token ids must lie in [0, {self.vocab_size})")
         if any(t >= self.vocab_size or (t < 0 and t != -100) for t in datum.targets):
@@ -75,6 +83,16 @@ class ForwardBackward:
         if auto_shift:
             # position i predicts target i + 1; the first label has no predicting position (`_counted` masks it)
             hidden = torch.cat([hidden.new_zeros(hidden.shape[0], 1, hidden.shape[-1]), hidden[:, :-1]], dim=1)
+        return _counted(self.token_logprobs(hidden, targets.clamp(min=0)), targets, auto_shift)
+
+    def _image_target_logprobs(self, datum: ForwardDatum, auto_shift: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """`_batch_target_logprobs` of one datum with images: one unpadded forward of the image-text model."""
+        targets = mask_image_targets(datum.targets, datum.vision, auto_shift)
+        targets = torch.tensor([targets], dtype=torch.long, device=self.device)
+        with self.layer_checkpointing(torch.is_grad_enabled() and len(datum.tokens) > self.checkpoint_tokens):
+            hidden = self.vision_features(datum.vision, use_cache=False)
+        if auto_shift:
+            hidden = torch.cat([hidden.new_zeros(1, 1, hidden.shape[-1]), hidden[:, :-1]], dim=1)
         return _counted(self.token_logprobs(hidden, targets.clamp(min=0)), targets, auto_shift)
 
     def _padded(self, rows: list[list[float]], width: int, dtype: torch.dtype, fill: float = 0) -> torch.Tensor:
@@ -207,10 +225,21 @@ class ForwardBackward:
             for datum in data:  # before any backward: a bad datum must not leave half a batch of gradients
                 self._check_tokens(datum)
             self._activate(run.adapter, trainable=backward)
-            outputs, loss_sum, token_count = [], 0.0, 0
-            for chunk in self._chunks([d for d in data if d.tokens], backward, budget):
-                chunk_outputs: list[dict | None] = [None] * len(chunk)
-                packed, shared, plain = self._plan(chunk)
+            loss_sum, token_count = 0.0, 0
+            by_index: dict[int, dict] = {}
+            text = [i for i, d in enumerate(data) if d.tokens and d.vision is None]
+            pieces: list[list[int]] = []  # indices into `data`: text chunks, then each datum with images alone
+            start = 0
+            for chunk in self._chunks([data[i] for i in text], backward, budget):
+                pieces.append(text[start : start + len(chunk)])
+                start += len(chunk)
+            pieces.extend([i] for i, d in enumerate(data) if d.vision is not None)
+            for indices in pieces:
+                chunk = [data[i] for i in indices]
+                if chunk[0].vision is not None:
+                    packed, shared, plain = None, [], [0]
+                else:
+                    packed, shared, plain = self._plan(chunk)
                 results = []  # (rows, logprobs, loss, per-token loss, mask)
                 with torch.set_grad_enabled(backward):
                     # the loss is a sum: a backward per piece accumulates the same gradient
@@ -218,7 +247,9 @@ class ForwardBackward:
                         if not rows:
                             continue
                         piece = [chunk[i] for i in rows]
-                        if layout is not None:
+                        if piece[0].vision is not None:
+                            logprobs, valid = self._image_target_logprobs(piece[0], auto_shift)
+                        elif layout is not None:
                             logprobs, valid = self._packed_target_logprobs(piece, layout, auto_shift)
                         else:
                             logprobs, valid = self._batch_target_logprobs(piece, auto_shift)
@@ -230,14 +261,12 @@ class ForwardBackward:
                     logprobs_np, loss_np = logprobs.detach().cpu().numpy(), loss_tok.detach().cpu().numpy()
                     for row, i in enumerate(rows):
                         n = len(chunk[i].tokens)
-                        chunk_outputs[i] = {"logprobs": logprobs_np[row, :n], "elementwise_loss": loss_np[row, :n]}
+                        by_index[indices[i]] = {"logprobs": logprobs_np[row, :n], "elementwise_loss": loss_np[row, :n]}
                     loss_sum += float(loss.detach())
                     token_count += int(mask.sum())
-                outputs.extend(chunk_outputs)
-            if len(outputs) != len(data):  # empty data (no tokens) keep their place with empty outputs
-                filled = iter(outputs)
-                empty = {"logprobs": np.zeros(0, np.float32), "elementwise_loss": np.zeros(0, np.float32)}
-                outputs = [dict(empty) if not d.tokens else next(filled) for d in data]
+            # empty data (no tokens) keep their place with empty outputs
+            empty = {"logprobs": np.zeros(0, np.float32), "elementwise_loss": np.zeros(0, np.float32)}
+            outputs = [by_index.get(i) or dict(empty) for i in range(len(data))]
             if backward:
                 run.pending_tokens += token_count
             return outputs, {"loss_sum": loss_sum, "token_count": token_count}

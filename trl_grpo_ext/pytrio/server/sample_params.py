@@ -136,4 +136,9 @@ def check_spec(spec: SampleSpec, limits: SampleLimits) -> SampleSpec:
     params = {"max_tokens": spec.max_tokens, "temperature": spec.temperature, "top_k": spec.top_k,
               "top_p": spec.top_p, "seed": spec.seed, "stop": list(spec.stop),
               "stop_token_ids": list(spec.stop_token_ids)}  # fmt: skip
-    return sample_spec(list(spec.prompt), spec.num_samples, params, limits, spec.return_text)
+    checked = sample_spec(list(spec.prompt), spec.num_samples, params, limits, spec.return_text)
+    if spec.vision is not None:  # the images stay with their placeholders
+        if list(spec.vision.tokens) != checked.prompt:
+            raise _invalid("the prompt must be the token sequence of its images' input (vision.tokens)")
+        checked.vision = spec.vision
+    return checked

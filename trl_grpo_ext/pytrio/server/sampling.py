@@ -83,7 +83,7 @@ class SamplingBatcher:
                 if job.future.cancelled():  # withdrawn, nothing to decode
                     self._pending.remove(job)
                     continue
-                if batch.can_join(job.snapshot) and rows + job.spec.num_samples <= self.max_rows:
+                if batch.can_join(job.snapshot, job.spec) and rows + job.spec.num_samples <= self.max_rows:
                     if not self.memory.try_acquire(job.cost):  # waits in the queue until running work releases
                         break  # in order: a later, smaller request does not overtake it
                     self._pending.remove(job)

@@ -21,10 +21,11 @@ from trl_grpo_ext.pytrio.server.adapters import LoraSettings
 from trl_grpo_ext.pytrio.server.errors import ApiError, EngineError, EventFailure
 from trl_grpo_ext.pytrio.server.events import EventRecord
 from trl_grpo_ext.pytrio.server.forward import ForwardDatum
+from trl_grpo_ext.pytrio.server.images import mask_image_targets
 from trl_grpo_ext.pytrio.server.loss_fns import LossConfigError, parse_loss
 from trl_grpo_ext.pytrio.server.normalization import TotalsError, counted_tokens, loss_scale, parse_totals
 from trl_grpo_ext.pytrio.server.registry import KIND_FOLDERS, CheckpointRecord, checkpoint_uri, new_id, safe_name
-from trl_grpo_ext.pytrio.server.wire import prompt_tokens, validation_message, wire_tensor
+from trl_grpo_ext.pytrio.server.wire import prompt_input, validation_message, wire_tensor
 
 logger = logging.getLogger(__name__)
 
@@ -94,7 +95,7 @@ class TrainingHandlers:
             raise EventFailure("invalid_loss_config", str(error)) from None
         data = []
         for i, d in enumerate(payload.data):
-            tokens = prompt_tokens(d.model_input, event=True)
+            tokens, vision = prompt_input(d.model_input, self.engine, event=True)
             n = len(tokens)
             fields = {"target_ids": d.target_ids}
             if spec.name == "cross_entropy":
@@ -106,9 +107,10 @@ class TrainingHandlers:
             for name, values in fields.items():
                 if len(values) != n:
                     raise EventFailure("invalid_payload", f"data[{i}].{name} has {len(values)} values for {n} tokens")
+            targets = mask_image_targets(d.target_ids, vision, payload.auto_shift)  # image placeholders: no loss
             data.append(
                 ForwardDatum(
-                    tokens, d.target_ids, fields.get("weights"), fields.get("logprobs"), fields.get("advantages")
+                    tokens, targets, fields.get("weights"), fields.get("logprobs"), fields.get("advantages"), vision
                 )
             )
         backward = record.type == "trainer.forward_backward"
@@ -121,7 +123,9 @@ class TrainingHandlers:
             raise EventFailure("invalid_gradient_accumulation", str(error)) from None
         self.engine.check_lengths([len(d.tokens) for d in data])
         budget = self.memory.budget  # chunks are cut to fit it: only an item alone above it is refused
-        cost = self.engine.forward_bytes([len(d.tokens) for d in data], backward, budget)
+        # an item with images: its vision tower's positions counted as tokens (an estimate of their memory)
+        sizes = [len(d.tokens) + (d.vision.patches if d.vision is not None else 0) for d in data]
+        cost = self.engine.forward_bytes(sizes, backward, budget)
         self.memory.refuse_beyond(cost, f"this {record.type.split('.')[1]}")
         with self.memory.reserve(cost):  # waits while running work holds the budget
             outputs, metrics = self.engine.forward(

@@ -6,7 +6,8 @@ import math
 
 import numpy as np
 
-from trl_grpo_ext.pytrio.server.errors import ApiError, EventFailure
+from trl_grpo_ext.pytrio.server.errors import ApiError, EngineError, EventFailure
+from trl_grpo_ext.pytrio.server.images import VisionInput
 
 WORKSPACE = "ws_local"
 USER = "user_local"
@@ -38,16 +39,19 @@ def validate(model, data: object, code: str, status: int = 400):
         raise ApiError(status, code, validation_message(error)) from None
 
 
-def prompt_tokens(model_input, event: bool = False) -> list[int]:
-    tokens: list[int] = []
-    for chunk in model_input.chunks:
-        if getattr(chunk, "type", "") != "encoded_text":
-            message = "image chunks are not supported by the local server (text models only)"
-            if event:
-                raise EventFailure("unsupported_input", message)
-            raise ApiError(400, "unsupported_input", message)
-        tokens.extend(chunk.tokens)
-    return tokens
+def prompt_input(model_input, engine, event: bool = False) -> tuple[list[int], VisionInput | None]:
+    """The token ids of a pytrio ``ModelInput`` and, when it holds image chunks, its `VisionInput` (its tokens then
+    hold each image's placeholders): a 400 (`event`: a failed event) for an image the served model cannot take."""
+    chunks = model_input.chunks
+    if all(getattr(chunk, "type", "") == "encoded_text" for chunk in chunks):
+        return [t for chunk in chunks for t in chunk.tokens], None
+    try:
+        vision = engine.vision_input(chunks)
+    except EngineError as error:
+        if event:
+            raise EventFailure(error.code, error.message) from None
+        raise ApiError(400, error.code, error.message) from None
+    return vision.tokens, vision
 
 
 def page(items: list, query: dict, key: str) -> dict:
@@ -97,9 +101,16 @@ def require_finite(value: object, code: str) -> None:
 
 
 def item_lengths(payload: object) -> list[int] | None:
-    """Token count of each datum of a raw ``trainer.forward(_backward)`` payload; None when it is not shaped like one
-    (its validation then says what is wrong)."""
+    """Token count of each datum of a raw ``trainer.forward(_backward)`` payload (an image chunk counts its
+    ``expected_tokens``, checked against the image later); None when it is not shaped like one (its validation then
+    says what is wrong)."""
     try:
-        return [sum(len(chunk["tokens"]) for chunk in datum["model_input"]["chunks"]) for datum in payload["data"]]
-    except (TypeError, KeyError):
+        return [sum(_chunk_length(chunk) for chunk in datum["model_input"]["chunks"]) for datum in payload["data"]]
+    except (TypeError, KeyError, ValueError):
         return None
+
+
+def _chunk_length(chunk: dict) -> int:
+    if chunk.get("type") == "image":
+        return int(chunk.get("expected_tokens") or 0)
+    return len(chunk["tokens"])
