@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Run agentic-rl-lab chapter scripts, unmodified, against the local PyTRIO server, offline.
 #
-#   examples/agentic_rl_lab/drive.sh search-r1     # 03-search-r1/train.py, 2 steps
+#   examples/agentic_rl_lab/drive.sh search-r1     # 03-search-r1/train.py, $STEPS steps
 #   examples/agentic_rl_lab/drive.sh opd           # 02-opd/general-opd/01-demo-sync.py, 2 steps
 #
 # Variables (defaults in brackets):
@@ -9,6 +9,7 @@
 #   PY         python that runs trl-grpo-ext (the server, make_data.py) [python]
 #   CHAPTER_PY python with the chapters' imports (pytrio, swanlab, deepseek-search, python-dotenv) [$PY]
 #   WORK       scratch folder: data, certificates, warm-up model, server storage, logs [/tmp/arl]
+#   STEPS      search-r1: training steps [3]
 #   PORT, SEARCH_PORT  the server's and the search stand-in's ports [8790, 8791]
 #   TEACHER    opd: the model served as Qwen/Qwen3.6-27B, the teacher [$WORK/warm-smollm2]; TEACHER=embedded
 #              serves the student's own base model, whose reverse KL is then 0 (a control)
@@ -67,11 +68,11 @@ case "$what" in
     cd "$CHAPTERS/03-search-r1"
     https_proxy="http://127.0.0.1:$SEARCH_PORT" SSL_CERT_FILE="$WORK/certs/ca.pem" \
       no_proxy=127.0.0.1,localhost NO_PROXY=127.0.0.1,localhost \
-      "$CHAPTER_PY" train.py --max-steps 2 --questions-per-batch 2 --group-size 2 --save-every 0 \
+      "$CHAPTER_PY" train.py --max-steps "${STEPS:-3}" --questions-per-batch 2 --group-size 4 --save-every 0 \
       --base-model Qwen/Qwen3.5-4B --lora-rank 8 --search-backend wikipedia --search-concurrency 2 \
       --data "$WORK/data/search_r1/train.jsonl" --max-assistant-turns 3 --max-search-calls 2 \
       --max-assistant-tokens 40 --max-tool-response-tokens 160 --max-trajectory-tokens 1024 \
-      --learning-rate 1e-4 --run-name search-r1-local --swanlab-mode disabled
+      --temperature 1.5 --learning-rate 1e-4 --run-name search-r1-local --swanlab-mode disabled
     echo "searches that reached the stand-in: $(wc -l < "$WORK/searches.jsonl") (log: $WORK/searches.jsonl)"
     ;;
   opd)
