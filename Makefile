@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 ARGS ?=
 # pyproject.toml accepts any torch >= 2.6 (a GPU user's own build stays); this machine's CPU build is pinned here.
 CONSTRAINTS ?= constraints/cpu.txt
-LINT_PATHS := trl_grpo_ext recipes tests bench .ci/vllm_extra.py
+LINT_PATHS := trl_grpo_ext recipes tests bench examples .ci/vllm_extra.py
 CELLS := vllm floor
 
 .PHONY: install install-vllmcpu test-vllmcpu train test test-precision test-cells check-vllm-extra check-stage-wheels lint bench
