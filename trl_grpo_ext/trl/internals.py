@@ -386,7 +386,22 @@ def completion_logps(trainer, model, output: dict, mode: str) -> torch.Tensor:
 # curriculum's sampler, the shared-prefix log-prob forward's chunks).
 _OUR_GRPO = "trl_grpo_ext.grpo"
 MIRRORED_ELSEWHERE = (
-    Mirror("trl.trainer.utils.nanstd", f"{_OUR_GRPO}.losses._nanstd", {"1.16.0": "5e4d28a84a305003"}),
+    Mirror("trl.trainer.utils.nanstd", f"{_OUR_GRPO}.losses.nanstd", {"1.16.0": "5e4d28a84a305003"}),
+    Mirror(
+        "trl.trainer.utils.get_callable_name",
+        f"{_OUR_GRPO}.reward_aggregation.reward_func_name",
+        {"1.16.0": "ce2d9044d283ec91"},
+    ),
+    Mirror(
+        "trl.trainer.utils.is_async_callable",
+        f"{_OUR_GRPO}.reward_aggregation.is_async_callable",
+        {"1.16.0": "4105f7551123308e"},
+    ),
+    Mirror(
+        "trl.trainer.utils.start_event_loop_in_daemon",
+        f"{_OUR_GRPO}.reward_aggregation.start_event_loop_in_daemon",
+        {"1.16.0": "5acf290758dd8f7f"},
+    ),
     Mirror(
         f"{TRL_GRPO}._generate_and_score_completions",
         f"{_OUR_GRPO}.losses.group_advantages",
