@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 
 import trl
 
+from trl_grpo_ext.compat import resolve_checkpointing_fields
 from trl_grpo_ext.cpu_threads import runs_on_cpu
 from trl_grpo_ext.errors import raise_problems
 from trl_grpo_ext.grpo.loss_table import (
@@ -120,6 +121,7 @@ class GRPOConfig(GRPOSpec, trl.GRPOConfig):
         # `auto` becomes TRL's bool (or None: TRL's default) here; `precision` keeps the choice and its reason
         self.precision: Precision = self._resolve_precision()
         self.bf16 = self.precision.bf16
+        resolve_checkpointing_fields(self)  # TRL's default `gradient_checkpointing`, under transformers' newer name
         super().__post_init__()
         raise_problems("GRPOConfig", self._generation_batch_problems())
 
