@@ -20,14 +20,6 @@ CHAT_TEMPLATE = (
 )
 
 
-def trl_default_checkpointing() -> dict:
-    """Keyword arguments giving a `trl.GRPOConfig` built directly TRL's default checkpointing (on) under transformers'
-    newer name where it has one (`activation_checkpointing`, 5.24+), as our GRPOConfig does: no FutureWarning."""
-    from transformers import TrainingArguments
-
-    return {"activation_checkpointing": True} if hasattr(TrainingArguments, "activation_checkpointing") else {}
-
-
 def build_tiny_model(path, vocab_size=512, seed=0, hidden_size=32, num_attention_heads=4, num_key_value_heads=2):
     """Write a tiny Llama-style causal LM and a BPE tokenizer trained on digits and math words to `path` (the vLLM
     tests use ``hidden_size=128, num_attention_heads=2``: a head size of 64, one vLLM's CPU attention supports)."""

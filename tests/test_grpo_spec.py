@@ -5,7 +5,6 @@ import warnings
 
 import pytest
 import trl
-from conftest import trl_default_checkpointing
 
 from trl_grpo_ext.errors import ConfigError
 from trl_grpo_ext.grpo.loss_table import (
@@ -165,14 +164,7 @@ def test_ratio_bounds_are_translated_in_one_place():
             assert ratio_bounds(make(**kwargs)) == pytest.approx(bounds), kwargs
     assert ratio_bounds(trl_config(loss_type="trl_cispo", epsilon_high=4.0)) == (None, 4.0)
     assert ratio_bounds(trl_config(loss_type="dapo", epsilon_high=0.28)) == pytest.approx((0.8, 1.28))
-    plain = trl.GRPOConfig(
-        output_dir="unused",
-        report_to="none",
-        use_cpu=True,
-        loss_type="cispo",
-        epsilon_high=5.0,
-        **trl_default_checkpointing(),
-    )
+    plain = trl.GRPOConfig(output_dir="unused", report_to="none", use_cpu=True, loss_type="cispo", epsilon_high=5.0)
     assert ratio_bounds(plain, "trl_cispo") == (None, 5.0)  # TRL's own cispo, as the trainer reads a plain config
 
 

@@ -6,7 +6,6 @@ import math
 import pytest
 import torch
 import trl
-from conftest import trl_default_checkpointing
 from datasets import Dataset
 
 from trl_grpo_ext.grpo.reward_aggregation import (
@@ -113,7 +112,6 @@ def test_metrics_equal_what_trl_logs(tiny_model_path, tmp_path, scale):
         seed=0,
         reward_weights=[1.0, 0.5],
         scale_rewards=scale,
-        **trl_default_checkpointing(),
     )
     funcs = [correct_or_none, half_unscored]
     trainer = trl.GRPOTrainer(tiny_model_path, funcs, args=args, train_dataset=Dataset.from_dict({"prompt": prompts}))

@@ -122,6 +122,9 @@ DEPENDENCY_WARNINGS = (
     (FutureWarning, r"`is_gradient_checkpointing` is deprecated"),
     # ... and, with checkpointing on (TRL's default), turns it off around generation with the deprecated methods.
     (FutureWarning, r"`gradient_checkpointing_(enable|disable)` is deprecated"),
+    # TRL 1.16's own configs (trl.GRPOConfig, RewardConfig) default `gradient_checkpointing` (True), the name
+    # transformers 5.24 deprecated; our GRPOConfig passes it under the newer name (`resolve_checkpointing_fields`).
+    (FutureWarning, r"`gradient_checkpointing` is deprecated"),
 )
 
 
