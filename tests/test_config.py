@@ -5,7 +5,6 @@ import dataclasses
 import pytest
 import torch
 import trl
-from conftest import trl_default_checkpointing
 
 from trl_grpo_ext.grpo.loss_table import DEFAULT_CLIP, ratio_bounds
 from trl_grpo_ext.grpo.losses import degenerate_group_mask
@@ -32,9 +31,7 @@ def make(**kwargs):
 
 def test_a_config_that_sets_none_of_our_options_trains_as_trl_does():
     config = make()
-    plain = trl.GRPOConfig(
-        output_dir="unused", report_to="none", use_cpu=True, bf16=False, **trl_default_checkpointing()
-    )
+    plain = trl.GRPOConfig(output_dir="unused", report_to="none", use_cpu=True, bf16=False)
     assert isinstance(config, trl.GRPOConfig)
     for f in dataclasses.fields(trl.GRPOConfig):  # every TRL field keeps TRL's default (the loss type among them)
         assert getattr(config, f.name) == getattr(plain, f.name), f.name
@@ -159,3 +156,15 @@ def test_generation_numbers_are_checked_at_config_time(kwargs, message):
 def test_generation_numbers_edge_values_are_accepted():
     config = make(beta=0.0, temperature=1e-3, max_completion_length=1, learning_rate=0.0)
     assert (config.beta, config.temperature, config.max_completion_length) == (0.0, 1e-3, 1)
+
+
+def test_extension_options_come_from_our_config_or_take_its_defaults():
+    from trl_grpo_ext.trl.config import ExtensionOptions
+
+    plain = trl.GRPOConfig(output_dir="unused", report_to="none", use_cpu=True, bf16=False)
+    defaults = ExtensionOptions.of(plain)
+    for f in dataclasses.fields(ExtensionOptions):
+        assert not hasattr(plain, f.name), f.name  # TRL's config has none of them
+        assert getattr(defaults, f.name) == getattr(make(), f.name), f.name  # ours by default
+    ours = ExtensionOptions.of(make(degenerate_tol=0.5, share_prompt_prefix=False, max_packed_tokens=64))
+    assert (ours.degenerate_tol, ours.share_prompt_prefix, ours.max_packed_tokens) == (0.5, False, 64)

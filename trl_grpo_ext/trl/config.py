@@ -7,7 +7,7 @@ each YAML key) before TRL's own setup, so a bad recipe fails when it is parsed, 
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 import trl
 
@@ -158,3 +158,25 @@ class GRPOConfig(GRPOSpec, trl.GRPOConfig):
                 f"steps_per_generation ({local}) must be a multiple of num_generations ({self.num_generations})"
             ]
         return []
+
+
+@dataclass(frozen=True)
+class ExtensionOptions:
+    """The options of this package's GRPOConfig that the TRL path's trainer and its mixins read, declared once:
+    `of(args)` takes each from `args`, or GRPOConfig's default where `args` lacks it (a plain `trl.GRPOConfig` has
+    none of them, and then trains as TRL would)."""
+
+    degenerate_tol: float
+    zero_degenerate_advantages: bool
+    degenerate_reward: str | None
+    dynamic_sampling: bool
+    max_generation_batches: int
+    curriculum: bool
+    share_prompt_prefix: bool
+    share_prompt_prefix_across_microbatches: bool
+    max_packed_tokens: int | None
+
+    @classmethod
+    def of(cls, args) -> ExtensionOptions:
+        ours = GRPOConfig.__dataclass_fields__
+        return cls(**{f.name: getattr(args, f.name, ours[f.name].default) for f in fields(cls)})
