@@ -125,6 +125,8 @@ DEPENDENCY_WARNINGS = (
     # TRL 1.16's own configs (trl.GRPOConfig, RewardConfig) default `gradient_checkpointing` (True), the name
     # transformers 5.24 deprecated; our GRPOConfig passes it under the newer name (`resolve_checkpointing_fields`).
     (FutureWarning, r"`gradient_checkpointing` is deprecated"),
+    # torch 2.13's own torch.utils.mkldnn, which its inductor imports the first time activation checkpointing runs.
+    (DeprecationWarning, r"`torch.jit.script_method` is deprecated"),
 )
 
 
