@@ -1,5 +1,5 @@
-"""`trl_grpo_ext.report`: the statistics on scipy give today's numbers, the text and tables read as before, and the
-lower layers (runs, report) import nothing above them."""
+"""`trl_grpo_ext.report`: the statistics agree with closed forms and by-hand computations, the text and tables read
+as specified, and the lower layers (runs, report) import nothing above them."""
 
 import ast
 import math
