@@ -6,7 +6,8 @@
 
 Completions are built from `../shared/data/gsm8k/train.jsonl` when present (synthetic questions
 otherwise): the reference reasoning followed by a final answer in one of many formats, correct or
-not, so each completion carries a known label. Run: `python bench/rewards.py [--n 3000]`.
+not, so each completion carries a known label. Run: `python bench/rewards.py [--n 3000]`; with `--adversarial`,
+each reward's time on the test suite's adversarial completions (huge, deeply nested, symbolic) instead.
 """
 
 from __future__ import annotations
@@ -152,12 +153,44 @@ def table_accuracy(scorers):
         print(f"  {name:<22} accuracy {accuracy(scores, expected):6.1%}  wrong on {len(wrong)}")
 
 
+def adversarial_times(limit_ms: float = 50.0) -> None:
+    """Each built-in reward's time (fastest of 3, after a warm-up) on the adversarial completions of
+    tests/test_rewards.py and tests/test_grading_determinism.py, the cases over `limit_ms` flagged: a missing
+    bound costs seconds on every run, a busy machine only delays some."""
+    sys.path.insert(0, str(ROOT / "tests"))
+    from test_grading_determinism import ADVERSARIAL as ANSWERS
+    from test_rewards import ADVERSARIAL, BUILTIN_REWARDS
+
+    cases = {**ADVERSARIAL, **{f"boxed {name}": "\\boxed{" + text + "}" for name, text in ANSWERS.items()}}
+    answers.warm_up_verifier()
+    slow = 0
+    print(f"{'case':<40} {'reward':<22} {'ms':>8}")
+    for case, text in cases.items():
+        for name, func in BUILTIN_REWARDS.items():
+            func([text], answer=["#### 18"])
+            best = float("inf")
+            for _ in range(3):
+                start = time.perf_counter()
+                func([text], answer=["#### 18"])
+                best = min(best, time.perf_counter() - start)
+            flag = "  SLOW" if best * 1000 > limit_ms else ""
+            slow += bool(flag)
+            print(f"{case[:40]:<40} {name:<22} {best * 1000:>8.1f}{flag}")
+    print(f"\n{slow} of {len(cases) * len(BUILTIN_REWARDS)} over {limit_ms:.0f} ms")
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--n", type=int, default=3000, help="number of completions")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--adversarial", action="store_true", help="time each reward on the adversarial completions instead"
+    )
     args = parser.parse_args()
     logging.getLogger("math_verify").setLevel(logging.ERROR)
+    if args.adversarial:
+        adversarial_times()
+        return
 
     completions, truths, labels, kinds, source = build(args.n, args.seed)
     start = time.perf_counter()

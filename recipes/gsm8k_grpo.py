@@ -7,9 +7,11 @@ accelerate launch --config_file accelerate_configs/ddp.yaml recipes/gsm8k_grpo.p
 import sys
 from pathlib import Path
 
+from trl_grpo_ext.compat import ignore_dependency_warnings  # noqa: E402
 from trl_grpo_ext.cpu_threads import apply_cpu_thread_defaults, configure_cpu_threads  # noqa: E402
 
 apply_cpu_thread_defaults()  # before torch loads: OpenMP reads its settings then
+ignore_dependency_warnings()  # the named ones our dependencies print and we cannot avoid
 
 from trl import get_peft_config  # noqa: E402
 

@@ -31,6 +31,7 @@ class ScriptedServer:
         self.plan = plan
         self.bodies: list[dict] = []
         self.auth: list[str] = []
+        self.retry_counts: list[str | None] = []  # each request's x-stainless-retry-count (the openai client's)
         self.in_flight = 0
         self.max_in_flight = 0
         self._lock = threading.Lock()
@@ -58,6 +59,7 @@ class ScriptedServer:
                     index = len(server.bodies)
                     server.bodies.append(body)
                     server.auth.append(self.headers.get("Authorization", ""))
+                    server.retry_counts.append(self.headers.get("x-stainless-retry-count"))
                     server.in_flight += 1
                     server.max_in_flight = max(server.max_in_flight, server.in_flight)
                 try:

@@ -61,6 +61,24 @@ def test_the_pytrio_loop_prints_it_before_anything_loads(tmp_path, capsys, monke
     assert "loss_type" not in capsys.readouterr().out
 
 
-def test_the_readme_loss_table_says_which_cispo():
-    rows = [line for line in (ROOT / "README.md").read_text().splitlines() if line.startswith("| `cispo`")]
-    assert len(rows) == 1 and "two-sided" in rows[0] and "`trl_cispo`" in rows[0] and "one-sided" in rows[0]
+def test_the_two_cispos_clip_as_their_names_say():
+    """Ours clips the ratio on both sides ([cispo_clip_low, cispo_clip_high]); TRL's (`trl_cispo`) only above."""
+    import torch
+
+    from trl_grpo_ext.grpo.loss_table import ratio_bounds
+    from trl_grpo_ext.grpo.losses import policy_loss
+    from trl_grpo_ext.trl.config import GRPOConfig
+
+    ours = PyTrioGRPOConfig(loss_type="cispo", cispo_clip_low=0.5, cispo_clip_high=2.0)
+    low, high = ratio_bounds(ours)
+    assert (low, high) == (0.5, 2.0)
+    # the loss's weight on log p is the clipped ratio, on each side: 0.25 -> 0.5, 4 -> 2
+    old = torch.zeros(1, 2)
+    logp = torch.tensor([[0.25, 4.0]]).log()
+    loss, metrics = policy_loss("cispo", logp, old, torch.ones(1), clip_low=low, clip_high=high)
+    torch.testing.assert_close(loss, -torch.tensor([[0.5, 2.0]]) * logp)
+    assert metrics["clip_low_frac"].item() == 0.5 and metrics["clip_high_frac"].item() == 0.5
+    theirs = GRPOConfig(
+        output_dir="unused", report_to="none", use_cpu=True, bf16=False, loss_type="trl_cispo", epsilon_high=4.0
+    )
+    assert ratio_bounds(theirs) == (None, 4.0)  # one-sided: no lower bound

@@ -3,8 +3,11 @@
 import dataclasses
 
 import pytest
+import torch
 import trl
 
+from trl_grpo_ext.grpo.loss_table import DEFAULT_CLIP, ratio_bounds
+from trl_grpo_ext.grpo.losses import degenerate_group_mask
 from trl_grpo_ext.trl.config import EXTRA_LOSS_TYPES, VALID_LOSS_TYPES, GRPOConfig, trl_loss_type
 
 NEW_FIELDS = (
@@ -26,17 +29,30 @@ def make(**kwargs):
     return GRPOConfig(output_dir="unused", report_to="none", use_cpu=True, bf16=False, **kwargs)
 
 
-def test_defaults_and_help():
+def test_a_config_that_sets_none_of_our_options_trains_as_trl_does():
     config = make()
+    plain = trl.GRPOConfig(output_dir="unused", report_to="none", use_cpu=True, bf16=False)
     assert isinstance(config, trl.GRPOConfig)
-    assert config.loss_type == "dapo"
-    assert (config.cispo_clip_low, config.cispo_clip_high) == (0.0, 4.0)
-    assert config.degenerate_tol == 1e-6 and config.zero_degenerate_advantages is True
-    assert config.degenerate_reward is None
+    for f in dataclasses.fields(trl.GRPOConfig):  # every TRL field keeps TRL's default (the loss type among them)
+        assert getattr(config, f.name) == getattr(plain, f.name), f.name
+    # CISPO's default bounds are the ones the loss applies when given none
+    assert ratio_bounds(make(loss_type="cispo")) == DEFAULT_CLIP["cispo"]
+    # the default degenerate rule: a group flat within float noise is degenerate (zero advantage), one that differs
+    # by a reward of 0.001 is not; no named reward decides it
+    rewards = torch.tensor([1.0, 1.0 + 1e-7, 1.0, 1.001])
+    mask = degenerate_group_mask(rewards, 2, config.degenerate_tol)
+    assert mask.tolist() == [True, False] and config.zero_degenerate_advantages and config.degenerate_reward is None
+
+
+def test_help_shows_every_option_of_ours():
+    from transformers import HfArgumentParser
+
+    shown = "".join(HfArgumentParser(GRPOConfig).format_help().split())  # argparse re-wraps: compare without spaces
     fields = {f.name: f for f in dataclasses.fields(GRPOConfig)}
     for name in NEW_FIELDS + ("loss_type",):
-        assert len(fields[name].metadata.get("help", "")) > 20, name
-    assert "trl_cispo" in fields["loss_type"].metadata["help"]
+        text = "".join(fields[name].metadata["help"].split()).replace("%%", "%")
+        assert f"--{name}" in shown and len(text) > 20 and text[:60] in shown, name
+    assert "trl_cispo" in " ".join(fields["loss_type"].metadata["help"].split())
 
 
 def test_trl_field_order_first_so_positional_arguments_land_where_trl_puts_them():
@@ -140,3 +156,15 @@ def test_generation_numbers_are_checked_at_config_time(kwargs, message):
 def test_generation_numbers_edge_values_are_accepted():
     config = make(beta=0.0, temperature=1e-3, max_completion_length=1, learning_rate=0.0)
     assert (config.beta, config.temperature, config.max_completion_length) == (0.0, 1e-3, 1)
+
+
+def test_extension_options_come_from_our_config_or_take_its_defaults():
+    from trl_grpo_ext.trl.config import ExtensionOptions
+
+    plain = trl.GRPOConfig(output_dir="unused", report_to="none", use_cpu=True, bf16=False)
+    defaults = ExtensionOptions.of(plain)
+    for f in dataclasses.fields(ExtensionOptions):
+        assert not hasattr(plain, f.name), f.name  # TRL's config has none of them
+        assert getattr(defaults, f.name) == getattr(make(), f.name), f.name  # ours by default
+    ours = ExtensionOptions.of(make(degenerate_tol=0.5, share_prompt_prefix=False, max_packed_tokens=64))
+    assert (ours.degenerate_tol, ours.share_prompt_prefix, ours.max_packed_tokens) == (0.5, False, 64)

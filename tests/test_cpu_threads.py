@@ -172,17 +172,23 @@ def test_proc_reader_counts_this_process():
     import time
 
     read = proc_reader()
+    before = time.monotonic()
     busy0, own0, t0 = read()
+    cpu0 = time.process_time()
     # This thread's CPU clock, not process_time: the process's other threads (a server or torch pool an earlier
-    # test left) add to process_time, which can then pass 0.3 s before 0.3 s of wall time has.
+    # test left) add to process_time, which can then pass 0.3 s before this thread has burnt its share.
     end = time.thread_time() + 0.3
     while time.thread_time() < end:  # burn 0.3 s of CPU in this thread
         pass
+    cpu1 = time.process_time()
     busy1, own1, t1 = read()
+    after = time.monotonic()
     ticks = os.sysconf("SC_CLK_TCK")
+    # our own jiffies are the process's CPU time as the kernel counts it (whole jiffies: 2 of rounding, 1 spare)
     assert own1 - own0 >= 0.2 * ticks
+    assert abs((own1 - own0) - (cpu1 - cpu0) * ticks) <= 3
     assert busy1 - busy0 >= 0.5 * (own1 - own0)  # our own time is inside the machine's busy time
-    assert t1 - t0 >= 0.29  # one thread's 0.3 s of CPU takes at least that much wall time (less clock granularity)
+    assert before <= t0 < t1 <= after  # the reading's clock is the monotonic one
 
 
 def test_no_proc_or_one_thread_installs_nothing(monkeypatch):

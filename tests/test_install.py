@@ -275,9 +275,21 @@ def _vllm_extra():
     return module
 
 
-def test_vllm_extra_check_reads_the_readme_torches():
-    torches = _vllm_extra().readme_torches(ROOT / "README.md")
-    assert "2.13.0" in torches and "2.11.0+cu130" in torches, torches
+def test_vllm_extra_check_reads_the_torches_of_the_gpu_section(tmp_path):
+    extra = _vllm_extra()
+    readme = tmp_path / "README.md"
+    readme.write_text(
+        "# x\n\nCPU: torch 2.9.0 (not this section)\n\n"
+        f"{extra.GPU_SECTION}\n\nTested with torch 2.13.0; on CUDA 13 keep `torch==2.11.0+cu130`, or torch 2.13.0.\n"
+        "\n## Next section\n\ntorch 2.1.0\n"
+    )
+    assert extra.readme_torches(readme) == ["2.13.0", "2.11.0+cu130"]  # that section's, in order, once each
+    readme.write_text(f"{extra.GPU_SECTION}\n\nno versions here\n")
+    with pytest.raises(SystemExit, match="names no torch version"):
+        extra.readme_torches(readme)
+    readme.write_text("# no GPU section\n")
+    with pytest.raises(SystemExit, match="has no"):
+        extra.readme_torches(readme)
 
 
 def test_vllm_extra_check_flags_a_version_outside_the_cells():

@@ -35,13 +35,54 @@ def _grad(loss_type, logp, old, adv, mask, **kw):
     return loss, metrics, grad
 
 
-def test_public_registry():
+# Ratios 0.5, 1, 1.5 and 5 (0.5 and 5 outside PPO's [0.8, 1.2], 5 outside CISPO's [0, 4]), advantages +2 and -1.
+RATIOS = [0.5, 1.0, 1.5, 5.0]
+OLD = -1.0  # every token's old log-prob
+ADVANTAGES = [2.0, -1.0]
+
+
+def _by_hand(per_token):
+    """(2, 4) per-token losses computed with plain floats: per_token(ratio, logp, advantage, log_ratio)."""
+    return torch.tensor(
+        [[per_token(r, OLD + math.log(r), a, math.log(r)) for r in RATIOS] for a in ADVANTAGES], dtype=torch.float64
+    )
+
+
+@pytest.mark.parametrize(
+    "name, per_token",
+    [
+        ("importance_sampling", lambda r, logp, a, lr: -r * a),
+        # PPO: the pessimistic (smaller) of the plain and clipped objectives, ratio clipped to [0.8, 1.2]
+        ("ppo", lambda r, logp, a, lr: -min(r * a, min(max(r, 0.8), 1.2) * a)),
+        # CISPO: the clipped ratio [0, 4] as a constant weight on the log-prob
+        ("cispo", lambda r, logp, a, lr: -min(max(r, 0.0), 4.0) * a * logp),
+        ("cross_entropy", lambda r, logp, a, lr: -logp * a),
+        # DRO: log-prob times advantage, less a quadratic penalty 0.5 * 0.05 * log_ratio^2
+        ("dro", lambda r, logp, a, lr: -(logp * a - 0.5 * 0.05 * lr**2)),
+    ],
+)
+def test_each_registered_loss_matches_its_formula_by_hand(name, per_token):
+    old = torch.full((2, 4), OLD, dtype=torch.float64)
+    logp = old + torch.tensor(RATIOS, dtype=torch.float64).log()
+    loss, _ = LOSS_FUNCTIONS[name](logp, old, torch.tensor(ADVANTAGES, dtype=torch.float64), torch.ones(2, 4))
+    torch.testing.assert_close(loss, _by_hand(per_token))
+
+
+def test_the_registry_has_every_local_loss_and_the_default_clips():
     assert set(LOSS_FUNCTIONS) == {"importance_sampling", "ppo", "cispo", "cross_entropy", "dro"}
-    logp, old, adv, mask = _batch()
-    for name, fn in LOSS_FUNCTIONS.items():
-        torch.testing.assert_close(fn(logp, old, adv, mask)[0], policy_loss(name, logp, old, adv, mask)[0])
-    assert DEFAULT_CLIP["ppo"] == (0.8, 1.2)
-    assert DEFAULT_CLIP["cispo"] == (0.0, 4.0)
+    ratio = torch.tensor([[0.5, 0.9, 1.3, 5.0]]).log()
+    zero = torch.zeros(1, 4)
+    # the defaults are the bounds the losses apply when none is given: PPO's metrics count 0.5 low, 1.3 and 5 high
+    _, ppo = LOSS_FUNCTIONS["ppo"](ratio, zero, torch.ones(1), torch.ones(1, 4))
+    assert DEFAULT_CLIP["ppo"] == (0.8, 1.2) and (ppo["clip_low_frac"].item(), ppo["clip_high_frac"].item()) == (
+        0.25,
+        0.5,
+    )
+    _, cispo = LOSS_FUNCTIONS["cispo"](ratio, zero, torch.ones(1), torch.ones(1, 4))
+    assert DEFAULT_CLIP["cispo"] == (0.0, 4.0) and (cispo["clip_low_frac"].item(), cispo["clip_high_frac"].item()) == (
+        0.0,
+        0.25,
+    )
 
 
 def test_importance_sampling_value_and_gradient():

@@ -1,7 +1,6 @@
 """Reward functions: TRL's contract, boxed/format/hybrid rules, registry, threads and the size bounds."""
 
 import asyncio
-import time
 import warnings
 from concurrent.futures import ThreadPoolExecutor
 
@@ -339,27 +338,23 @@ ADVERSARIAL = {
 BUILTIN_REWARDS = dict(REWARD_REGISTRY)
 
 
-def _check_within_50ms(text, truth):
+def _check_scored_without_math_verify(text, truth):
+    """Every built-in reward gives one float, the same on a repeat, without asking math-verify: a huge or deeply
+    nested input is bounded by the scan and size limits (their timings: `python bench/rewards.py --adversarial`)."""
+    calls = VERIFIER.stats["calls"]
     for name, func in BUILTIN_REWARDS.items():
-        func([text], answer=[truth])  # warm-up
-        # Fastest of 3: a missing bound costs seconds on every run, while a busy machine only delays some runs.
-        best = float("inf")
-        for _ in range(3):
-            start = time.perf_counter()
-            scores = func([text], answer=[truth])
-            best = min(best, time.perf_counter() - start)
-        assert len(scores) == 1 and isinstance(scores[0], float)
-        assert best < 0.05, f"{name} took {best * 1000:.1f} ms"
+        scores = func([text], answer=[truth])
+        assert len(scores) == 1 and isinstance(scores[0], float), name
+        assert func([text], answer=[truth]) == scores, name
+    assert VERIFIER.stats["calls"] == calls
 
 
 @pytest.mark.parametrize("case", list(ADVERSARIAL))
-def test_every_completion_scores_within_50ms(case):
+def test_every_adversarial_completion_is_scored_by_the_limits(case):
     warm_up_verifier()
-    _check_within_50ms(ADVERSARIAL[case], "#### 18")
+    _check_scored_without_math_verify(ADVERSARIAL[case], "#### 18")
 
 
-def test_symbolic_answer_past_the_limits_scores_within_50ms_without_math_verify():
+def test_symbolic_answer_past_the_limits_is_refused_without_math_verify():
     # sympy would need seconds to expand this; the exponent limit refuses it before any worker call.
-    calls = VERIFIER.stats["calls"]
-    _check_within_50ms("\\boxed{(x+1)^{99}-(x+2)^{98}}", "x^2+1")
-    assert VERIFIER.stats["calls"] == calls
+    _check_scored_without_math_verify("\\boxed{(x+1)^{99}-(x+2)^{98}}", "x^2+1")

@@ -31,7 +31,6 @@ def judge_for(server, **overrides):
         score_range=[1, 10],
         timeout_s=5,
         retries=2,
-        backoff_s=0.01,
     )
     return make_judge_reward({**settings, **overrides})
 
@@ -112,6 +111,38 @@ def test_500_429_and_dropped_connections_are_retried():
         scores, metrics = score(judge_for(server), ["A 2", "A 3", "A 4"])
     assert scores == [pytest.approx(1 / 9), pytest.approx(2 / 9), pytest.approx(3 / 9)]
     assert metrics["judge/retries"] == 3 and metrics["judge/failures"] == 0 and metrics["judge/requests"] == 6
+
+
+def test_the_client_retries_and_its_attempts_are_counted_per_request():
+    """The openai client retries (its own backoff); `judge/retries` and `judge/requests` count its attempts, as the
+    server saw them, and the hybrid's cost (`last_requests`) is per completion."""
+    attempts = {}
+
+    def plan(index, body):
+        text = body["messages"][-1]["content"].split()[-1]  # the completion
+        attempts[text] = attempts.get(text, 0) + 1
+        if "down" in text or ("flaky" in text and attempts[text] <= 2):
+            return ("status", 503)
+        return ("ok", "5")
+
+    with ScriptedServer(plan) as server:
+        judge = judge_for(server, retries=2)
+        scores, metrics = score(judge, ["flaky", "steady", "down"])
+    assert scores == [pytest.approx(4 / 9), pytest.approx(4 / 9), None]
+    assert attempts == {"flaky": 3, "steady": 1, "down": 3}
+    assert sorted(server.retry_counts) == ["0", "0", "0", "1", "1", "2", "2"]  # the client's own retries
+    assert metrics["judge/requests"] == 7 and metrics["judge/retries"] == 4 and metrics["judge/failures"] == 1
+    assert judge.last_requests == [3, 1, 3]
+    assert judge.failed_steps == 0
+
+
+def test_an_error_the_client_does_not_retry_fails_the_request_at_once():
+    with ScriptedServer(lambda i, body: ("status", 400)) as server:
+        judge = judge_for(server, retries=3)
+        scores, metrics = score(judge, ["x"])
+    assert scores == [None] and server.retry_counts == ["0"]
+    assert metrics["judge/requests"] == 1 and metrics["judge/retries"] == 0 and metrics["judge/failures"] == 1
+    assert judge.failed_steps == 1  # every request of the call failed
 
 
 def test_a_reply_without_a_score_is_cached_and_a_failed_request_is_asked_again():

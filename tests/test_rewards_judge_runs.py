@@ -66,7 +66,6 @@ def judge_options(base_url, **overrides):
         "max_concurrency": 4,
         "timeout_s": 60,
         "retries": 1,
-        "backoff_s": 0.05,
         **overrides,
     }
 
@@ -184,7 +183,7 @@ def test_a_judge_down_for_whole_steps_stops_the_run_with_the_last_checkpoint_int
 ):
     out = tmp_path / "run"
     with ScriptedServer(_fails_after_first) as server:
-        judge = judge_options(server.base_url, model="judge", retries=1, backoff_s=0.0, max_failed_steps=1)
+        judge = judge_options(server.base_url, model="judge", retries=1, max_failed_steps=1)
         extra = ["--max_steps", "3", *NO_VETOES]
         if path == "trl":
             code = _load("gsm8k_grpo").main(trl_argv(tiny_model_path, out, judge, *extra))

@@ -6,6 +6,7 @@ a patched build gets the right call too.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 
@@ -74,3 +75,64 @@ def merge_and_unload(peft_model):
     if hasattr(model, "peft_config"):
         del model.peft_config
     return model
+
+
+# transformers 5.24 renamed `gradient_checkpointing(_kwargs)` to `activation_checkpointing(_kwargs)` (TrainingArguments
+# fields, model methods and property); the old names still work and warn (FutureWarning, removal in v6).
+_CHECKPOINTING_FIELDS = (
+    ("gradient_checkpointing", "activation_checkpointing"),
+    ("gradient_checkpointing_kwargs", "activation_checkpointing_kwargs"),
+)
+
+
+def resolve_checkpointing_fields(args) -> None:
+    """Give `args` (a TrainingArguments, before its ``__post_init__``) the value of `gradient_checkpointing` (and
+    its kwargs) under the newer name where this transformers has it and it is unset, as transformers' own
+    ``__post_init__`` does, without its FutureWarning: TRL 1.16's configs set the older name by default (``True``),
+    so every run would print it."""
+    for old, new in _CHECKPOINTING_FIELDS:
+        if hasattr(args, new) and getattr(args, new) is None and getattr(args, old) is not None:
+            setattr(args, new, getattr(args, old))
+
+
+@contextlib.contextmanager
+def checkpointing_disabled(model, checkpointing_kwargs: dict | None = None):
+    """Activation (gradient) checkpointing off inside the block and restored after it, under whichever names this
+    transformers gives the property and methods (as `trl.models.utils.disable_gradient_checkpointing` does with the
+    older, deprecated names)."""
+    new = hasattr(type(model), "is_activation_checkpointing")
+    was_enabled = model.is_activation_checkpointing if new else model.is_gradient_checkpointing
+    if was_enabled:
+        (model.activation_checkpointing_disable if new else model.gradient_checkpointing_disable)()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            (model.activation_checkpointing_enable if new else model.gradient_checkpointing_enable)(
+                checkpointing_kwargs
+            )
+
+
+# Warnings from our dependencies that the package cannot avoid at its side, each with the reason. The recipes and
+# the console script ignore them (`ignore_dependency_warnings`); pyproject.toml's pytest `filterwarnings` names the
+# same ones (tests/test_warnings.py checks that the two lists agree). Anything else still shows.
+DEPENDENCY_WARNINGS = (
+    # TRL 1.16's `unwrap_model_for_generation` (its transformers-generate path, which the TRL path's generation
+    # runs through) reads the model's `is_gradient_checkpointing`, deprecated in transformers 5.24.
+    (FutureWarning, r"`is_gradient_checkpointing` is deprecated"),
+    # ... and, with checkpointing on (TRL's default), turns it off around generation with the deprecated methods.
+    (FutureWarning, r"`gradient_checkpointing_(enable|disable)` is deprecated"),
+    # TRL 1.16's own configs (trl.GRPOConfig, RewardConfig) default `gradient_checkpointing` (True), the name
+    # transformers 5.24 deprecated; our GRPOConfig passes it under the newer name (`resolve_checkpointing_fields`).
+    (FutureWarning, r"`gradient_checkpointing` is deprecated"),
+    # torch 2.13's own torch.utils.mkldnn, which its inductor imports the first time activation checkpointing runs.
+    (DeprecationWarning, r"`torch.jit.script_method` is deprecated"),
+)
+
+
+def ignore_dependency_warnings() -> None:
+    """Ignore the `DEPENDENCY_WARNINGS` (for a program's entry point: library code leaves warning filters alone)."""
+    import warnings
+
+    for category, message in DEPENDENCY_WARNINGS:
+        warnings.filterwarnings("ignore", message=message, category=category)

@@ -9,6 +9,7 @@ import os
 import sys
 from importlib import import_module
 
+from trl_grpo_ext.compat import ignore_dependency_warnings
 from trl_grpo_ext.cpu_threads import apply_cpu_thread_defaults, threads_mode
 
 SUBCOMMANDS = {
@@ -21,6 +22,7 @@ SUBCOMMANDS = {
 
 def main(argv=None) -> int:
     apply_cpu_thread_defaults()  # before a subcommand imports torch: OpenMP reads its settings then
+    ignore_dependency_warnings()  # the named ones our dependencies print and we cannot avoid
     argv = sys.argv[1:] if argv is None else argv
     parser = argparse.ArgumentParser(prog="trl-grpo-ext", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")

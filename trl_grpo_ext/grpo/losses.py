@@ -213,9 +213,9 @@ def token_level_mean(
     return total / torch.as_tensor(normalizer, dtype=total.dtype, device=total.device).clamp(min=1.0)
 
 
-def _nanstd(x: torch.Tensor, dim: int | None = None) -> torch.Tensor:
-    # Bessel-corrected std that ignores NaN, as trl.trainer.utils.nanstd (NaN with fewer than two values); checked
-    # against TRL's source with the other copies (`trl_grpo_ext.trl.internals.MIRRORED_ELSEWHERE`).
+def nanstd(x: torch.Tensor, dim: int | None = None) -> torch.Tensor:
+    """Bessel-corrected std that ignores NaN, as TRL 1.16's `trl.trainer.utils.nanstd` (NaN with fewer than two
+    values); checked against TRL's source with the other copies (`trl_grpo_ext.trl.internals.MIRRORED_ELSEWHERE`)."""
     if dim is None:
         x, dim = x.reshape(-1), 0
     mean = torch.nanmean(x, dim=dim, keepdim=True)
@@ -289,10 +289,10 @@ def group_advantages(
     mean = torch.nanmean(grouped, dim=1).repeat_interleave(group_size)
     advantages = rewards - mean
     if scale_rewards == "group":
-        std = _nanstd(grouped, dim=1).repeat_interleave(group_size) if group_size > 1 else torch.zeros_like(rewards)
+        std = nanstd(grouped, dim=1).repeat_interleave(group_size) if group_size > 1 else torch.zeros_like(rewards)
         advantages = advantages / (std + eps)
     elif scale_rewards == "batch":
-        std = _nanstd(rewards) if rewards.numel() > 1 else torch.zeros(())
+        std = nanstd(rewards) if rewards.numel() > 1 else torch.zeros(())
         advantages = advantages / (std + eps)
     advantages = torch.nan_to_num(advantages, nan=0.0)
 

@@ -13,9 +13,13 @@ against a real `trl.GRPOTrainer`).
 from __future__ import annotations
 
 import asyncio
+import functools
+import inspect
+import threading
 
 import torch
-from trl.trainer.utils import get_callable_name, is_async_callable, nanstd, start_event_loop_in_daemon
+
+from trl_grpo_ext.grpo.losses import nanstd
 
 # Keys of a training row that TRL 1.16's `_calculate_rewards` does not forward as reward keyword arguments.
 NOT_REWARD_KWARGS = ("prompt", "completion", "completion_ids")
@@ -25,10 +29,40 @@ class RewardFunctionError(ValueError):
     """A reward function failed or returned something that is not one reward per completion."""
 
 
+# Copies of three small `trl.trainer.utils` helpers of TRL 1.16.0 (`get_callable_name`, `is_async_callable`,
+# `start_event_loop_in_daemon`), so that this core does not import TRL (the PyTRIO path runs without it); checked
+# against TRL's source with the other copies (`trl_grpo_ext.trl.internals.MIRRORED_ELSEWHERE`).
 def reward_func_name(func) -> str:
     """The name TRL 1.16's `GRPOTrainer.__init__` gives a reward callable (`trl.trainer.utils.get_callable_name`):
-    the ``<name>`` of the ``rewards/<name>/mean`` metrics."""
-    return get_callable_name(func)
+    the ``<name>`` of the ``rewards/<name>/mean`` metrics: a `functools.partial` is unwrapped to its function, a
+    callable instance falls back to its class name."""
+    while isinstance(func, functools.partial):
+        func = func.func
+    return getattr(func, "__name__", type(func).__name__)
+
+
+def is_async_callable(func) -> bool:
+    """Whether calling `func` returns a coroutine (`trl.trainer.utils.is_async_callable`): a coroutine function, a
+    `functools.partial` of one, or an instance whose ``__call__`` is one."""
+    while isinstance(func, functools.partial):
+        func = func.func
+    return inspect.iscoroutinefunction(func) or inspect.iscoroutinefunction(func.__call__)
+
+
+def start_event_loop_in_daemon(name: str | None = None):
+    """A new event loop running in a daemon thread (`trl.trainer.utils.start_event_loop_in_daemon`):
+    ``(thread, loop, ready)``, `ready` set once the loop runs in the thread."""
+    loop = asyncio.new_event_loop()
+    ready = threading.Event()
+
+    def run_loop():
+        asyncio.set_event_loop(loop)
+        ready.set()
+        loop.run_forever()
+
+    thread = threading.Thread(target=run_loop, name=name, daemon=True)
+    thread.start()
+    return thread, loop, ready
 
 
 def reward_weight_tensor(weights, num_funcs: int) -> torch.Tensor:

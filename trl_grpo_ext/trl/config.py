@@ -7,10 +7,11 @@ each YAML key) before TRL's own setup, so a bad recipe fails when it is parsed, 
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 import trl
 
+from trl_grpo_ext.compat import resolve_checkpointing_fields
 from trl_grpo_ext.cpu_threads import runs_on_cpu
 from trl_grpo_ext.errors import raise_problems
 from trl_grpo_ext.grpo.loss_table import (
@@ -120,6 +121,7 @@ class GRPOConfig(GRPOSpec, trl.GRPOConfig):
         # `auto` becomes TRL's bool (or None: TRL's default) here; `precision` keeps the choice and its reason
         self.precision: Precision = self._resolve_precision()
         self.bf16 = self.precision.bf16
+        resolve_checkpointing_fields(self)  # TRL's default `gradient_checkpointing`, under transformers' newer name
         super().__post_init__()
         raise_problems("GRPOConfig", self._generation_batch_problems())
 
@@ -156,3 +158,25 @@ class GRPOConfig(GRPOSpec, trl.GRPOConfig):
                 f"steps_per_generation ({local}) must be a multiple of num_generations ({self.num_generations})"
             ]
         return []
+
+
+@dataclass(frozen=True)
+class ExtensionOptions:
+    """The options of this package's GRPOConfig that the TRL path's trainer and its mixins read, declared once:
+    `of(args)` takes each from `args`, or GRPOConfig's default where `args` lacks it (a plain `trl.GRPOConfig` has
+    none of them, and then trains as TRL would)."""
+
+    degenerate_tol: float
+    zero_degenerate_advantages: bool
+    degenerate_reward: str | None
+    dynamic_sampling: bool
+    max_generation_batches: int
+    curriculum: bool
+    share_prompt_prefix: bool
+    share_prompt_prefix_across_microbatches: bool
+    max_packed_tokens: int | None
+
+    @classmethod
+    def of(cls, args) -> ExtensionOptions:
+        ours = GRPOConfig.__dataclass_fields__
+        return cls(**{f.name: getattr(args, f.name, ours[f.name].default) for f in fields(cls)})

@@ -27,7 +27,6 @@ from dataclasses import dataclass, field
 import torch
 from trl.extras.profiling import profiling_context
 from trl.models import prepare_deepspeed, prepare_fsdp, unwrap_model_for_generation
-from trl.models.utils import disable_gradient_checkpointing
 from trl.trainer.utils import (
     add_fused_lm_head,
     create_model_from_path,
@@ -37,6 +36,7 @@ from trl.trainer.utils import (
     split_tensor_dict,
 )
 
+from trl_grpo_ext.compat import checkpointing_disabled
 from trl_grpo_ext.grpo.losses import token_level_mean
 
 TRL_GRPO = "trl.trainer.grpo_trainer.GRPOTrainer"
@@ -373,7 +373,7 @@ def completion_logps(trainer, model, output: dict, mode: str) -> torch.Tensor:
     batch_size = (
         trainer.args.per_device_train_batch_size if mode == "train" else trainer.args.per_device_eval_batch_size
     )
-    with torch.no_grad(), disable_gradient_checkpointing(trainer.model, trainer.args.gradient_checkpointing_kwargs):
+    with torch.no_grad(), checkpointing_disabled(trainer.model, trainer.args.gradient_checkpointing_kwargs):
         logps, _, _ = trainer._get_per_token_logps_and_entropies(
             model, prompt_completion_ids, attention_mask, logits_to_keep, batch_size=batch_size
         )
@@ -386,7 +386,22 @@ def completion_logps(trainer, model, output: dict, mode: str) -> torch.Tensor:
 # curriculum's sampler, the shared-prefix log-prob forward's chunks).
 _OUR_GRPO = "trl_grpo_ext.grpo"
 MIRRORED_ELSEWHERE = (
-    Mirror("trl.trainer.utils.nanstd", f"{_OUR_GRPO}.losses._nanstd", {"1.16.0": "5e4d28a84a305003"}),
+    Mirror("trl.trainer.utils.nanstd", f"{_OUR_GRPO}.losses.nanstd", {"1.16.0": "5e4d28a84a305003"}),
+    Mirror(
+        "trl.trainer.utils.get_callable_name",
+        f"{_OUR_GRPO}.reward_aggregation.reward_func_name",
+        {"1.16.0": "ce2d9044d283ec91"},
+    ),
+    Mirror(
+        "trl.trainer.utils.is_async_callable",
+        f"{_OUR_GRPO}.reward_aggregation.is_async_callable",
+        {"1.16.0": "4105f7551123308e"},
+    ),
+    Mirror(
+        "trl.trainer.utils.start_event_loop_in_daemon",
+        f"{_OUR_GRPO}.reward_aggregation.start_event_loop_in_daemon",
+        {"1.16.0": "5acf290758dd8f7f"},
+    ),
     Mirror(
         f"{TRL_GRPO}._generate_and_score_completions",
         f"{_OUR_GRPO}.losses.group_advantages",

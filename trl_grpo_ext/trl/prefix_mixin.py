@@ -14,6 +14,7 @@ from trl_grpo_ext.prefix.packing import shared_prefix_logps_and_entropies
 from trl_grpo_ext.prefix.plan import PrefixPlan, plan_prefix, prompts_from_left_padded
 from trl_grpo_ext.prefix.support import log_fallback_once, log_prefix_once, packed_unsupported_reason
 from trl_grpo_ext.trl import internals
+from trl_grpo_ext.trl.config import ExtensionOptions
 
 
 @dataclass
@@ -56,11 +57,10 @@ class PrefixSharingMixin:
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         # attributes (not only the frozen args) so a caller can compare the paths on one trainer
-        self.share_prompt_prefix = getattr(self.args, "share_prompt_prefix", True)
-        self.share_prompt_prefix_across_microbatches = getattr(
-            self.args, "share_prompt_prefix_across_microbatches", True
-        )
-        self.max_packed_tokens = getattr(self.args, "max_packed_tokens", None)
+        options = ExtensionOptions.of(self.args)
+        self.share_prompt_prefix = options.share_prompt_prefix
+        self.share_prompt_prefix_across_microbatches = options.share_prompt_prefix_across_microbatches
+        self.max_packed_tokens = options.max_packed_tokens
         # chunks and generate calls run shared / plain and their tokens, over the trainer's life (`_count_*`)
         self.prefix_sharing_stats = collections.Counter()
         self._prefix_cycle: _Cycle | None = None

@@ -38,6 +38,7 @@ from trl_grpo_ext.grpo.dynamic_sampling import GroupFilter, GroupRef
 from trl_grpo_ext.grpo.reward_aggregation import weighted_rewards
 from trl_grpo_ext.runs import CURRICULUM_STATE_FILENAME, atomic_write_json, checkpoint_dir
 from trl_grpo_ext.trl import internals
+from trl_grpo_ext.trl.config import ExtensionOptions
 from trl_grpo_ext.trl.internals import GENERATION_BATCH_LEFT_PADDED as _LEFT_PADDED
 from trl_grpo_ext.trl.internals import GENERATION_BATCH_RIGHT_PADDED as _RIGHT_PADDED
 from trl_grpo_ext.trl.internals import log_metric
@@ -145,8 +146,9 @@ class DynamicSamplingMixin:
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        self.dynamic_sampling = bool(getattr(self.args, "dynamic_sampling", False))
-        self.max_generation_batches = int(getattr(self.args, "max_generation_batches", 1))
+        options = ExtensionOptions.of(self.args)
+        self.dynamic_sampling = bool(options.dynamic_sampling)
+        self.max_generation_batches = int(options.max_generation_batches)
         self._extra_prompts = None
         self._warned_budget = False
         if self.dynamic_sampling and isinstance(self.train_dataset, torch.utils.data.IterableDataset):
@@ -221,7 +223,7 @@ class CurriculumMixin:
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.curriculum = None
-        if not getattr(self.args, "curriculum", False):
+        if not ExtensionOptions.of(self.args).curriculum:
             return
         dataset = self.train_dataset
         if isinstance(dataset, torch.utils.data.IterableDataset) or "task" not in (dataset.column_names or []):

@@ -42,7 +42,7 @@ from trl_grpo_ext.grpo.spec import curriculum_pass_reward, reward_name_problems
 from trl_grpo_ext.task.rewards import reward_index, reward_names
 from trl_grpo_ext.task.rewards.judge import JudgeUnavailableError, judges_in
 from trl_grpo_ext.trl import internals
-from trl_grpo_ext.trl.config import EXTRA_LOSS_TYPES, GRPOConfig, trl_loss_type
+from trl_grpo_ext.trl.config import EXTRA_LOSS_TYPES, ExtensionOptions, GRPOConfig, trl_loss_type
 from trl_grpo_ext.trl.distillation import DistillationMixin
 from trl_grpo_ext.trl.internals import MixinState, log_metric
 from trl_grpo_ext.trl.prefix_mixin import PrefixSharingMixin
@@ -87,12 +87,10 @@ class GRPOTrainer(
             self.loss_type = trl_loss_type(args.loss_type)  # trl_cispo -> TRL's "cispo"
         # Ratio bounds of the loss (its clipping, and the bounds of the clip metrics); TRL's names keep TRL's meaning.
         self._ratio_bounds = ratio_bounds(args, args.loss_type if extended else loss_type_of_trl_name(args.loss_type))
-        defaults = GRPOConfig.__dataclass_fields__
-        self.degenerate_tol = getattr(args, "degenerate_tol", defaults["degenerate_tol"].default)
-        self.zero_degenerate_advantages = getattr(
-            args, "zero_degenerate_advantages", defaults["zero_degenerate_advantages"].default
-        )
-        self.degenerate_reward = getattr(args, "degenerate_reward", None)
+        options = ExtensionOptions.of(args)
+        self.degenerate_tol = options.degenerate_tol
+        self.zero_degenerate_advantages = options.zero_degenerate_advantages
+        self.degenerate_reward = options.degenerate_reward
         self.mixin_state = self._resolve_reward_options(args)
 
         self._capture_logps = False

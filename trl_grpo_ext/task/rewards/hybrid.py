@@ -15,6 +15,7 @@ import asyncio
 import inspect
 import math
 from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
 
 from trl_grpo_ext.task.answers import completion_text
 from trl_grpo_ext.task.rewards import accuracy as _accuracy  # noqa: F401 - registers `boxed`
@@ -61,6 +62,173 @@ def _is_async(func) -> bool:
     return inspect.iscoroutinefunction(func) or inspect.iscoroutinefunction(type(func).__call__)
 
 
+@dataclass(frozen=True)
+class _Part:
+    """One weighted component: its metric label, its function, its weight, and what the function declares."""
+
+    label: str
+    func: Callable
+    weight: float
+
+    @property
+    def after_vetoes(self) -> bool:  # asked about the completions no veto fired on only (a judge, a reward model)
+        return _after_vetoes(self.func)
+
+    @property
+    def is_cost(self) -> bool:  # a cost per judge request: scored last, from the requests the judges sent
+        return bool(getattr(self.func, "needs_judge_requests", False))
+
+    @property
+    def abstains(self) -> bool:  # its None is a missing term (a judge whose request failed), not an unscorable one
+        return bool(getattr(self.func, "abstains_on_failure", False))
+
+
+@dataclass
+class _Batch:
+    """One call's state: the completions, the components' keyword arguments, the vetoes' verdicts, the scores."""
+
+    completions: list
+    common: dict
+    fired: dict[str, list[bool]]  # each veto's verdict per completion
+    vetoed: list[bool]  # whether any veto fired, per completion
+    scores: dict[str, list] = field(default_factory=dict)  # each component's score per completion (None: not asked)
+    requests: list[int] = field(default_factory=list)  # judge requests each completion sent
+
+    @property
+    def n(self) -> int:
+        return len(self.completions)
+
+
+class HybridReward:
+    """A TRL reward: `veto_value` if any veto fires, else ``sum(weight * component(completion))`` (see
+    `make_hybrid_reward`, which builds it). A call runs four steps: the vetoes on every completion (`_start`), the
+    components (a costly one on the completions no veto fired on only), the costs per judge request (`_finish`),
+    and `total`, the rule that turns one completion's veto and terms into its reward."""
+
+    def __init__(self, parts: list[_Part], vetoes, veto_value: float, name: str, max_completion_length, eos, settings):
+        self.parts, self.vetoes, self.veto_value = parts, vetoes, veto_value
+        self.max_completion_length, self.eos_token_ids, self.settings = max_completion_length, eos, settings
+        self.__name__ = self.__qualname__ = name
+        self.__doc__ = f"Hybrid reward {name}: vetoes {list(settings['vetoes'])}, components {settings['components']}."
+        self.components = {part.label: part.func for part in parts}
+
+    def total(self, vetoed: bool, terms: list[tuple[_Part, object]]) -> float | None:
+        """One completion's reward from its veto and its (part, score) terms."""
+        # A vetoed completion's costly components were not asked: no term, not a missing one.
+        asked = [(part, v) for part, v in terms if not (vetoed and part.after_vetoes)]
+        kept = [(part.weight, v) for part, v in asked if not (v is None and part.abstains)]
+        if any(v is None for _, v in kept) or not (kept or vetoed):
+            return None  # a component could not score it (or nothing did)
+        if vetoed:
+            return self.veto_value
+        return sum(w * float(v) for w, v in kept)
+
+    def __call__(self, completions, completion_ids=None, log_metric=None, **kwargs) -> list[float | None]:
+        batch, calls = self._start(completions, completion_ids, log_metric, kwargs)
+        for part, out, positions in calls:
+            self._spread(batch, part, out, positions)
+        return self._finish(batch, log_metric)
+
+    def _start(self, completions, completion_ids, log_metric, kwargs) -> tuple[_Batch, list[tuple]]:
+        """The batch with its vetoes fired, and the components' calls before the costs: (part, answers or a
+        coroutine for an async component, the batch positions asked). A rule scores every completion, a costly
+        component those no veto fired on (and is not called when none is left)."""
+        kwargs = dict(kwargs)
+        limits = {key: kwargs.pop(key, None) for key in ("max_completion_length", "eos_token_ids")}
+        completions = as_list(completions)
+        passthrough = {k: v for k, v in kwargs.items() if k not in _TRL_CALLBACKS}
+        common = {**passthrough, "completion_ids": completion_ids, "log_metric": log_metric}
+        fired, vetoed = self._fire_vetoes(completions, completion_ids, limits)
+        batch = _Batch(completions, common, fired, vetoed, requests=[0] * len(completions))
+        keep = [i for i in range(batch.n) if not vetoed[i]]
+        calls = []
+        for part in (p for p in self.parts if not p.is_cost):
+            if not part.after_vetoes:
+                calls.append((part, part.func(completions, **common), list(range(batch.n))))
+            elif keep:
+                asked = [completions[i] for i in keep]
+                calls.append((part, part.func(asked, **_kept_columns(common, keep, batch.n)), keep))
+            else:
+                batch.scores[part.label] = [None] * batch.n
+        return batch, calls
+
+    def _fire_vetoes(self, completions, completion_ids, limits) -> tuple[dict[str, list[bool]], list[bool]]:
+        """(each veto's verdict per completion, whether any fired per completion); a veto that raises does not fire."""
+        n = len(completions)
+        texts = [completion_text(c) for c in completions]
+        ids = column(completion_ids, n, "completion_ids") if completion_ids is not None else [None] * n
+        context = dict(
+            max_completion_length=limits["max_completion_length"] or self.max_completion_length,
+            eos_token_ids=limits["eos_token_ids"] or self.eos_token_ids,
+        )
+        fired = {
+            label: [
+                bool(safe_score(veto, texts[i], default=False, completion_ids=ids[i], **context)) for i in range(n)
+            ]
+            for label, veto in self.vetoes
+        }
+        return fired, [any(fired[label][i] for label, _ in self.vetoes) for i in range(n)]
+
+    @staticmethod
+    def _spread(batch: _Batch, part: _Part, out, positions: list[int]) -> None:
+        """A component's answers put back in the batch's positions, with the judge requests each one sent."""
+        out = _checked(part.label, out, len(positions))
+        batch.scores[part.label] = [None] * batch.n
+        for j, i in enumerate(positions):
+            batch.scores[part.label][i] = out[j]
+        for j, sent in enumerate(getattr(part.func, "last_requests", None) or []):
+            batch.requests[positions[j]] += sent
+
+    def _finish(self, batch: _Batch, log_metric) -> list[float | None]:
+        """The costs (after the judges whose requests they count), each completion's `total`, the metrics."""
+        for part in (p for p in self.parts if p.is_cost):
+            out = part.func(batch.completions, judge_requests=batch.requests, **batch.common)
+            batch.scores[part.label] = _checked(part.label, out, batch.n)
+        rewards = [
+            self.total(batch.vetoed[i], [(part, batch.scores[part.label][i]) for part in self.parts])
+            for i in range(batch.n)
+        ]
+        if callable(log_metric) and batch.n:
+            prefix = f"rewards/{self.__name__}"
+            for part in self.parts:
+                valid = [float(v) for v in batch.scores[part.label] if v is not None]
+                if valid:
+                    log_metric(f"{prefix}/{part.label}", sum(valid) / len(valid))
+            for label, _ in self.vetoes:
+                log_metric(f"{prefix}/veto_{label}", sum(batch.fired[label]) / batch.n)
+            log_metric(f"{prefix}/vetoed", sum(batch.vetoed) / batch.n)
+        return rewards
+
+    def with_context(self, **context) -> HybridReward:
+        """The same hybrid with `max_completion_length` / `eos_token_ids` (TRL's, for the `truncated` veto) set."""
+        current = {"max_completion_length": self.max_completion_length, "eos_token_ids": self.eos_token_ids}
+        return make_hybrid_reward(**{**self.settings, **current, **context})
+
+    def preflight(self) -> None:
+        for part in self.parts:
+            if hasattr(part.func, "preflight"):
+                part.func.preflight()
+
+
+class AsyncHybridReward(HybridReward):
+    """`HybridReward` with an async component (the judge): async too, as TRL expects; the async components' calls
+    run concurrently."""
+
+    async def __call__(self, completions, completion_ids=None, log_metric=None, **kwargs) -> list[float | None]:
+        batch, calls = self._start(completions, completion_ids, log_metric, kwargs)
+        outputs = iter(await asyncio.gather(*(out for part, out, _ in calls if _is_async(part.func))))
+        for part, out, positions in calls:
+            self._spread(batch, part, next(outputs) if _is_async(part.func) else out, positions)
+        return self._finish(batch, log_metric)
+
+
+def _checked(label: str, out, n: int) -> list:
+    out = list(out)
+    if len(out) != n:
+        raise ValueError(f"component {label!r} returned {len(out)} rewards for {n} completions")
+    return out
+
+
 def make_hybrid_reward(
     components: Mapping[str | Callable, float],
     vetoes: Iterable[str | Callable] = DEFAULT_VETOES,
@@ -69,7 +237,7 @@ def make_hybrid_reward(
     max_completion_length: int | None = None,
     eos_token_ids: Iterable[int] | None = None,
     resolve: Callable[[str | Callable], Callable] = get_reward,
-) -> Callable:
+) -> HybridReward:
     """A reward: `veto_value` if any veto fires, else `sum(weight * component(completion))`.
 
     `components` maps registry names (`"boxed"`, `"format"`, ...) or reward callables to weights; `resolve` turns a
@@ -92,162 +260,14 @@ def make_hybrid_reward(
         weight = float(weight)
         if not math.isfinite(weight):
             raise ValueError(f"weight of {key!r} must be finite, got {weight}")
-        parts.append((key if isinstance(key, str) else _callable_name(func), func, weight))
-    if any(getattr(f, "needs_judge_requests", False) for _, f, _ in parts) and not any(
-        hasattr(f, "last_requests") for _, f, _ in parts
-    ):
+        parts.append(_Part(key if isinstance(key, str) else _callable_name(func), func, weight))
+    if any(p.is_cost for p in parts) and not any(hasattr(p.func, "last_requests") for p in parts):
         raise ValueError(f"{name}: a cost per judge call needs a judge component beside it")
-    veto_list = _resolve_vetoes(vetoes)
-    veto_value = float(veto_value)
-    eos_default = list(eos_token_ids) if eos_token_ids is not None else None
-    settings = dict(components=dict(components), vetoes=tuple(vetoes or ()), veto_value=veto_value, name=name)
+    settings = dict(components=dict(components), vetoes=tuple(vetoes or ()), veto_value=float(veto_value), name=name)
     settings["resolve"] = resolve
-    first = [p for p in parts if not getattr(p[1], "needs_judge_requests", False)]
-    last = [p for p in parts if getattr(p[1], "needs_judge_requests", False)]  # after the judges they count
-
-    def call_kwargs(completions, completion_ids, log_metric, kwargs):
-        passthrough = {k: v for k, v in kwargs.items() if k not in _TRL_CALLBACKS}
-        return {**passthrough, "completion_ids": completion_ids, "log_metric": log_metric}
-
-    def check(label, out, n) -> list:
-        out = list(out)
-        if len(out) != n:
-            raise ValueError(f"component {label!r} returned {len(out)} rewards for {n} completions")
-        return out
-
-    def fire_vetoes(completions, completion_ids, limits) -> tuple[dict[str, list[bool]], list[bool]]:
-        """(each veto's verdict per completion, whether any veto fired per completion); a veto that raises does
-        not fire."""
-        n = len(completions)
-        texts = [completion_text(c) for c in completions]
-        ids = column(completion_ids, n, "completion_ids") if completion_ids is not None else [None] * n
-        limit = limits.get("max_completion_length") or max_completion_length
-        eos = limits.get("eos_token_ids") or eos_default
-        fired = {
-            label: [
-                bool(
-                    safe_score(
-                        veto,
-                        texts[i],
-                        default=False,
-                        completion_ids=ids[i],
-                        max_completion_length=limit,
-                        eos_token_ids=eos,
-                    )
-                )
-                for i in range(n)
-            ]
-            for label, veto in veto_list
-        }
-        return fired, [any(fired[label][i] for label, _ in veto_list) for i in range(n)]
-
-    def start_calls(completions, common, vetoed, scores) -> list[tuple]:
-        """(label, func, answers or a coroutine for an async func, the batch positions asked) per component before
-        the costs: a rule on every completion, a costly component on those no veto fired on (not called when none
-        is left). `spread` puts each component's answers back in the batch's positions."""
-        n = len(completions)
-        keep = [i for i in range(n) if not vetoed[i]]
-        calls = []
-        for label, func, _ in first:
-            if not _after_vetoes(func):
-                calls.append((label, func, func(completions, **common), list(range(n))))
-            elif keep:
-                asked = [completions[i] for i in keep]
-                calls.append((label, func, func(asked, **_kept_columns(common, keep, n)), keep))
-            else:
-                scores[label] = [None] * n
-        return calls
-
-    def spread(label, out, positions, n, scores, requests, func) -> None:
-        out = check(label, out, len(positions))
-        scores[label] = [None] * n
-        for j, i in enumerate(positions):
-            scores[label][i] = out[j]
-        for j, sent in enumerate(getattr(func, "last_requests", None) or []):  # what each completion sent
-            requests[positions[j]] += sent
-
-    def add_costs(scores, completions, common, requests) -> None:
-        for label, func, _ in last:
-            scores[label] = check(label, func(completions, judge_requests=requests, **common), len(completions))
-
-    def combine(n, log_metric, fired, vetoed, scores) -> list[float | None]:
-        rewards: list[float | None] = []
-        for i in range(n):
-            # A vetoed completion's costly components were not asked: no term, not a missing one.
-            asked = [
-                (func, w, scores[label][i]) for label, func, w in parts if not (vetoed[i] and _after_vetoes(func))
-            ]
-            kept = [(w, v) for func, w, v in asked if not (v is None and getattr(func, "abstains_on_failure", False))]
-            if any(v is None for _, v in kept) or not (kept or vetoed[i]):
-                rewards.append(None)
-            elif vetoed[i]:
-                rewards.append(veto_value)
-            else:
-                rewards.append(sum(w * float(v) for w, v in kept))
-
-        if callable(log_metric) and n:
-            prefix = f"rewards/{name}"
-            for label, _, _ in parts:
-                valid = [float(v) for v in scores[label] if v is not None]
-                if valid:
-                    log_metric(f"{prefix}/{label}", sum(valid) / len(valid))
-            for label, _ in veto_list:
-                log_metric(f"{prefix}/veto_{label}", sum(fired[label]) / n)
-            log_metric(f"{prefix}/vetoed", sum(vetoed) / n)
-        return rewards
-
-    def prepare(completions, kwargs):
-        kwargs = dict(kwargs)
-        limit = kwargs.pop("max_completion_length", None)
-        eos = kwargs.pop("eos_token_ids", None)
-        return as_list(completions), kwargs, {"max_completion_length": limit, "eos_token_ids": eos}
-
-    if any(_is_async(f) for _, f, _ in parts):
-
-        async def reward(completions, completion_ids=None, log_metric=None, **kwargs) -> list[float | None]:
-            completions, kwargs, limits = prepare(completions, kwargs)
-            common = call_kwargs(completions, completion_ids, log_metric, kwargs)
-            n = len(completions)
-            fired, vetoed = fire_vetoes(completions, completion_ids, limits)
-            scores, requests = {}, [0] * n
-            calls = start_calls(completions, common, vetoed, scores)
-            outputs = iter(await asyncio.gather(*(out for _, f, out, _ in calls if _is_async(f))))
-            for label, f, out, positions in calls:
-                spread(label, next(outputs) if _is_async(f) else out, positions, n, scores, requests, f)
-            add_costs(scores, completions, common, requests)
-            return combine(n, log_metric, fired, vetoed, scores)
-
-    else:
-
-        def reward(completions, completion_ids=None, log_metric=None, **kwargs) -> list[float | None]:
-            completions, kwargs, limits = prepare(completions, kwargs)
-            common = call_kwargs(completions, completion_ids, log_metric, kwargs)
-            n = len(completions)
-            fired, vetoed = fire_vetoes(completions, completion_ids, limits)
-            scores, requests = {}, [0] * n
-            for label, f, out, positions in start_calls(completions, common, vetoed, scores):
-                spread(label, out, positions, n, scores, requests, f)
-            add_costs(scores, completions, common, requests)
-            return combine(n, log_metric, fired, vetoed, scores)
-
-    def with_context(**context) -> Callable:
-        return make_hybrid_reward(
-            **{**settings, "max_completion_length": max_completion_length, "eos_token_ids": eos_default, **context}
-        )
-
-    def preflight() -> None:
-        for _, func, _ in parts:
-            if hasattr(func, "preflight"):
-                func.preflight()
-
-    reward.__name__ = name
-    reward.__qualname__ = name
-    reward.__doc__ = f"Hybrid reward {name}: vetoes {list(settings['vetoes'])}, components {settings['components']}."
-    reward.with_context = with_context
-    reward.preflight = preflight
-    reward.settings = settings
-    reward.components = {label: func for label, func, _ in parts}
-    return reward
+    cls = AsyncHybridReward if any(_is_async(p.func) for p in parts) else HybridReward
+    eos = list(eos_token_ids) if eos_token_ids is not None else None
+    return cls(parts, _resolve_vetoes(vetoes), float(veto_value), name, max_completion_length, eos, settings)
 
 
 DEFAULT_HYBRID_COMPONENTS = {"boxed": 1.0, "format": 0.3}

@@ -8,8 +8,9 @@ JSON object's ``score_field``) and must lie in ``score_range``; it is then mappe
 and a server that returns them, the score is the probability-weighted mean over the in-range integers of the first
 generated token instead. Anything else scores None (TRL's "not applicable") and is counted as a parse error.
 
-Requests run concurrently up to ``max_concurrency``, each bounded by ``timeout_s``; 429, 5xx, timeouts and
-connection errors are retried ``retries`` times with exponential backoff, other errors are not. A completion whose
+Requests run concurrently up to ``max_concurrency``, each attempt bounded by ``timeout_s``; the `openai` client
+retries 408, 409, 429, 5xx, timeouts and connection errors ``retries`` times with its exponential backoff (or the
+server's Retry-After), other errors are not retried. A completion whose
 request still fails scores None (the step goes on, the other reward terms count); a call in which every request
 failed counts towards ``max_failed_steps``, and that many in a row stop the run (`JudgeUnavailableError`) rather than
 let it train on the other terms alone. Identical (rubric, prompt, completion, judge model) requests are answered from
@@ -29,7 +30,6 @@ import logging
 import math
 import os
 import re
-import time
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
@@ -67,8 +67,7 @@ class JudgeConfig:
     logprobs: bool = False  # the probability-weighted score where the server returns token log-probabilities
     max_concurrency: int = 8
     timeout_s: float = 60.0
-    retries: int = 3
-    backoff_s: float = 0.5  # the first retry's wait; doubles each time
+    retries: int = 3  # by the openai client: 0.5 s before the first, doubling
     cache: bool = True
     seed: int | None = 0
     max_tokens: int = 16
@@ -119,11 +118,11 @@ class JudgeConfig:
             value = getattr(self, name)
             if not (_is_int(value) and value >= low):
                 problems.append(f"{name}={value!r} must be an integer >= {low}")
-        for name in ("timeout_s", "backoff_s"):
-            value = getattr(self, name)
-            ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-            if not (ok and (value > 0 if name == "timeout_s" else value >= 0)):
-                problems.append(f"{name}={value!r} must be a number {'> 0' if name == 'timeout_s' else '>= 0'}")
+        value = self.timeout_s
+        if not (
+            isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value > 0
+        ):
+            problems.append(f"timeout_s={value!r} must be a number > 0")
         if not (isinstance(self.api_key_env, str) and self.api_key_env.strip()):
             problems.append("api_key_env must name an environment variable")
         return problems
@@ -265,8 +264,10 @@ class _LoopState:
     def __init__(self, config: JudgeConfig):
         import openai  # the `judge` extra: only a run with a judge needs it
 
+        # The client retries 408, 409, 429, 5xx, timeouts and connection errors `retries` times, waiting 0.5 s
+        # doubling (at most 8 s, less up to 25% jitter) or what a Retry-After header asks (up to 60 s).
         self.client = openai.AsyncOpenAI(
-            base_url=config.url, api_key=config.api_key(), timeout=config.timeout_s, max_retries=0
+            base_url=config.url, api_key=config.api_key(), timeout=config.timeout_s, max_retries=config.retries
         )
         self.semaphore = asyncio.Semaphore(config.max_concurrency)
         self.inflight: dict[str, asyncio.Future] = {}
@@ -335,35 +336,29 @@ class JudgeReward:
         return entry[1]
 
     async def _ask(self, state: _LoopState, messages: list[dict], stats: _CallStats, sent: list) -> object | None:
-        """The server's reply to one request with retries, or None once every attempt failed."""
+        """The server's reply to one request, or None once it failed. The `openai` client retries it (``retries``
+        times, its own backoff); the attempts it made are read from the ``x-stainless-retry-count`` header of its
+        last request, on the reply or on the error."""
         import openai
 
         c = self.config
         extra = {"logprobs": True, "top_logprobs": 20} if c.logprobs else {}
         if c.seed is not None:
             extra["seed"] = c.seed
-        for attempt in range(c.retries + 1):
+        async with state.semaphore:
             try:
-                async with state.semaphore:
-                    started = time.perf_counter()  # the server's time: waiting for a slot is not latency
-                    sent[0] += 1
-                    stats.requests += 1
-                    response = await state.client.chat.completions.create(
-                        model=c.model, messages=messages, temperature=0.0, max_tokens=c.max_tokens, **extra
-                    )
-                stats.latencies.append(time.perf_counter() - started)
-                return response
-            except (openai.RateLimitError, openai.InternalServerError, openai.APIConnectionError) as error:
+                raw = await state.client.chat.completions.with_raw_response.create(
+                    model=c.model, messages=messages, temperature=0.0, max_tokens=c.max_tokens, **extra
+                )
+                response = raw.parse()
+            except openai.APIError as error:  # after the client's retries, or one it does not retry (most 4xx)
+                _count_attempts(stats, sent, _retries_taken(error.request))
                 stats.last_error = _error_line(error)
-                if attempt == c.retries:
-                    break
-                stats.retries += 1
-                await asyncio.sleep(c.backoff_s * 2**attempt)
-            except openai.APIError as error:  # 4xx but 429, an unreadable body: asking again would not help
-                stats.last_error = _error_line(error)
-                break
-        stats.failures += 1
-        return None
+                stats.failures += 1
+                return None
+        _count_attempts(stats, sent, _retries_taken(raw.http_request))
+        stats.latencies.append(raw.elapsed.total_seconds())  # the answered attempt's server time
+        return response
 
     def _parse(self, response, stats: _CallStats):
         """The reply's value: a score in [0, 1] (pointwise) or the preferred side 'A' / 'B' (pairwise); None, and a
@@ -487,6 +482,20 @@ class JudgeReward:
                 raise error
             self.unavailable = error
         return scores
+
+
+def _retries_taken(request) -> int:
+    """The retries the `openai` client had made before sending `request` (its ``x-stainless-retry-count``)."""
+    try:
+        return max(0, int(request.headers.get("x-stainless-retry-count", 0)))
+    except (AttributeError, TypeError, ValueError):
+        return 0
+
+
+def _count_attempts(stats: _CallStats, sent: list, retries: int) -> None:
+    sent[0] += retries + 1
+    stats.requests += retries + 1
+    stats.retries += retries
 
 
 def _error_line(error) -> str:
