@@ -180,3 +180,13 @@ def test_tool_metrics():
         "tools/token_fraction": 15 / sum(len(m) for m in masks),
     }
     assert tool_metrics(["plain text"], None, None)["tools/turns"] == 1.0
+
+
+def test_stop_reason_of_a_multi_turn_completion_is_trls_truncation_rule():
+    from trl_grpo_ext.environments.rollout import stop_reason
+
+    eos, pad = 2, 0
+    assert stop_reason([5, 6, eos, 9, 9, 7, eos], [eos, pad]) == "stop"  # the last turn ended on its own
+    assert stop_reason([5, 6, eos, 9, 9, 7, 8], [eos, pad]) == "length"  # the last turn was cut
+    assert stop_reason([5, 6, eos, 9, 9], [eos, pad]) == "length"  # a tool result with no turn after it
+    assert stop_reason([], [eos]) == "length"

@@ -69,8 +69,14 @@ def test_loop_runs_tools_and_masks_their_tokens(tool_server, tmp_path, monkeypat
     scored, batch = batches[0]
     multi = [r for r in scored.rollouts if r.tool_mask is not None and 0 in r.tool_mask]
     assert multi, "the scripted model called the calculator"
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tool_server.model_path)
+    stops = {tokenizer.eos_token_id, tokenizer.pad_token_id}
     for rollout in multi:
         assert any(m["role"] == "tool" and m["content"] == "12" for m in rollout.messages)  # our calculator ran
+        # how the last turn ended, by TRL's rule (what completions/clipped_ratio counts), not the first turn's
+        assert rollout.stop_reason == ("length" if rollout.completion_tokens[-1] not in stops else "stop")
         zero = [i for i, m in enumerate(rollout.tool_mask) if m == 0]
         assert all(rollout.completion_logprobs[i] == 0.0 for i in zero)
     trained = [r for r, a in zip(scored.rollouts, scored.advantages, strict=True) if r.completion_tokens]

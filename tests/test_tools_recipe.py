@@ -50,18 +50,17 @@ def test_mixed_rows_name_their_environment():
     assert [r["fact"] is None for r in mixed] == [True, False] * 3
     assert mixed[0]["answer"] == "#### 1" and "Look up" in mixed[1]["question"]
     assert all(r["prompt"][0]["content"].endswith(TOOL_HINT) for r in mixed)
-    # the one-shot example worked with the row's tool: the call, its result (from the tool itself), the answer
-    calculator_example = [(m["role"], m["content"]) for m in mixed[0]["prompt"][1:5]]
-    assert calculator_example[1:3] == [
+    # the one-shot example shows the row's tool called, and ends there (the model copies the last turn it saw)
+    calculator_example = [(m["role"], m["content"]) for m in mixed[0]["prompt"][1:]]
+    assert calculator_example[1:] == [
         ("assistant", '<tool_call>\n{"name": "calculate", "arguments": {"expression": "3 * 4 - 2"}}\n</tool_call>'),
-        ("tool", "10"),
+        ("user", rows[0]["question"]),
     ]
-    assert calculator_example[3][1].endswith("\\boxed{10}")
-    retrieval_example = [(m["role"], m["content"]) for m in mixed[1]["prompt"][1:5]]
-    assert retrieval_example[1:3] == [
-        ("assistant", '<tool_call>\n{"name": "lookup", "arguments": {"topic": "days in a week"}}\n</tool_call>'),
-        ("tool", "7"),
-    ]
+    retrieval_example = [(m["role"], m["content"]) for m in mixed[1]["prompt"][1:]]
+    assert [role for role, _ in retrieval_example] == ["user", "assistant", "user"]
+    assert retrieval_example[0][1].startswith("There are 2 weeks") and retrieval_example[1][1] == (
+        '<tool_call>\n{"name": "lookup", "arguments": {"topic": "days in a week"}}\n</tool_call>'
+    )
     assert mixed[0]["prompt"][-1]["content"] == rows[0]["question"]
     alone = with_environments(Dataset.from_list(rows), ["calculator"]).to_list()
     assert "environment" not in alone[0] and alone[3]["answer"] == "#### 4"

@@ -6,9 +6,8 @@ from __future__ import annotations
 import json
 from collections.abc import Sequence
 
-from trl_grpo_ext.environments.calculator import calculate
 from trl_grpo_ext.environments.registry import ENVIRONMENTS
-from trl_grpo_ext.environments.retrieval import FACTS, retrieval_problems
+from trl_grpo_ext.environments.retrieval import retrieval_problems
 from trl_grpo_ext.task.data.prompts import (
     ARITHMETIC_ONE_SHOT_ANSWER,
     ARITHMETIC_ONE_SHOT_QUESTION,
@@ -29,7 +28,6 @@ RETRIEVAL_EXAMPLE_QUESTION = (
     "There are 2 weeks and 3 more days besides. How many days are there in total? Look up 'days in a week' if you "
     "do not know it."
 )
-RETRIEVAL_EXAMPLE_ANSWER = "2 * 7 = 14 days. 14 + 3 = 17.\n\\boxed{17}"
 
 
 def _call_text(name: str, arguments: dict) -> str:
@@ -38,27 +36,27 @@ def _call_text(name: str, arguments: dict) -> str:
 
 
 def _tool_example(prompt: list[dict], environment: str) -> list[dict]:
-    """`prompt` with its one-shot exchange worked with the environment's tool: the call, the result, the answer
-    (unchanged when the prompt has no known one-shot exchange)."""
+    """`prompt` with its one-shot exchange replaced by the row's tool in use: the example question and an assistant
+    turn that only calls the environment's tool (unchanged when the prompt has no known one-shot exchange).
+
+    The example ends at the call on purpose: SmolLM2-135M copies the last assistant turn it was shown. With the
+    whole exchange (the call, the tool's result, then the worked answer) it answers directly and never opens a
+    ``<tool_call>`` (0 calls in 32 completions; the probability of the call's first tokens, ``<tool_call>`` and
+    the tool's name, averaged under 0.001 over 16 prompts); ending the example at the call makes it 0.36. The answer
+    format stays in the system prompt (``\\boxed{}``)."""
     users = [i for i, m in enumerate(prompt) if m["role"] == "user"]
     if len(users) < 2 or prompt[users[0] + 1]["role"] != "assistant":
         return prompt
     first = users[0]
     if environment == "retrieval":
-        question, answer = RETRIEVAL_EXAMPLE_QUESTION, RETRIEVAL_EXAMPLE_ANSWER
-        name, arguments, result = "lookup", {"topic": "days in a week"}, str(FACTS["days in a week"][0])
+        question = RETRIEVAL_EXAMPLE_QUESTION
+        name, arguments = "lookup", {"topic": "days in a week"}
     else:
         question, answer = prompt[first]["content"], prompt[first + 1]["content"]
         if question not in _EXAMPLE_CALLS or answer not in (ONE_SHOT_ANSWER, ARITHMETIC_ONE_SHOT_ANSWER):
             return prompt
         name, arguments = _EXAMPLE_CALLS[question]
-        result = calculate(**arguments)
-    exchange = [
-        {"role": "user", "content": question},
-        {"role": "assistant", "content": _call_text(name, arguments)},
-        {"role": "tool", "content": result},
-        {"role": "assistant", "content": answer},
-    ]
+    exchange = [{"role": "user", "content": question}, {"role": "assistant", "content": _call_text(name, arguments)}]
     return prompt[:first] + exchange + prompt[first + 2 :]
 
 
@@ -73,8 +71,7 @@ def environment_name_problems(names: Sequence[str]) -> list[str]:
 
 def with_environments(dataset, names: Sequence[str], seed: int = 0, one_shot: bool = True):
     """`dataset` (rows with a chat ``prompt``, ``question``, ``answer``) for a run with `names`' environments:
-    the system prompt says tools may be called, the one-shot example is worked with the row's tool (a call, its
-    result, the answer); with ``retrieval``, every row (alone) or every other row (mixed)
+    the system prompt says tools may be called, the one-shot example shows the row's tool called (`_tool_example`); with ``retrieval``, every row (alone) or every other row (mixed)
     becomes a problem that needs a fact of its table (``fact``); with several, each row gets ``environment``."""
     from datasets import Dataset
 

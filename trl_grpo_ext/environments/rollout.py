@@ -50,6 +50,13 @@ def tool_suffix_ids(tokenizer, tool_messages: Sequence[dict], chat_template: str
     return list(full[len(prefix) :])
 
 
+def stop_reason(completion_ids: Sequence[int], stop_token_ids: Sequence[int]) -> str:
+    """How a multi-turn completion ended, by TRL 1.16's rule for ``completions/clipped_ratio`` and
+    ``mask_truncated_completions`` (``is_truncated``: its last token is not an EOS or the pad token): ``"length"``
+    when it was cut (its last turn by the sampler's ``max_tokens`` or by the completion budget), else ``"stop"``."""
+    return "length" if not completion_ids or completion_ids[-1] not in set(stop_token_ids) else "stop"
+
+
 def run_tool_calls(tool_calls: Sequence[dict], tools: dict[str, Callable]) -> list[dict]:
     """The ``tool`` messages of one turn's calls (results as text; failures as TRL writes them)."""
     messages = []

@@ -34,7 +34,7 @@ from pathlib import Path
 
 from trl_grpo_ext.environments import ENVIRONMENTS, environment_tools, tool_metrics
 from trl_grpo_ext.environments.chat import turn_parser, use_tool_chat_template
-from trl_grpo_ext.environments.rollout import multi_turn_rollouts, tool_suffix_ids
+from trl_grpo_ext.environments.rollout import multi_turn_rollouts, stop_reason, tool_suffix_ids
 from trl_grpo_ext.grpo.curriculum import CurriculumPromptStream, curriculum_from_tasks, passed_values
 from trl_grpo_ext.grpo.distillation import DistillationSpec, distillation_of, tokenizer_mismatch
 from trl_grpo_ext.grpo.dynamic_sampling import GroupFilter, GroupRef
@@ -611,12 +611,16 @@ class GRPOLoop:
             c.max_completion_length,
             getattr(self.tokenizer, "model_max_length", None) or 1_000_000,
         )
+        stops = [t for t in (self.tokenizer.eos_token_id, self.tokenizer.pad_token_id) if t is not None]
         return [
             Rollout(
                 prompt_tokens=first.prompt_tokens,
                 completion_tokens=tuple(result.completion_ids),
                 completion_logprobs=tuple(result.logprobs),
-                stop_reason=first.stop_reason if len(result.messages) == 1 else "",
+                # a continued rollout ends with its last turn, which the sampler's stop reason does not describe
+                stop_reason=first.stop_reason
+                if len(result.messages) == 1
+                else stop_reason(result.completion_ids, stops),
                 tool_mask=tuple(result.tool_mask),
                 messages=tuple(result.messages),
             )
