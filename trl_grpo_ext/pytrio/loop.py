@@ -39,6 +39,16 @@ from trl_grpo_ext.grpo.curriculum import CurriculumPromptStream, curriculum_from
 from trl_grpo_ext.grpo.distillation import DistillationSpec, distillation_of, tokenizer_mismatch
 from trl_grpo_ext.grpo.dynamic_sampling import GroupFilter, GroupRef
 from trl_grpo_ext.grpo.loss_table import print_loss_type_notice, wire_loss_config
+from trl_grpo_ext.grpo.reward_aggregation import (
+    RewardMetricLog,
+    frac_reward_zero_std,
+    reward_func_name,
+    reward_kwargs,
+    reward_metrics,
+    reward_weight_tensor,
+    score_completions,
+    weighted_rewards,
+)
 from trl_grpo_ext.grpo.spec import curriculum_pass_reward
 from trl_grpo_ext.models import check_local_model, is_embedded, resolve_model
 from trl_grpo_ext.pytrio import connection
@@ -204,8 +214,6 @@ class ScoredBatch:
 
 def reward_step_metrics(config: PyTrioGRPOConfig, scored: ScoredBatch, reward_names) -> dict:
     """The TRL path's reward metrics of a step (`trl_grpo_ext.grpo.reward_aggregation`), plus ``frac_degenerate``."""
-    from trl_grpo_ext.grpo.reward_aggregation import frac_reward_zero_std, reward_metrics  # trl: seconds, first step
-
     metrics = reward_metrics(scored.rewards_per_func, scored.rewards, reward_names)
     metrics["frac_reward_zero_std"] = frac_reward_zero_std(
         scored.rewards, config.num_generations, config.scale_rewards
@@ -543,8 +551,6 @@ class GRPOLoop:
     def _reward_setup(self):
         """Reward functions with the TRL recipe's context (`trl_grpo_ext.task.rewards.reward_functions`: the length limit
         and EOS let rewards that veto truncated completions recognise them), TRL's names and weights."""
-        from trl_grpo_ext.grpo.reward_aggregation import reward_func_name, reward_weight_tensor  # trl: seconds
-
         funcs = reward_functions(self.config.reward_funcs, self.config, self.tokenizer, settings=self.config)
         return (
             funcs,
@@ -751,13 +757,6 @@ class GRPOLoop:
 
     def _score(self, rows: list[dict], rollouts: list[Rollout], times: StepTimes) -> ScoredBatch:
         """Rewards as TRL computes them (`trl_grpo_ext.grpo.reward_aggregation`), then group advantages."""
-        from trl_grpo_ext.grpo.reward_aggregation import (  # trl: seconds, first step
-            RewardMetricLog,
-            reward_kwargs,
-            score_completions,
-            weighted_rewards,
-        )
-
         t0 = time.perf_counter()
         g = self.config.num_generations
         completion_ids = [list(r.completion_tokens) for r in rollouts]
