@@ -55,15 +55,50 @@ def test_colocate_mode_and_missing_weight_loaders_are_detected():
     assert not lacks_weight_loaders(layer)
 
 
-def test_the_run_summary_names_the_sampler():
+def test_the_run_summary_names_the_sampler_and_why():
     from types import SimpleNamespace
 
-    from trl_grpo_ext.trl.recipe import run_sampler
+    from trl_grpo_ext.trl.recipe import ENV_SAMPLER_REASON, run_sampler, sampler_choice
 
-    assert run_sampler(SimpleNamespace(), SimpleNamespace(use_vllm=False)) == {"name": "generate"}
+    config = "use_vllm: true set in the config"
+    generate, vllm = SimpleNamespace(use_vllm=False), SimpleNamespace(use_vllm=True, vllm_mode="colocate")
+    assert sampler_choice(generate, {}) == {"name": "generate", "reason": "use_vllm: false set in the config"}
+    assert sampler_choice(vllm, {}) == {"name": "vllm", "vllm_mode": "colocate", "reason": config}
+    # a launcher's reason for the sampler it chose (make train's measured default) ...
+    env = {ENV_SAMPLER_REASON: "vllm:  measured faster\n here"}
+    assert sampler_choice(vllm, env)["reason"] == "measured faster here"
+    # ... is not claimed for another sampler that a command-line option chose instead
+    assert (
+        sampler_choice(generate, env)["reason"]
+        == "use_vllm: false set in the config, overriding vllm (measured faster here)"
+    )
+    assert sampler_choice(vllm, {ENV_SAMPLER_REASON: " "})["reason"] == config  # empty: unset
+    for bad in ("measured faster", "sglang: faster", "vllm: "):
+        with pytest.raises(ValueError, match=ENV_SAMPLER_REASON):
+            sampler_choice(vllm, {ENV_SAMPLER_REASON: bad})
     trainer = SimpleNamespace(vllm_weight_sync="reload_weights")
-    args = SimpleNamespace(use_vllm=True, vllm_mode="colocate")
-    assert run_sampler(trainer, args) == {"name": "vllm", "vllm_mode": "colocate", "weight_sync": "reload_weights"}
+    assert run_sampler(trainer, vllm) == {
+        "name": "vllm",
+        "vllm_mode": "colocate",
+        "reason": config,
+        "weight_sync": "reload_weights",
+    }
+
+
+def test_a_malformed_sampler_reason_is_one_line_before_the_model_loads(tmp_path, monkeypatch, capsys):
+    import importlib.util
+
+    from trl_grpo_ext.trl.recipe import ENV_SAMPLER_REASON
+
+    spec = importlib.util.spec_from_file_location("gsm8k_grpo_sampler", ROOT / "recipes" / "gsm8k_grpo.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    monkeypatch.setenv(ENV_SAMPLER_REASON, "faster")
+    out = tmp_path / "run"
+    assert module.main(["--config", str(EMBEDDED_VLLM), "--output_dir", str(out)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"error: {ENV_SAMPLER_REASON}='faster' must read"), err
+    assert not out.exists()
 
 
 @pytest.fixture(scope="module")
@@ -133,7 +168,8 @@ def test_the_embedded_vllm_recipe_trains(tmp_path):
     out = tmp_path / "run"
     overrides = ["--max_steps", "2", "--gradient_accumulation_steps", "1", "--max_completion_length", "16"]
     overrides += ["--eval_num_samples", "0", "--output_dir", str(out)]
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    reason = "vllm: make train's default, measured faster"  # as make train sets it
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "TRL_GRPO_EXT_SAMPLER_REASON": reason}
     env.pop("VLLM_CPU_CI_ENV", None)
     proc = subprocess.run(
         [sys.executable, str(ROOT / "recipes" / "gsm8k_grpo.py"), "--config", str(EMBEDDED_VLLM), *overrides],
@@ -145,8 +181,14 @@ def test_the_embedded_vllm_recipe_trains(tmp_path):
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     assert "weight sync via reload_weights" in proc.stdout + proc.stderr
+    assert "sampler: vLLM, colocate mode (make train's default, measured faster)" in proc.stdout
     summary = json.loads((out / "run_summary.json").read_text())
-    assert summary["sampler"] == {"name": "vllm", "vllm_mode": "colocate", "weight_sync": "reload_weights"}
+    assert summary["sampler"] == {
+        "name": "vllm",
+        "vllm_mode": "colocate",
+        "reason": "make train's default, measured faster",
+        "weight_sync": "reload_weights",
+    }
     steps = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [s["step"] for s in steps] == [1, 2]
     for step in steps:
