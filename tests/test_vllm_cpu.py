@@ -172,7 +172,7 @@ def test_sampling_after_an_optimizer_step_uses_the_new_weights(vllm_model, tmp_p
 
 
 @needs_vllm
-@pytest.mark.parametrize("loss_type", ["cispo", "importance_sampling"])
+@pytest.mark.parametrize("loss_type", ["cispo", "importance_sampling", "ppo"])
 def test_two_grpo_steps_with_our_loss_and_trls_vllm_correction(vllm_model, tmp_path, loss_type):
     result = _run("train", loss_type, vllm_model, tmp_path / "out", cwd=tmp_path)
     assert result["weight_sync"] == "reload_weights"
@@ -183,6 +183,8 @@ def test_two_grpo_steps_with_our_loss_and_trls_vllm_correction(vllm_model, tmp_p
         # TRL's vLLM importance-sampling correction ran: its ratio and the sampler-trainer gap are logged.
         assert math.isfinite(step["sampling/importance_sampling_ratio/mean"])
         assert math.isfinite(step["sampling/sampling_logp_difference/mean"])
+        # the log-prob forwards of vLLM's completions ran on the prefix-sharing path (the chat template's header)
+        assert step["prefix/shared_fraction"] > 0 and step["prefix/saved_tokens"] > 0
     assert 1 in result["synced_at_steps"]  # step 2's generation got step 1's weights
     # Step 2 sampled after step 1's update (learning rate 1e-2 on a tiny model): with stale weights in vLLM the
     # gap would be the size of the update; synced, it stays the engines' numerical gap.
@@ -287,5 +289,6 @@ def test_server_mode_two_grpo_steps_with_our_loss_and_trls_vllm_correction(vllm_
         assert math.isfinite(step["loss"])
         assert math.isfinite(step["sampling/importance_sampling_ratio/mean"])
     assert 1 in result["synced_at_steps"]
+    assert all(step["prefix/shared_fraction"] > 0 for step in steps)  # prefix sharing under the server too
     # synced after step 1 (learning rate 1e-2): step 2's sampler-trainer gap stays the engines' numerical gap
     assert steps[1]["sampling/sampling_logp_difference/mean"] < 0.05
