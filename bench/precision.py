@@ -9,6 +9,9 @@
    python/dispatch floor (the same architecture with tiny widths: its step is all overhead).
 3. Mismatch: one generation batch of our trainer with the bf16 sampler against the trainer's log-probs:
    sampler-vs-trainer KL, the raw importance ratio's mean/min/max, the fraction the correction truncates.
+4. Memory: the embedded recipe as ``make train`` runs it (``--memory-steps`` steps, ``--memory-eval`` held-out
+   problems evaluated before and after, one thread, each precision in a process of its own, one after the other):
+   ``peak RSS: fp32 <a> GB, bf16 <b> GB`` from each run's ``run_summary.json``.
 
 A CPU without bf16 units emulates bf16 (its large matmuls 30-60x slower than fp32 on AVX2), so there the bf16 rows are skipped
 unless ``--quick`` (tiny random model, forced bf16: the mismatch and code paths, not speeds) and the figures that
@@ -159,11 +162,40 @@ def mismatch_figures(model_path_overrides: list[str], rows: int = 24) -> dict:
     return figures
 
 
+def memory_figures(precisions: list[str], steps: int, eval_problems: int, overrides: list[str]) -> dict:
+    """Peak RSS (GB) of the embedded recipe run by itself in each precision ("fp32", "bf16"): `steps` optimizer
+    steps and the before/after eval of `eval_problems` problems, one torch thread, the eval cache off."""
+    import json
+    import os
+    import subprocess
+
+    root = Path(__file__).resolve().parents[1]
+    peaks = {}
+    for name in precisions:
+        with tempfile.TemporaryDirectory() as tmp:
+            env = {**os.environ, "OMP_NUM_THREADS": "1", "TRL_GRPO_EXT_CPU_THREADS": "fixed"}
+            env["TRL_GRPO_EXT_CACHE"] = str(Path(tmp) / "cache")  # the "before" eval generated, not read
+            command = [sys.executable, str(root / "recipes" / "gsm8k_grpo.py")]
+            command += ["--config", str(root / "recipes" / "gsm8k" / "embedded.yaml"), *overrides]
+            command += ["--max_steps", str(steps), "--eval_num_samples", str(eval_problems)]
+            command += ["--bf16", "true" if name == "bf16" else "false", "--output_dir", str(Path(tmp) / "run")]
+            command += ["--disable_tqdm", "true"]
+            subprocess.run(command, env=env, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            peaks[name] = json.loads((Path(tmp) / "run" / "run_summary.json").read_text())["peak_rss_gb"]
+    print(
+        f"\n== memory (embedded recipe, {steps} steps, {eval_problems} held-out problems before and after, 1 thread) =="
+        "\npeak RSS: " + ", ".join(f"{name} {gb:.2f} GB" for name, gb in peaks.items())
+    )
+    return peaks
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--steps", type=int, default=3, help="timed steps per trainer and config (plus a warm-up)")
     parser.add_argument("--new-tokens", type=int, default=16, help="decode steps timed per measurement")
     parser.add_argument("--quick", action="store_true", help="tiny random model, forced bf16: a smoke test (< 2 min)")
+    parser.add_argument("--memory-steps", type=int, default=4, help="optimizer steps of each memory run")
+    parser.add_argument("--memory-eval", type=int, default=64, help="held-out problems of each memory run")
     args = parser.parse_args(argv)
     warnings.filterwarnings("ignore")
     logging.getLogger("transformers").setLevel(logging.ERROR)
@@ -217,6 +249,11 @@ def main(argv=None):
         mismatch_figures(base if args.quick else [])
     else:
         print("\nmismatch: skipped (no bf16 units: a bf16 generation batch of the embedded model is emulated)")
+
+    memory_overrides = ["--model_name_or_path", model_path, "--max_completion_length", "8"] if args.quick else []
+    if args.quick:
+        args.memory_steps, args.memory_eval = 1, 4
+    memory_figures(["fp32", "bf16"] if run_bf16 else ["fp32"], args.memory_steps, args.memory_eval, memory_overrides)
 
     def fmt(value):
         return "n/a" if value is None else f"{value:.2f}"

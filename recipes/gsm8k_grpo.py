@@ -25,6 +25,7 @@ from trl_grpo_ext.trl.recipe import (  # noqa: E402
     precision_line,
     prepare_run,
     report_run,
+    sampler_line,
     save_run_config,
 )
 from trl_grpo_ext.trl.script_args import parse_recipe_args  # noqa: E402
@@ -38,6 +39,7 @@ def main(argv=None) -> int:
         script_args, training_args, model_args = parse_recipe_args(argv, default_config=EMBEDDED_RECIPE)
         print(f"torch threads: {configure_cpu_threads(training_args)}", flush=True)
         print(precision_line(training_args), flush=True)
+        print(sampler_line(training_args), flush=True)
         # Every input check, before the model loads and before anything in output_dir is written.
         run = prepare_run(script_args, training_args, model_args)
     except (ValueError, FileNotFoundError) as error:

@@ -255,15 +255,22 @@ def test_make_train_samples_with_vllm_where_its_cpu_build_is_installed(tmp_path)
         launch = next(line for line in out.splitlines() if "accelerate launch" in line)
         return said, launch, out
 
+    def reason(out):  # the sampler's reason make train hands the recipe (trl_grpo_ext.trl.recipe.sampler_choice)
+        line = next(line for line in out.splitlines() if line.startswith("TRL_GRPO_EXT_SAMPLER_REASON="))
+        return line.removeprefix("TRL_GRPO_EXT_SAMPLER_REASON=").rstrip(" \\").strip('"')
+
     said, launch, out = train(f"VLLMCPU_VENV={installed}")
     assert "sampler: vLLM" in said and launch.startswith(f"TRL_GRPO_EXT_CPU_THREADS=auto {installed}/bin/accelerate")
     assert "--config recipes/gsm8k/embedded_vllm.yaml" in out
+    assert reason(out).startswith("vllm: make train's default") and "0.72 of transformers generate's" in reason(out)
     said, launch, out = train(f"VLLMCPU_VENV={tmp_path / 'absent'}")
     assert "sampler: transformers generate" in said and " .venv/bin/accelerate" in launch
     assert "--config recipes/gsm8k/embedded.yaml" in out
+    assert reason(out).startswith("generate: make train's default where vLLM's CPU build is not installed")
     said, launch, out = train(f"VLLMCPU_VENV={installed}", "RECIPE=recipes/gsm8k/cispo.yaml")
     assert " .venv/bin/accelerate" in launch and "--config recipes/gsm8k/cispo.yaml" in out
     assert "sampler: as recipes/gsm8k/cispo.yaml sets it" in said
+    assert reason(out) == ""  # the recipe's own config says why
 
 
 def _vllm_extra():

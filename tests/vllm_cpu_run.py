@@ -4,11 +4,15 @@ this runs under ``if __name__ == "__main__"``). Prints one JSON line (``RESULT {
     python tests/vllm_cpu_run.py sync MODEL_DIR OUT_DIR [lora]  # the weight sync after an optimizer step
     python tests/vllm_cpu_run.py train LOSS MODEL_DIR OUT_DIR  # 2 GRPO steps with TRL's vLLM IS correction
                                                                # (LOSS "cispo+lora": with LoRA adapters)
+
+``--server URL`` (last): TRL's server mode against the vLLM server at URL instead of colocate mode.
 """
 
 import json
 import math
 import sys
+
+SERVER = None  # the vLLM server's URL in server mode (`--server URL`), else None: colocate
 
 
 def _config(out_dir, **overrides):
@@ -35,6 +39,8 @@ def _config(out_dir, **overrides):
         report_to="none",
         seed=0,
     )
+    if SERVER:
+        options.update(vllm_mode="server", vllm_server_base_url=SERVER, vllm_server_timeout=60)
     options.update(overrides)
     return GRPOConfig(**options)
 
@@ -69,6 +75,12 @@ def _trainer(model_dir, out_dir, lora=False, **overrides):
 
 def _sample(trainer, prompt_ids):
     """vLLM's completions and its log-prob of each sampled token (temperature 1: the model's own distribution)."""
+    if SERVER:
+        out = trainer.vllm_generation.vllm_client.generate(
+            prompt_ids, temperature=1.0, max_tokens=8, logprobs=0,
+            generation_kwargs={"min_tokens": 8, "ignore_eos": True, "seed": 0},
+        )  # fmt: skip
+        return out["completion_ids"], [[step[0] for step in row] for row in out["logprobs"]]
     from vllm import SamplingParams
 
     params = SamplingParams(temperature=1.0, max_tokens=8, min_tokens=8, ignore_eos=True, logprobs=0, seed=0)
@@ -106,6 +118,8 @@ def run_sync(model_dir, out_dir, adapters="full"):
     import torch
 
     trainer = _trainer(model_dir, out_dir, lora=adapters == "lora")
+    if SERVER:  # a server other runs may have updated: the trainer's starting weights first
+        trainer.vllm_generation.sync_weights()
     # vLLM's CPU worker turns torch.set_num_threads into a no-op; the trainer puts the real one back.
     threads = torch.get_num_threads()
     torch.set_num_threads(threads + 1)
@@ -165,5 +179,8 @@ def run_train(loss_type, model_dir, out_dir):
 
 if __name__ == "__main__":
     mode, *rest = sys.argv[1:]
+    if "--server" in rest:
+        SERVER = rest[rest.index("--server") + 1]
+        rest = rest[: rest.index("--server")]
     result = run_sync(*rest) if mode == "sync" else run_train(*rest)
     print("RESULT " + json.dumps(result, default=lambda v: None if isinstance(v, float) and math.isnan(v) else v))

@@ -21,6 +21,7 @@ needs of TRL beyond TRL's public API is here, so a TRL upgrade re-checks this mo
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -317,6 +318,20 @@ def sync_weights_by_reload(generation) -> None:
     model_runner = generation.llm.llm_engine.model_executor.driver_worker.model_runner
     model_runner.reload_weights(weights_iterator=generation._iter_named_params(), is_checkpoint_format=True)
     generation.llm.reset_prefix_cache()
+
+
+@contextlib.contextmanager
+def vllm_client_class(client_cls):
+    """While the block runs, TRL 1.16's ``VLLMGeneration`` builds its server-mode client (``VLLMClient(...)`` in
+    ``_init_vllm``, which also opens the weight-transfer channel) from `client_cls`, a ``VLLMClient`` subclass."""
+    from trl.generation import vllm_generation
+
+    original = vllm_generation.VLLMClient
+    vllm_generation.VLLMClient = client_cls
+    try:
+        yield
+    finally:
+        vllm_generation.VLLMClient = original
 
 
 # Per-completion tensors of a TRL 1.16 generation batch (`_generate_and_score_completions`' output) and the value

