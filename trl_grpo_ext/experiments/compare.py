@@ -164,6 +164,10 @@ def _mean(values: list[float]) -> float | None:
     return sum(values) / len(values) if values else None
 
 
+def _last(values: list[float]) -> float | None:
+    return values[-1] if values else None
+
+
 def summarize(run: RunData, smooth_window: int = 1) -> dict:
     """The report's numbers for one run; None where the run did not log what a number needs."""
     steps, reward = run.series("reward")
@@ -186,6 +190,9 @@ def summarize(run: RunData, smooth_window: int = 1) -> dict:
         "tool_calls": _mean(run.series("tools/calls_per_completion")[1]),
         "tool_errors": _mean(run.series("tools/errors")[1]),
         "tool_token_fraction": _mean(run.series("tools/token_fraction")[1]),
+        # on-policy distillation runs (`grpo.distillation`): how far the student is from its teacher, per token
+        "distill_reverse_kl": _mean(run.series("distill/reverse_kl")[1]),
+        "distill_reverse_kl_last": _last(run.series("distill/reverse_kl")[1]),
         "tokens_per_s": tok_s,
         "wall_time": run.wall_time,
     }
@@ -272,6 +279,8 @@ COLUMNS = (
     ("tool_calls", "tool calls/completion"),
     ("tool_errors", "tool errors/step"),
     ("tool_token_fraction", "tool token frac"),
+    ("distill_reverse_kl", "reverse KL to teacher"),
+    ("distill_reverse_kl_last", "reverse KL to teacher, last step"),
     ("tokens_per_s", "train tok/s"),
     ("wall_time", "wall time"),
     ("heldout_before", "held-out acc before"),
@@ -372,6 +381,12 @@ def build_report(run_paths: list[str | os.PathLike], out_dir: str | os.PathLike,
         md += [
             "tool calls/completion, tool errors/step, tool token frac: means over logged steps of"
             " `tools/calls_per_completion`, `tools/errors` and `tools/token_fraction` (runs with tools).",
+            "",
+        ]
+    if any(s.get("distill_reverse_kl") is not None for s in summaries):
+        md += [
+            "reverse KL to teacher: mean over logged steps of `distill/reverse_kl` (the student's sampled tokens,"
+            " log p_student - log p_teacher; runs with a `distillation:` teacher), and its last logged value.",
             "",
         ]
     sizes = sorted({r.heldout["n"] for r in runs if "n" in r.heldout})
