@@ -3,6 +3,9 @@ the TRL path's bf16 autocast (fp32 master weights and optimizer state) with the 
 
 import json
 import math
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -10,7 +13,13 @@ import trl
 from datasets import Dataset
 
 from trl_grpo_ext.grpo.losses import SAMPLER_MISMATCH_KEYS, sampler_correction
-from trl_grpo_ext.precision import ENV_CPU_BF16, cpu_bf16_units, parse_bf16_setting, resolve_precision
+from trl_grpo_ext.precision import (
+    ENV_CPU_BF16,
+    ONEDNN_CACHE_VARIABLES,
+    cpu_bf16_units,
+    parse_bf16_setting,
+    resolve_precision,
+)
 from trl_grpo_ext.trl.config import GRPOConfig
 
 PROMPTS = [[{"role": "user", "content": f"What is {i} + 4?"}] for i in range(8)]
@@ -75,6 +84,45 @@ def test_settings_and_bad_values(units):
     for bad in ("maybe", 2, 0.5):
         with pytest.raises(ValueError, match="must be auto, true or false"):
             parse_bf16_setting(bad)
+
+
+# A fresh process resolves a precision, then runs bf16 matmuls of 134 shapes and the first shape again, and prints
+# whether torch sends bf16 matmuls to oneDNN on this CPU.
+ONEDNN_PROBE = r"""
+import sys
+import torch
+from trl_grpo_ext.precision import resolve_precision
+
+resolve_precision(sys.argv[1], on_cpu=True)
+weight = torch.randn(64, 64)
+for rows in [*range(32, 166), 32]:  # torch sends bf16 matmuls of 17 rows and more to oneDNN
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        torch.nn.functional.linear(torch.randn(rows, 64), weight)
+print("mkldnn_bf16", torch.ops.mkldnn._is_mkldnn_bf16_supported())
+"""
+
+
+@pytest.mark.parametrize(
+    "setting, preset, expect",
+    [("true", None, "cache_miss"), ("false", None, "cache_hit"), ("true", "1024", "cache_hit")],
+    ids=["bf16-capped", "fp32-untouched", "bf16-user-setting-kept"],
+)
+def test_a_bf16_cpu_run_caps_onednns_caches(setting, preset, expect):
+    """oneDNN's matmul cache, seen in its verbose log: after a bf16 precision is resolved the first shape is built
+    again after 134 others (capped at 32 entries); an fp32 run, or a user's own setting, keeps it cached."""
+    env = {k: v for k, v in os.environ.items() if k not in ONEDNN_CACHE_VARIABLES}
+    env.update(ONEDNN_VERBOSE="profile_create", OMP_NUM_THREADS="1")
+    if preset is not None:
+        env.update(dict.fromkeys(ONEDNN_CACHE_VARIABLES, preset))
+    done = subprocess.run(
+        [sys.executable, "-c", ONEDNN_PROBE, setting], env=env, capture_output=True, text=True, check=True
+    )
+    creates = [line for line in done.stdout.splitlines() if "create:cache_" in line and ",matmul," in line]
+    if "mkldnn_bf16 False" in done.stdout:  # torch runs bf16 matmuls without oneDNN here: no cache to grow
+        assert creates == []
+        return
+    assert len(creates) == 135, done.stdout[-2000:]
+    assert ",32x64:64x64," in creates[-1] and f"create:{expect}" in creates[-1], creates[-1]
 
 
 def test_config_resolves_auto_before_trl(units, monkeypatch):

@@ -7,6 +7,9 @@ is read from the CPU's capabilities as torch reports them, never from a model na
 ``bf16: true`` / ``false`` force it. Off the CPU (CUDA, ...) ``auto`` leaves the choice to TRL (its default).
 
 ``TRL_GRPO_EXT_CPU_BF16=1`` / ``0`` overrides the detection (tests and CI exercise both answers on any machine).
+
+A bf16 run on the CPU also caps oneDNN's caches (`limit_onednn_caches`): left at their defaults they grow its memory
+with every new batch shape.
 """
 
 from __future__ import annotations
@@ -20,6 +23,13 @@ AUTO = "auto"
 # torch.cpu.get_capabilities() names of bf16 matrix/dot-product units: x86 (AVX512-BF16, AMX-BF16), Arm (BF16, SVE-BF16)
 BF16_UNITS = ("amx_bf16", "avx512_bf16", "bf16", "sve_bf16")
 _TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
+# oneDNN keeps each matmul primitive it builds, and ideep (torch's wrapper around it) each matmul's computation, in
+# LRU caches of 1024 entries; bf16 matmuls on the CPU go through them (fp32 ones through MKL do not). A training
+# batch's shapes follow its sequence lengths, so nearly every step adds entries, each holding memory: the embedded
+# recipe's bf16 runs grew by about 0.1 GB a step until the caches filled (docs/precision.md). A step's working set
+# (a few shapes per micro-batch, each reused by every layer, and one per decode batch) fits in far fewer entries.
+ONEDNN_CACHE_VARIABLES = ("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "LRU_CACHE_CAPACITY")
+ONEDNN_CACHE_ENTRIES = 32
 
 
 @dataclass(frozen=True)
@@ -93,14 +103,29 @@ def cpu_bf16_units() -> tuple[bool, str]:
 
 
 def resolve_precision(value, *, on_cpu: bool) -> Precision:
-    """The run's `Precision` from its ``bf16`` setting; `on_cpu`: the run computes on the CPU."""
+    """The run's `Precision` from its ``bf16`` setting; `on_cpu`: the run computes on the CPU (a bf16 one caps
+    oneDNN's caches, `limit_onednn_caches`)."""
     setting = parse_bf16_setting(value)
     if setting != AUTO:
-        return Precision(setting == "true", setting, "set in the config")
-    if not on_cpu:
-        return Precision(None, setting, "not a CPU run: TRL's default (bf16 unless fp16)")
-    units, why = cpu_bf16_units()
-    return Precision(units, setting, why)
+        precision = Precision(setting == "true", setting, "set in the config")
+    elif not on_cpu:
+        precision = Precision(None, setting, "not a CPU run: TRL's default (bf16 unless fp16)")
+    else:
+        units, why = cpu_bf16_units()
+        precision = Precision(units, setting, why)
+    if on_cpu and precision.bf16:
+        limit_onednn_caches()
+    return precision
+
+
+def limit_onednn_caches(entries: int = ONEDNN_CACHE_ENTRIES) -> dict[str, str]:
+    """Cap oneDNN's primitive cache and ideep's computation cache at `entries` each (`ONEDNN_CACHE_VARIABLES`), where
+    the environment does not set them already; returns the values in effect. Each library reads its variable once,
+    at the process's first bf16 matmul on the CPU, so this must run before it (precision is resolved before any
+    model computes); later calls change nothing."""
+    for name in ONEDNN_CACHE_VARIABLES:
+        os.environ.setdefault(name, str(entries))
+    return {name: os.environ[name] for name in ONEDNN_CACHE_VARIABLES}
 
 
 def sampler_bf16(bf16, device_type: str) -> bool:
@@ -118,6 +143,8 @@ def bf16_autocast(enabled: bool, device_type: str = "cpu"):
     """
     if not enabled:
         return contextlib.nullcontext()
+    if device_type == "cpu":
+        limit_onednn_caches()  # an eval or a script that never resolved a precision
     import torch
 
     return torch.autocast(device_type=device_type, dtype=torch.bfloat16)
