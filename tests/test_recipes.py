@@ -339,3 +339,28 @@ def test_recipe_config_lets_compare_group_hand_launched_seeds(tmp_path):
     groups = group_by_seed(runs, [summarize(r) for r in runs], IGNORED_CONFIG_KEYS)
     assert [g.seeds for g in groups] == [[0, 1], [0]]
     assert [r.path.name for r in groups[0].runs] == ["a0", "a1"] and "learning_rate=3e-05" in groups[1].label
+
+
+# A parent that holds `held` MiB, then starts a run's process (as a bench starts recipes) and prints its peak_rss_gb.
+LARGE_PARENT = r"""
+import subprocess, sys
+held = bytearray(int(sys.argv[1]) * 2**20)
+held[:: 4096] = b"x" * len(held[:: 4096])  # touched: resident
+child = "from trl_grpo_ext.trl.recipe import peak_rss_gb; print(peak_rss_gb())"
+print(subprocess.run([sys.executable, "-c", child], capture_output=True, text=True, check=True).stdout.strip())
+"""
+
+
+def test_peak_rss_is_the_runs_own_not_its_starters():
+    """getrusage's ru_maxrss keeps the forking parent's peak up to the exec; a run's peak RSS must not include it."""
+    import subprocess
+    import sys
+
+    held_mib = 3072
+    out = subprocess.run(
+        [sys.executable, "-c", LARGE_PARENT, str(held_mib)], cwd=ROOT, capture_output=True, text=True, check=True
+    ).stdout
+    child_gb = float(out.strip().splitlines()[-1])
+    assert 0 < child_gb < held_mib * 2**20 / 1e9 / 2, (
+        child_gb
+    )  # the child's own imports: well under the parent's 3.2 GB

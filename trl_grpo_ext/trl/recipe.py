@@ -236,10 +236,25 @@ def build_datasets(script_args, training_args, tokenizer):
 
 
 def peak_rss_gb() -> float:
-    """Peak resident memory of this process and its finished children, in GB (Linux reports KiB)."""
-    self_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    """Peak resident memory of this process and its finished children, in GB (Linux reports KiB).
+
+    This process's own peak is its high-water mark since it started this program (``VmHWM``): getrusage's
+    ``ru_maxrss`` also keeps the peak of the process it was forked from, up to the exec, so a run started by a large
+    process (a bench holding models) would report that process's memory as its own."""
+    self_kib = _own_peak_kib() or resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     child_kib = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
     return max(self_kib, child_kib) * 1024 / 1e9
+
+
+def _own_peak_kib() -> int | None:
+    """``VmHWM`` of /proc/self/status in KiB (Linux), else None."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1])
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
 
 
 def summarize_metrics(rows: list[dict], window: int = 10) -> dict:
