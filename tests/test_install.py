@@ -242,9 +242,10 @@ def test_make_builds_the_vllmcpu_cell_beside_the_cpu_torch():
     assert "make test-vllmcpu" in (ROOT / ".ci" / "run").read_text()
 
 
-def test_make_train_samples_with_vllm_where_its_cpu_build_is_installed(tmp_path):
-    """`make train` picks the embedded recipe sampled by vLLM when the vllmcpu venv is installed, generate's
-    otherwise, and says which at start; a recipe the user names runs in .venv as it is."""
+def test_make_train_samples_with_generate_and_with_vllm_when_asked(tmp_path):
+    """`make train` samples the embedded recipe with generate in .venv (the faster here, by measurement) whether or
+    not vLLM's CPU build is installed; SAMPLER=vllm runs the vLLM recipe in the vllmcpu venv; each says which at start
+    and hands the recipe why; a recipe the user names runs in .venv as it is; a bad SAMPLER stops make at once."""
     installed = tmp_path / "vllmcpu"
     installed.mkdir()
     (installed / ".installed").touch()
@@ -259,18 +260,22 @@ def test_make_train_samples_with_vllm_where_its_cpu_build_is_installed(tmp_path)
         line = next(line for line in out.splitlines() if line.startswith("TRL_GRPO_EXT_SAMPLER_REASON="))
         return line.removeprefix("TRL_GRPO_EXT_SAMPLER_REASON=").rstrip(" \\").strip('"')
 
-    said, launch, out = train(f"VLLMCPU_VENV={installed}")
+    for venv in (installed, tmp_path / "absent"):
+        said, launch, out = train(f"VLLMCPU_VENV={venv}")
+        assert "sampler: transformers generate" in said and " .venv/bin/accelerate" in launch
+        assert "--config recipes/gsm8k/embedded.yaml" in out
+        assert reason(out).startswith("generate: make train's default, the faster sampler here by measurement")
+    said, launch, out = train(f"VLLMCPU_VENV={installed}", "SAMPLER=vllm")
     assert "sampler: vLLM" in said and launch.startswith(f"TRL_GRPO_EXT_CPU_THREADS=auto {installed}/bin/accelerate")
     assert "--config recipes/gsm8k/embedded_vllm.yaml" in out
-    assert reason(out).startswith("vllm: make train's default") and "0.72 of transformers generate's" in reason(out)
-    said, launch, out = train(f"VLLMCPU_VENV={tmp_path / 'absent'}")
-    assert "sampler: transformers generate" in said and " .venv/bin/accelerate" in launch
-    assert "--config recipes/gsm8k/embedded.yaml" in out
-    assert reason(out).startswith("generate: make train's default where vLLM's CPU build is not installed")
-    said, launch, out = train(f"VLLMCPU_VENV={installed}", "RECIPE=recipes/gsm8k/cispo.yaml")
+    assert reason(out) == "vllm: SAMPLER=vllm given to make train"
+    said, launch, out = train(f"VLLMCPU_VENV={installed}", "SAMPLER=vllm", "RECIPE=recipes/gsm8k/cispo.yaml")
     assert " .venv/bin/accelerate" in launch and "--config recipes/gsm8k/cispo.yaml" in out
     assert "sampler: as recipes/gsm8k/cispo.yaml sets it" in said
     assert reason(out) == ""  # the recipe's own config says why
+    env = {k: v for k, v in os.environ.items() if k not in ("MAKELEVEL", "MAKEFLAGS", "MFLAGS")}
+    bad = subprocess.run(["make", "-n", "train", "SAMPLER=vLLM"], cwd=ROOT, capture_output=True, text=True, env=env)
+    assert bad.returncode != 0 and "SAMPLER=vLLM: must be generate or vllm" in bad.stderr
 
 
 def _vllm_extra():

@@ -193,12 +193,12 @@ def test_two_grpo_steps_with_our_loss_and_trls_vllm_correction(vllm_model, tmp_p
 
 @needs_vllm
 def test_the_embedded_vllm_recipe_trains(tmp_path):
-    """recipes/gsm8k/embedded_vllm.yaml as `make train` runs it (the embedded model, colocated vLLM compiled as TRL
+    """recipes/gsm8k/embedded_vllm.yaml as `make train SAMPLER=vllm` runs it (the embedded model, colocated vLLM compiled as TRL
     builds it, bf16 auto), shortened: 2 steps of 8 completions, no eval."""
     out = tmp_path / "run"
     overrides = ["--max_steps", "2", "--gradient_accumulation_steps", "1", "--max_completion_length", "16"]
     overrides += ["--eval_num_samples", "0", "--output_dir", str(out)]
-    reason = "vllm: make train's default, measured faster"  # as make train sets it
+    reason = "vllm: SAMPLER=vllm given to make train"  # as `make train SAMPLER=vllm` sets it
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "TRL_GRPO_EXT_SAMPLER_REASON": reason}
     env.pop("VLLM_CPU_CI_ENV", None)
     proc = subprocess.run(
@@ -211,12 +211,12 @@ def test_the_embedded_vllm_recipe_trains(tmp_path):
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     assert "weight sync via reload_weights" in proc.stdout + proc.stderr
-    assert "sampler: vLLM, colocate mode (make train's default, measured faster)" in proc.stdout
+    assert "sampler: vLLM, colocate mode (SAMPLER=vllm given to make train)" in proc.stdout
     summary = json.loads((out / "run_summary.json").read_text())
     assert summary["sampler"] == {
         "name": "vllm",
         "vllm_mode": "colocate",
-        "reason": "make train's default, measured faster",
+        "reason": "SAMPLER=vllm given to make train",
         "weight_sync": "reload_weights",
     }
     steps = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
