@@ -4,6 +4,8 @@ Kill + resume: tests/test_kill_resume.py."""
 
 import glob
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -353,14 +355,10 @@ print(subprocess.run([sys.executable, "-c", child], capture_output=True, text=Tr
 
 def test_peak_rss_is_the_runs_own_not_its_starters():
     """getrusage's ru_maxrss keeps the forking parent's peak up to the exec; a run's peak RSS must not include it."""
-    import subprocess
-    import sys
-
     held_mib = 3072
     out = subprocess.run(
         [sys.executable, "-c", LARGE_PARENT, str(held_mib)], cwd=ROOT, capture_output=True, text=True, check=True
     ).stdout
     child_gb = float(out.strip().splitlines()[-1])
-    assert 0 < child_gb < held_mib * 2**20 / 1e9 / 2, (
-        child_gb
-    )  # the child's own imports: well under the parent's 3.2 GB
+    # the child's own imports: well under the parent's 3.2 GB (ru_maxrss alone reports at least that)
+    assert 0 < child_gb < held_mib * 2**20 / 1e9 / 2, child_gb

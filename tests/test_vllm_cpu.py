@@ -193,8 +193,8 @@ def test_two_grpo_steps_with_our_loss_and_trls_vllm_correction(vllm_model, tmp_p
 
 @needs_vllm
 def test_the_embedded_vllm_recipe_trains(tmp_path):
-    """recipes/gsm8k/embedded_vllm.yaml as `make train SAMPLER=vllm` runs it (the embedded model, colocated vLLM compiled as TRL
-    builds it, bf16 auto), shortened: 2 steps of 8 completions, no eval."""
+    """recipes/gsm8k/embedded_vllm.yaml as `make train SAMPLER=vllm` runs it (the embedded model, colocated vLLM
+    compiled as TRL builds it, bf16 auto), shortened: 2 steps of 8 completions, no eval."""
     out = tmp_path / "run"
     overrides = ["--max_steps", "2", "--gradient_accumulation_steps", "1", "--max_completion_length", "16"]
     overrides += ["--eval_num_samples", "0", "--output_dir", str(out)]
