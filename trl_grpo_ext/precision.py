@@ -118,14 +118,13 @@ def resolve_precision(value, *, on_cpu: bool) -> Precision:
     return precision
 
 
-def limit_onednn_caches(entries: int = ONEDNN_CACHE_ENTRIES) -> dict[str, str]:
+def limit_onednn_caches(entries: int = ONEDNN_CACHE_ENTRIES) -> None:
     """Cap oneDNN's primitive cache and ideep's computation cache at `entries` each (`ONEDNN_CACHE_VARIABLES`), where
-    the environment does not set them already; returns the values in effect. Each library reads its variable once,
-    at the process's first bf16 matmul on the CPU, so this must run before it (precision is resolved before any
-    model computes); later calls change nothing."""
+    the environment does not set them already. Each library reads its variable once, at the process's first bf16
+    matmul on the CPU, so this must run before it (precision is resolved before any model computes); later calls
+    change nothing."""
     for name in ONEDNN_CACHE_VARIABLES:
         os.environ.setdefault(name, str(entries))
-    return {name: os.environ[name] for name in ONEDNN_CACHE_VARIABLES}
 
 
 def sampler_bf16(bf16, device_type: str) -> bool:

@@ -20,6 +20,7 @@ from trl_grpo_ext.pytrio.server.adapters import LoraSnapshot
 from trl_grpo_ext.pytrio.server.decoding import SampleResult
 from trl_grpo_ext.pytrio.server.errors import ApiError, EngineError, EventFailure
 from trl_grpo_ext.pytrio.server.events import EventRecord, RunEventQueue
+from trl_grpo_ext.pytrio.server.images import memory_positions
 from trl_grpo_ext.pytrio.server.registry import ActorToken
 from trl_grpo_ext.pytrio.server.sample_params import check_topk, sample_spec
 from trl_grpo_ext.pytrio.server.wire import item_lengths, prompt_input, require_finite, validate
@@ -144,12 +145,11 @@ class ActorHandlers:
             spec.vision = vision
             check_topk(request.topk_prompt_logprobs, self.config.max_topk_logprobs)
         model = engine.memory_model
-        # the vision tower's positions counted as tokens: an estimate of its working memory
-        extra = vision.patches if vision is not None else 0
-        cost = model.sample_bytes(len(prompt) + extra, spec.num_samples, spec.max_tokens)
+        positions = memory_positions(len(prompt), vision)
+        cost = model.sample_bytes(positions, spec.num_samples, spec.max_tokens)
         self.memory.refuse_beyond(cost, f"this sample request ({spec.num_samples} x {spec.max_tokens} tokens)")
         if request.return_prompt_logprobs or request.topk_prompt_logprobs:
-            scoring = model.prompt_logprobs_bytes(len(prompt) + extra, request.topk_prompt_logprobs)
+            scoring = model.prompt_logprobs_bytes(positions, request.topk_prompt_logprobs)
             self.memory.refuse_beyond(scoring, f"prompt log-probs of {len(prompt)} tokens")
         snapshot = None
         if run.source_checkpoint_uri:
@@ -162,8 +162,8 @@ class ActorHandlers:
         prompt_logprobs, topk = None, None
         if request.return_prompt_logprobs or request.topk_prompt_logprobs:
             engine = job.engine or self.engine
-            extra = job.vision.patches if job.vision is not None else 0
-            cost = engine.memory_model.prompt_logprobs_bytes(len(prompt) + extra, request.topk_prompt_logprobs)
+            positions = memory_positions(len(prompt), job.vision)
+            cost = engine.memory_model.prompt_logprobs_bytes(positions, request.topk_prompt_logprobs)
             with _sampling_errors(), self.memory.reserve(cost):
                 prompt_logprobs, topk = engine.prompt_logprobs(
                     job.snapshot, prompt, request.topk_prompt_logprobs, vision=job.vision

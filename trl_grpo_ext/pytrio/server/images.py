@@ -110,6 +110,12 @@ class VisionInput:
         }
 
 
+def memory_positions(tokens: int, vision: VisionInput | None) -> int:
+    """Positions an input costs in the server's memory estimates: its tokens, plus for an input with images its
+    vision tower's positions (counted as tokens: an estimate of the tower's working memory)."""
+    return tokens + (vision.patches if vision is not None else 0)
+
+
 class ImageInputs:
     """The part of `ModelEngine` that turns chunks with images into a `VisionInput` (uses ``base``,
     ``image_processor`` (None on a text-only model) and ``model_path``)."""

@@ -21,7 +21,7 @@ from trl_grpo_ext.pytrio.server.adapters import LoraSettings
 from trl_grpo_ext.pytrio.server.errors import ApiError, EngineError, EventFailure
 from trl_grpo_ext.pytrio.server.events import EventRecord
 from trl_grpo_ext.pytrio.server.forward import ForwardDatum
-from trl_grpo_ext.pytrio.server.images import mask_image_targets
+from trl_grpo_ext.pytrio.server.images import mask_image_targets, memory_positions
 from trl_grpo_ext.pytrio.server.loss_fns import LossConfigError, parse_loss
 from trl_grpo_ext.pytrio.server.normalization import TotalsError, counted_tokens, loss_scale, parse_totals
 from trl_grpo_ext.pytrio.server.registry import KIND_FOLDERS, CheckpointRecord, checkpoint_uri, new_id, safe_name
@@ -123,8 +123,7 @@ class TrainingHandlers:
             raise EventFailure("invalid_gradient_accumulation", str(error)) from None
         self.engine.check_lengths([len(d.tokens) for d in data])
         budget = self.memory.budget  # chunks are cut to fit it: only an item alone above it is refused
-        # an item with images: its vision tower's positions counted as tokens (an estimate of their memory)
-        sizes = [len(d.tokens) + (d.vision.patches if d.vision is not None else 0) for d in data]
+        sizes = [memory_positions(len(d.tokens), d.vision) for d in data]
         cost = self.engine.forward_bytes(sizes, backward, budget)
         self.memory.refuse_beyond(cost, f"this {record.type.split('.')[1]}")
         with self.memory.reserve(cost):  # waits while running work holds the budget
