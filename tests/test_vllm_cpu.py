@@ -171,24 +171,51 @@ def test_sampling_after_an_optimizer_step_uses_the_new_weights(vllm_model, tmp_p
     assert result["gap_after"] < 0.05
 
 
+def _loss_forwards(result) -> dict[int, list[bool]]:
+    """Per optimizer step (0-based), whether each log-prob forward kept a graph (the loss's) or not (no-grad)."""
+    by_step = {}
+    for forward in result["forwards"]:
+        by_step.setdefault(forward["step"], []).append(forward["grad"])
+    return by_step
+
+
 @needs_vllm
 @pytest.mark.parametrize("loss_type", ["cispo", "importance_sampling", "ppo"])
-def test_two_grpo_steps_with_our_loss_and_trls_vllm_correction(vllm_model, tmp_path, loss_type):
+def test_two_grpo_steps_with_our_loss_and_vllms_correction_from_the_losss_forward(vllm_model, tmp_path, loss_type):
+    """On-policy (each batch trained with the weights that sampled it), the correction is computed from the loss's
+    own forward: TRL's extra no-grad forward of the batch does not run, and the correction is logged."""
     result = _run("train", loss_type, vllm_model, tmp_path / "out", cwd=tmp_path)
     assert result["weight_sync"] == "reload_weights"
+    assert result["loss_corrects_vllm"]
     steps = result["steps"]
     assert [s["step"] for s in steps] == [1, 2]
+    # one log-prob forward per step, the loss's (8 completions, one micro-batch); TRL would add a no-grad one
+    assert _loss_forwards(result) == {0: [True], 1: [True]}
     for step in steps:
         assert math.isfinite(step["loss"])
-        # TRL's vLLM importance-sampling correction ran: its ratio and the sampler-trainer gap are logged.
-        assert math.isfinite(step["sampling/importance_sampling_ratio/mean"])
-        assert math.isfinite(step["sampling/sampling_logp_difference/mean"])
+        assert "sampling/importance_sampling_ratio/mean" not in step  # TRL's correction is off ...
+        assert 0 < step["sampling/is_ratio_raw/min"] <= step["sampling/is_ratio_raw/max"]  # ... this one ran
         # the log-prob forwards of vLLM's completions ran on the prefix-sharing path (the chat template's header)
         assert step["prefix/shared_fraction"] > 0 and step["prefix/saved_tokens"] > 0
     assert 1 in result["synced_at_steps"]  # step 2's generation got step 1's weights
     # Step 2 sampled after step 1's update (learning rate 1e-2 on a tiny model): with stale weights in vLLM the
-    # gap would be the size of the update; synced, it stays the engines' numerical gap.
-    assert steps[1]["sampling/sampling_logp_difference/mean"] < 0.05
+    # sampler-trainer KL would be the size of the update; synced, it stays the engines' numerical gap.
+    assert steps[1]["sampling/sampler_kl"] < 0.01
+
+
+@needs_vllm
+def test_trls_own_vllm_correction_where_a_batch_is_trained_twice(vllm_model, tmp_path):
+    """``num_iterations=2``: the second pass trains on a batch the first pass's update has moved away from, so the
+    trainer's log-probs of the sampled policy come from TRL's no-grad forward, and TRL corrects as it does."""
+    result = _run("train", "cispo+reuse", vllm_model, tmp_path / "out", cwd=tmp_path)
+    assert not result["loss_corrects_vllm"]
+    steps = result["steps"]
+    assert [s["step"] for s in steps] == [1, 2]
+    # step 1 generates: TRL's no-grad forward, then the loss's; step 2 reuses the batch: the loss's alone
+    assert _loss_forwards(result) == {0: [False, True], 1: [True]}
+    assert math.isfinite(steps[0]["sampling/importance_sampling_ratio/mean"])
+    assert "sampling/is_ratio_raw/mean" not in steps[0]
+    assert all(math.isfinite(step["loss"]) for step in steps)
 
 
 @needs_vllm
@@ -223,9 +250,10 @@ def test_the_embedded_vllm_recipe_trains(tmp_path):
     assert [s["step"] for s in steps] == [1, 2]
     for step in steps:
         assert math.isfinite(step["loss"])
-        # bf16 vLLM against the trainer: a small gap, corrected by TRL's importance sampling.
-        assert 0 <= step["sampling/sampling_logp_difference/mean"] < 0.2
-        assert math.isfinite(step["sampling/importance_sampling_ratio/mean"])
+        # bf16 vLLM against the trainer: a small gap, corrected from the loss's forward (the recipe is on-policy)
+        assert 0 <= step["sampling/sampler_kl"] < 0.05
+        assert math.isfinite(step["sampling/is_ratio_raw/mean"])
+        assert "sampling/importance_sampling_ratio/mean" not in step
 
 
 def _free_port() -> int:
@@ -280,15 +308,16 @@ def test_server_mode_sampling_after_an_optimizer_step_uses_the_new_weights(vllm_
 
 
 @needs_vllm
-def test_server_mode_two_grpo_steps_with_our_loss_and_trls_vllm_correction(vllm_model, vllm_server, tmp_path):
+def test_server_mode_two_grpo_steps_with_our_loss_and_vllms_correction(vllm_model, vllm_server, tmp_path):
     result = _run("train", "cispo", vllm_model, tmp_path / "out", "--server", vllm_server, cwd=tmp_path)
     assert result["weight_sync"] == "server reload_weights from a file"
+    assert result["loss_corrects_vllm"] and _loss_forwards(result) == {0: [True], 1: [True]}
     steps = result["steps"]
     assert [s["step"] for s in steps] == [1, 2]
     for step in steps:
         assert math.isfinite(step["loss"])
-        assert math.isfinite(step["sampling/importance_sampling_ratio/mean"])
+        assert 0 < step["sampling/is_ratio_raw/min"] <= step["sampling/is_ratio_raw/max"]
     assert 1 in result["synced_at_steps"]
     assert all(step["prefix/shared_fraction"] > 0 for step in steps)  # prefix sharing under the server too
-    # synced after step 1 (learning rate 1e-2): step 2's sampler-trainer gap stays the engines' numerical gap
-    assert steps[1]["sampling/sampling_logp_difference/mean"] < 0.05
+    # synced after step 1 (learning rate 1e-2): step 2's sampler-trainer KL stays the engines' numerical gap
+    assert steps[1]["sampling/sampler_kl"] < 0.01

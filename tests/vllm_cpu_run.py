@@ -2,8 +2,8 @@
 this runs under ``if __name__ == "__main__"``). Prints one JSON line (``RESULT {...}``) that the test checks.
 
     python tests/vllm_cpu_run.py sync MODEL_DIR OUT_DIR [lora]  # the weight sync after an optimizer step
-    python tests/vllm_cpu_run.py train LOSS MODEL_DIR OUT_DIR  # 2 GRPO steps with TRL's vLLM IS correction
-                                                               # (LOSS "cispo+lora": with LoRA adapters)
+    python tests/vllm_cpu_run.py train LOSS MODEL_DIR OUT_DIR  # 2 GRPO steps with vLLM's IS correction
+                                        # (LOSS "cispo+lora": with LoRA adapters; "cispo+reuse": num_iterations=2)
 
 ``--server URL`` (last): TRL's server mode against the vLLM server at URL instead of colocate mode.
 """
@@ -161,9 +161,14 @@ def run_sync(model_dir, out_dir, adapters="full"):
 
 
 def run_train(loss_type, model_dir, out_dir):
-    """Two GRPO steps with `loss_type` and TRL's vLLM importance-sampling correction; the logged metrics."""
-    loss_type, _, lora = loss_type.partition("+")  # "cispo+lora": LoRA adapters, merged into each sync
-    trainer = _trainer(model_dir, out_dir, lora=lora == "lora", loss_type=loss_type)
+    """Two GRPO steps with `loss_type` and vLLM's importance-sampling correction; the logged metrics, the syncs and
+    the log-prob forwards. ``<loss>+lora``: LoRA adapters, merged into each sync; ``<loss>+reuse``: each batch
+    trained twice (``num_iterations=2``: off-policy, TRL's own correction)."""
+    import torch
+
+    loss_type, _, variant = loss_type.partition("+")
+    overrides = {"num_iterations": 2} if variant == "reuse" else {}
+    trainer = _trainer(model_dir, out_dir, lora=variant == "lora", loss_type=loss_type, **overrides)
     generation = trainer.vllm_generation
     sync, syncs = generation.sync_weights, []
 
@@ -172,9 +177,22 @@ def run_train(loss_type, model_dir, out_dir):
         sync()
 
     generation.sync_weights = counted_sync
+    logps, forwards = trainer._get_per_token_logps_and_entropies, []
+
+    def counted_logps(*args, **kwargs):  # each log-prob forward, with whether it keeps a graph (the loss's)
+        forwards.append({"step": trainer.state.global_step, "grad": torch.is_grad_enabled()})
+        return logps(*args, **kwargs)
+
+    trainer._get_per_token_logps_and_entropies = counted_logps
     trainer.train()
     steps = [entry for entry in trainer.state.log_history if "loss" in entry]
-    return {"weight_sync": trainer.vllm_weight_sync, "steps": steps, "synced_at_steps": syncs}
+    return {
+        "weight_sync": trainer.vllm_weight_sync,
+        "steps": steps,
+        "synced_at_steps": syncs,
+        "forwards": forwards,
+        "loss_corrects_vllm": trainer._loss_corrects_vllm,
+    }
 
 
 if __name__ == "__main__":

@@ -13,7 +13,16 @@ every TRL loss type and ours is linear in the advantage with a non-negative weig
 ``_compute_loss``; ``vespo``, whose gamma weights take vLLM's ratio inside, gets it as TRL gives vLLM's
 (``importance_sampling_ratio``). The mismatch (``sampling/*``, `SAMPLER_MISMATCH_KEYS`) is logged every step.
 
-The fp32 path (and vLLM, which TRL corrects itself) runs exactly as before: no autocast region, no recorder.
+The fp32 path runs exactly as before: no autocast region, no recorder.
+
+**vLLM, on-policy.** TRL 1.16 corrects vLLM's mismatch from a no-grad forward of the whole generation batch that it
+runs only for that (``old_per_token_logps``). Where the batch is trained with the weights that sampled it (TRL's own
+on-policy test: ``gradient_accumulation_steps`` a multiple of ``steps_per_generation * num_iterations``), those
+log-probs are the loss's own forward, detached -- what TRL takes as the old policy on that path without vLLM. So
+there (and not for ``vespo`` or a ``rollout_func``) TRL's correction is turned off and this class applies the same
+correction, with TRL's settings, from the loss's forward and vLLM's token log-probs: one forward of the batch fewer
+per generation (0.88 of a 8.2 s step of the embedded recipe on 2 CPU cores, docs/gpu.md). The mismatch is logged
+under this class's names (`SAMPLER_MISMATCH_KEYS`) instead of TRL's ``sampling/importance_sampling_ratio/*``.
 
 Multi-turn rows (TRL's tool loop): each turn's generation records its own tokens, and TRL splices them with 0.0 for
 the tool turns' tokens, which ``tool_mask`` keeps out of the correction and the loss. A ``rollout_func`` samples with
@@ -77,13 +86,31 @@ class SamplerPrecisionMixin:
     _pending_correction: dict | None = None
     _warned_uncorrected = False
     _warned_rollout = False
+    _loss_corrects_vllm = False
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        if self._vllm_on_policy():
+            # TRL's correction off (its extra no-grad forward and its ratio); this class's, in the loss, on
+            self._loss_corrects_vllm = True
+            self.vllm_importance_sampling_correction = False
+
+    def _vllm_on_policy(self) -> bool:
+        """vLLM samples, TRL's correction is asked for, and every batch is trained with the weights that sampled it
+        (TRL's test in ``_generate_and_score_completions``); not ``vespo`` (vLLM's ratio inside its gamma weights)
+        nor a ``rollout_func`` (its own log-probs)."""
+        if not (self.use_vllm and self.vllm_importance_sampling_correction) or self._user_rollout():
+            return False
+        generate_every = self.args.steps_per_generation * self.num_iterations
+        return self.args.gradient_accumulation_steps % generate_every == 0 and self.loss_type != "vespo"
 
     def _sampler_bf16(self) -> bool:
-        """Generation runs in bf16 autocast here: bf16 on the CPU, not vLLM (TRL's own sampler and correction)."""
+        """Generation runs in bf16 autocast here: bf16 on the CPU, not vLLM (TRL's own sampler)."""
         return sampler_bf16(self.args.bf16, self.accelerator.device.type) and not self.use_vllm
 
     def _keeps_sampler_logprobs(self) -> bool:
-        return self._sampler_bf16() and bool(self.vllm_importance_sampling_correction)
+        """The loss is corrected here from the sampler's token log-probs: the bf16 sampler's, or vLLM's on-policy."""
+        return (self._sampler_bf16() and bool(self.vllm_importance_sampling_correction)) or self._loss_corrects_vllm
 
     def _user_rollout(self) -> bool:
         """A ``rollout_func`` samples the completions: its sampler, precision and log-probs are its own."""
@@ -105,13 +132,14 @@ class SamplerPrecisionMixin:
             and (getattr(config, "num_return_sequences", 1) or 1) == 1
             and not (getattr(config, "prompt_lookup_num_tokens", None) or getattr(config, "assistant_model", None))
         )
-        return SampledTokenLogprobs() if self._keeps_sampler_logprobs() and one_sample_per_row else None
+        records = self._keeps_sampler_logprobs() and not self.use_vllm
+        return SampledTokenLogprobs() if records and one_sample_per_row else None
 
     # ------------------------------------------------------------------ the correction in the loss
     def _with_sampler_correction(self, inputs: dict) -> dict:
         """Hook at the start of ``_compute_loss``: a copy of `inputs` whose advantages the first log-prob forward
         weighs by the sampler correction (the batch buffered for ``num_iterations > 1`` stays as generated)."""
-        if self.use_vllm or not self._keeps_sampler_logprobs():
+        if not self._keeps_sampler_logprobs():
             return inputs
         if self._user_rollout():
             # the rollout's log-probs come from a sampler of its own (TRL reads them only with vLLM): no correction

@@ -186,7 +186,7 @@ class GRPOTrainer(
         return result
 
     def _compute_loss(self, model, inputs):
-        inputs = self._with_sampler_correction(inputs)  # bf16 sampler: advantages weighed (trl.sampler_precision)
+        inputs = self._with_sampler_correction(inputs)  # bf16 or vLLM sampler: advantages weighed (sampler_precision)
         if self.ext_loss_type is None:
             self._capture_logps, self._captured_logps = True, None
             try:
