@@ -16,11 +16,13 @@ import time
 import urllib.request
 from importlib.util import find_spec
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
 from conftest import build_tiny_model
 
+from trl_grpo_ext.trl.sampler_precision import SamplerPrecisionMixin
 from trl_grpo_ext.trl.vllm_cpu import CPU_ENV_DEFAULTS, apply_cpu_env, colocated_vllm, lacks_weight_loaders
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -57,6 +59,36 @@ def test_colocate_mode_and_missing_weight_loaders_are_detected():
     for param in layer.parameters():
         param.weight_loader = None
     assert not lacks_weight_loaders(layer)
+
+
+@pytest.mark.parametrize(
+    ("accumulation", "steps_per_generation", "num_iterations", "loss_type", "rollout", "expected"),
+    [
+        (3, 3, 1, "dapo", False, True),  # the recipes: one generation batch per optimizer step
+        (6, 3, 1, "cispo", False, True),  # two generation batches per optimizer step, both with the same weights
+        (3, 3, 2, "dapo", False, False),  # each batch trained twice: the second pass is off-policy
+        (4, 3, 1, "dapo", False, False),  # generation out of step with the optimizer
+        (3, 3, 1, "vespo", False, False),  # vLLM's ratio inside vespo's gamma weights: TRL's
+        (3, 3, 1, "dapo", True, False),  # a rollout_func's own log-probs: TRL's
+    ],
+)
+def test_the_loss_corrects_vllm_only_where_every_batch_is_trained_with_the_weights_that_sampled_it(
+    accumulation, steps_per_generation, num_iterations, loss_type, rollout, expected
+):
+    trainer = SimpleNamespace(
+        use_vllm=True,
+        vllm_importance_sampling_correction=True,
+        args=SimpleNamespace(gradient_accumulation_steps=accumulation, steps_per_generation=steps_per_generation),
+        num_iterations=num_iterations,
+        loss_type=loss_type,
+        rollout_func=(lambda *a: None) if rollout else None,
+    )
+    trainer._user_rollout = lambda: SamplerPrecisionMixin._user_rollout(trainer)
+    assert SamplerPrecisionMixin._vllm_on_policy(trainer) is expected
+    trainer.vllm_importance_sampling_correction = False  # no correction asked for: nothing to take over
+    assert SamplerPrecisionMixin._vllm_on_policy(trainer) is False
+    trainer.vllm_importance_sampling_correction, trainer.use_vllm = True, False  # transformers' generate samples
+    assert SamplerPrecisionMixin._vllm_on_policy(trainer) is False
 
 
 def test_the_run_summary_names_the_sampler_and_why():
