@@ -92,8 +92,6 @@ def test_the_loss_corrects_vllm_only_where_every_batch_is_trained_with_the_weigh
 
 
 def test_the_run_summary_names_the_sampler_and_why():
-    from types import SimpleNamespace
-
     from trl_grpo_ext.trl.recipe import ENV_SAMPLER_REASON, run_sampler, sampler_choice
 
     config = "use_vllm: true set in the config"
@@ -145,8 +143,6 @@ def vllm_model(tmp_path_factory):
 
 
 def test_server_mode_off_cuda_is_detected():
-    from types import SimpleNamespace
-
     from trl_grpo_ext.trl.vllm_cpu import server_vllm_off_cuda
 
     def args(mode, device):
