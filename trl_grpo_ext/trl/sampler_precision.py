@@ -21,7 +21,7 @@ on-policy test: ``gradient_accumulation_steps`` a multiple of ``steps_per_genera
 log-probs are the loss's own forward, detached -- what TRL takes as the old policy on that path without vLLM. So
 there (and not for ``vespo`` or a ``rollout_func``) TRL's correction is turned off and this class applies the same
 correction, with TRL's settings, from the loss's forward and vLLM's token log-probs: one forward of the batch fewer
-per generation (0.88 of a 8.2 s step of the embedded recipe on 2 CPU cores, docs/gpu.md). The mismatch is logged
+per generation (0.88 s of an 8.2 s step of the embedded recipe on 2 CPU cores, docs/gpu.md). The mismatch is logged
 under this class's names (`SAMPLER_MISMATCH_KEYS`) instead of TRL's ``sampling/importance_sampling_ratio/*``.
 
 Multi-turn rows (TRL's tool loop): each turn's generation records its own tokens, and TRL splices them with 0.0 for
