@@ -67,8 +67,12 @@ def weight_bytes(model, bytes_per_weight: int) -> int:
 
 
 def decode_ms_per_token(model, rows: int, new_tokens: int, mode: str, prompt_len: int = 120) -> float:
-    """ms per decode step at `rows` rows: (generate of 1 + n tokens - generate of 1 token) / n, best of 2."""
+    """ms per decode step at `rows` rows: (generate of 1 + n tokens - generate of 1 token) / n, best of 2; with the
+    attention wrapper the samplers install (`trl_grpo_ext.decode_attention`)."""
     from trl_grpo_ext.precision import bf16_autocast
+    from trl_grpo_ext.prefix.attention import install
+
+    install()
 
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(5, model.config.vocab_size - 1, (rows, prompt_len), generator=g)

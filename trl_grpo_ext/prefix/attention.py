@@ -21,8 +21,9 @@ the registered ``sdpa``, ``flash_attention_2/3`` and ``flex_attention`` function
 - ``flex_attention``: one call over the whole key space with a block-sparse ``BlockMask`` built from the same
   ranges.
 
-A call without ``prefix_attention`` goes to the wrapped function unchanged. ``eager`` is not wrapped: it keeps a
-dense 4D mask (`layout.dense_visibility`).
+A call without ``prefix_attention`` goes to the wrapped function unchanged, except an ``sdpa`` decode step on the CPU
+in bf16, which runs as one packed call (`trl_grpo_ext.decode_attention`; the generation paths call `install` for
+it). ``eager`` is not wrapped: it keeps a dense 4D mask (`layout.dense_visibility`).
 """
 
 from __future__ import annotations
@@ -32,6 +33,8 @@ import threading
 from dataclasses import dataclass, field
 
 import torch
+
+from trl_grpo_ext.decode_attention import packed_decode_attention
 
 # Implementations whose registered function `install` wraps, by how the layout runs under them.
 SDPA_ATTENTION = ("sdpa",)
@@ -369,8 +372,15 @@ class SegmentAttention:
 
 
 # ------------------------------------------------------------------------------------------------- dispatch
-def _dispatch(original, module, query, key, value, attention_mask, *args, prefix_attention=None, **kwargs):
+def _dispatch(
+    original, module, query, key, value, attention_mask, *args, prefix_attention=None, attention_name="", **kwargs
+):
     if prefix_attention is None:
+        # a CPU bf16 decode step: one packed call (trl_grpo_ext.decode_attention)
+        if attention_name == "sdpa" and not args:
+            packed = packed_decode_attention(module, query, key, value, attention_mask, **kwargs)
+            if packed is not None:
+                return packed
         return original(module, query, key, value, attention_mask, *args, **kwargs)
     kwargs.pop("position_ids", None)  # the layout, not positions, says which keys each query sees
     dropout = kwargs.pop("dropout", args[0] if args else 0.0)
@@ -384,7 +394,8 @@ _WRAPPED: dict[str, object] = {}
 
 def install() -> None:
     """Wrap the registered fused attention functions (idempotent): a call with ``prefix_attention`` runs the
-    segment layout, any other call the registered function unchanged."""
+    segment layout, an ``sdpa`` decode step on the CPU in bf16 one packed call (`packed_decode_attention`), any other
+    call the registered function unchanged."""
     from transformers import AttentionInterface
 
     with _INSTALL_LOCK:
@@ -393,7 +404,7 @@ def install() -> None:
             current = mapping.get(name)
             if current is None or current is _WRAPPED.get(name):
                 continue
-            wrapper = functools.partial(_dispatch, current)
+            wrapper = functools.partial(_dispatch, current, attention_name=name)
             _WRAPPED[name] = wrapper
             AttentionInterface.register(name, wrapper)
 

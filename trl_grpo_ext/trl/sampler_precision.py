@@ -38,6 +38,8 @@ from transformers import LogitsProcessor, LogitsProcessorList
 
 from trl_grpo_ext.grpo.losses import SAMPLER_MISMATCH_KEYS, sampler_correction
 from trl_grpo_ext.precision import bf16_autocast, sampler_bf16
+from trl_grpo_ext.prefix.attention import install as install_attention
+from trl_grpo_ext.token_draws import fast_token_draws
 from trl_grpo_ext.trl import internals
 
 logger = logging.getLogger(__name__)
@@ -119,7 +121,10 @@ class SamplerPrecisionMixin:
     def _generate(self, prompts):
         if self._user_rollout():  # TRL's dispatch alone: the rollout needs none of this class's config
             return super()._generate(prompts)
-        with bf16_autocast(self._sampler_bf16()):
+        # transformers' generate draws each sampled token with torch.multinomial: the same draws, vectorised
+        # (trl_grpo_ext.token_draws); CPU bf16 decode steps' attention as one packed call (decode_attention)
+        install_attention()
+        with bf16_autocast(self._sampler_bf16()), fast_token_draws():
             return super()._generate(prompts)
 
     def _sampler_logprob_recorder(self) -> SampledTokenLogprobs | None:

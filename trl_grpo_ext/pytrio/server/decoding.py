@@ -20,6 +20,7 @@ from trl_grpo_ext.compat import output_cache
 from trl_grpo_ext.pytrio.server.adapters import LoraSnapshot
 from trl_grpo_ext.pytrio.server.errors import EngineError
 from trl_grpo_ext.pytrio.server.images import VisionInput
+from trl_grpo_ext.token_draws import multinomial
 
 
 @dataclass
@@ -174,7 +175,7 @@ class RequestRows:
     def draw(self, tokenizer) -> None:
         spec = self.spec
         dist = sampling_distribution(self.logits, spec.temperature, spec.top_k, spec.top_p)
-        nxt = torch.multinomial(dist.exp(), 1, generator=self.generator).squeeze(-1)
+        nxt = multinomial(dist.exp(), 1, generator=self.generator).squeeze(-1)  # torch's draws, vectorised
         chosen = dist.gather(-1, nxt.unsqueeze(-1)).squeeze(-1)
         for i in range(spec.num_samples):
             if self.done[i]:
