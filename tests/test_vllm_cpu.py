@@ -186,6 +186,7 @@ def _run(*args, cwd):
 def test_sampling_after_an_optimizer_step_uses_the_new_weights(vllm_model, tmp_path, adapters):
     result = _run("sync", vllm_model, tmp_path / "out", adapters, cwd=tmp_path)
     assert result["weight_sync"] == "reload_weights"  # the CPU backend's repacked weights have no loader
+    assert result["enforce_eager"]  # built eager on the CPU (vllm_cpu.CPU_ENGINE_KWARGS): TRL's config can't say so
     assert result["thread_control"]  # torch.set_num_threads still works after vLLM's worker started
     # vLLM samples from the trainer's model: its log-prob of each sampled token is the trainer's, up to the
     # engines' numerical gap, before the step ...

@@ -149,6 +149,7 @@ def run_sync(model_dir, out_dir, adapters="full"):
     trainer_on_new = _trainer_logps(model, prompt_ids, new_completions)
     return {
         "weight_sync": trainer.vllm_weight_sync,
+        "enforce_eager": _enforce_eager(trainer),
         "thread_control": thread_control,
         "gap_before": _max_gap(vllm_before, trainer_before),
         "step_moved": _max_gap(trainer_before, trainer_after),
@@ -158,6 +159,12 @@ def run_sync(model_dir, out_dir, adapters="full"):
         "mean_logp_before": sum(map(sum, trainer_before)) / 32,
         "mean_logp_after": sum(map(sum, trainer_after)) / 32,
     }
+
+
+def _enforce_eager(trainer):
+    """Whether the colocated engine was built eager (None in server mode: the server's own)."""
+    llm = getattr(trainer.vllm_generation, "llm", None)
+    return None if llm is None else llm.llm_engine.vllm_config.model_config.enforce_eager
 
 
 def run_train(loss_type, model_dir, out_dir):

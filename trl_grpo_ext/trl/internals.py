@@ -22,6 +22,7 @@ needs of TRL beyond TRL's public API is here, so a TRL upgrade re-checks this mo
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -332,6 +333,20 @@ def vllm_client_class(client_cls):
         yield
     finally:
         vllm_generation.VLLMClient = original
+
+
+@contextlib.contextmanager
+def vllm_engine_kwargs(**extra):
+    """While the block runs, TRL 1.16's ``VLLMGeneration`` builds its colocated engine (``LLM(...)`` in
+    ``_init_vllm``) with the keyword arguments `extra` added to TRL's (TRL's config has no field for them)."""
+    from trl.generation import vllm_generation
+
+    original = vllm_generation.LLM
+    vllm_generation.LLM = functools.partial(original, **extra)
+    try:
+        yield
+    finally:
+        vllm_generation.LLM = original
 
 
 # Per-completion tensors of a TRL 1.16 generation batch (`_generate_and_score_completions`' output) and the value

@@ -15,6 +15,11 @@ every TRL loss type and ours is linear in the advantage with a non-negative weig
 
 The fp32 path runs exactly as before: no autocast region, no recorder.
 
+Around transformers' generation, in either precision, two speed-ups: torch's token draws vectorised
+(`trl_grpo_ext.token_draws`: the same tokens from the same random numbers), and a bf16 decode step's grouped-query
+attention as one packed call (`trl_grpo_ext.decode_attention`: transformers 5.25's own call for the recipes'
+left-padded batches, the same attention to rounding for the others).
+
 **vLLM, on-policy.** TRL 1.16 corrects vLLM's mismatch from a no-grad forward of the whole generation batch that it
 runs only for that (``old_per_token_logps``). Where the batch is trained with the weights that sampled it (TRL's own
 on-policy test: ``gradient_accumulation_steps`` a multiple of ``steps_per_generation * num_iterations``), those
