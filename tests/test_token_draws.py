@@ -32,6 +32,20 @@ def test_same_tokens_and_generator_state_as_torch(dtype, shape):
     assert torch.equal(ours, theirs) and torch.equal(ours_after, after)
 
 
+def test_the_identity_is_checked_once_and_torchs_draws_kept_where_it_fails(monkeypatch):
+    assert token_draws.matches_torch()  # this torch: the same draws
+    calls = []
+    monkeypatch.setattr(token_draws, "draw_tokens", lambda p, g=None: calls.append(1))
+    monkeypatch.setattr(token_draws, "matches_torch", lambda: False)  # a torch that draws otherwise
+    probs = _probs(4, 100)
+    with fast_token_draws():
+        assert torch.equal(
+            torch.multinomial(probs, 1, generator=torch.Generator().manual_seed(1)),
+            token_draws._torch_multinomial(probs, 1, generator=torch.Generator().manual_seed(1)),
+        )
+    assert calls == []
+
+
 def test_unnormalised_weights_and_zero_weights_as_torch():
     weights = torch.tensor([[0.0, 2.0, 0.0, 6.0], [1.0, 0.0, 0.0, 0.0], [0.5, 0.5, 0.0, 3.0]])
     drawn = torch.cat([multinomial(weights, 1, generator=torch.Generator().manual_seed(s)) for s in range(300)], 1)

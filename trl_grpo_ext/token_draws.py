@@ -11,12 +11,14 @@ the identity).
 transformers' ``generate`` draws each sampled token with ``torch.multinomial(probs, num_samples=1)`` and has no hook
 for it: `fast_token_draws` routes those calls, in the current thread and for the duration of a ``with`` block, to
 `draw_tokens`. Any other call (CUDA tensors, several samples, an ``out=``, another dtype, an invalid distribution,
-which torch's own check then reports) goes to torch's function unchanged.
+which torch's own check then reports) goes to torch's function unchanged, and so does every call where a torch
+version draws otherwise (`matches_torch`, checked once per process).
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import threading
 
 import torch
@@ -49,9 +51,25 @@ def draw_tokens(probs: torch.Tensor, generator: torch.Generator | None = None) -
     return torch.argmax(probs / q, dim=-1, keepdim=True)
 
 
+@functools.cache
+def matches_torch() -> bool:
+    """Whether this torch's CPU ``multinomial`` draws what `draw_tokens` draws, and leaves its generator where
+    `draw_tokens` leaves it (checked once per process on random weights: the identity is torch's implementation,
+    checked on torch 2.13, not its documented behaviour)."""
+    probs = torch.rand(4, 1000, generator=torch.Generator().manual_seed(0))
+    for seed in range(4):
+        theirs_gen, ours_gen = torch.Generator().manual_seed(seed), torch.Generator().manual_seed(seed)
+        theirs = _torch_multinomial(probs, 1, generator=theirs_gen)
+        if not torch.equal(theirs, draw_tokens(probs, ours_gen)):
+            return False
+        if not torch.equal(theirs_gen.get_state(), ours_gen.get_state()):
+            return False
+    return True
+
+
 def multinomial(input, num_samples, replacement=False, *, generator=None, out=None):
     """``torch.multinomial`` with its result, by `draw_tokens` where that gives it (module docstring)."""
-    if out is None and drawable(input, num_samples) and valid_distribution(input):
+    if out is None and drawable(input, num_samples) and valid_distribution(input) and matches_torch():
         return draw_tokens(input, generator)  # one sample: with or without replacement alike
     return _torch_multinomial(input, num_samples, replacement, generator=generator, out=out)
 
