@@ -228,9 +228,20 @@ def test_freed_memory_is_handed_back_once_the_server_is_idle(monkeypatch):
     """When admitted work drops to 0 and stays there a moment, gc + malloc_trim run (once per idle spell)."""
     from trl_grpo_ext.pytrio.server import memory
 
-    real, calls = memory.release_freed_memory, []
-    monkeypatch.setattr(memory, "release_freed_memory", lambda: calls.append(time.monotonic()))
+    real, calls, timer_threads = memory.release_freed_memory, [], set()
     gate = memory.MemoryGate(100)
+    trim_if_idle = gate._trim_if_idle
+
+    def this_gates_trim():  # the timers this gate starts run this; other gates' (earlier tests' servers) do not
+        timer_threads.add(threading.get_ident())
+        trim_if_idle()
+
+    gate._trim_if_idle = this_gates_trim
+    monkeypatch.setattr(
+        memory,
+        "release_freed_memory",
+        lambda: calls.append(time.monotonic()) if threading.get_ident() in timer_threads else None,
+    )
     gate.acquire(60)
     assert gate.try_acquire(40) and not gate.try_acquire(1)  # the budget is full
     gate.release(40)
