@@ -322,31 +322,29 @@ def sync_weights_by_reload(generation) -> None:
 
 
 @contextlib.contextmanager
+def _in_vllm_generation(name: str, replace: Callable):
+    """While the block runs, the name `name` of TRL 1.16's ``trl.generation.vllm_generation`` module (what
+    ``VLLMGeneration._init_vllm`` calls) is ``replace(original)``."""
+    from trl.generation import vllm_generation
+
+    original = getattr(vllm_generation, name)
+    setattr(vllm_generation, name, replace(original))
+    try:
+        yield
+    finally:
+        setattr(vllm_generation, name, original)
+
+
 def vllm_client_class(client_cls):
     """While the block runs, TRL 1.16's ``VLLMGeneration`` builds its server-mode client (``VLLMClient(...)`` in
     ``_init_vllm``, which also opens the weight-transfer channel) from `client_cls`, a ``VLLMClient`` subclass."""
-    from trl.generation import vllm_generation
-
-    original = vllm_generation.VLLMClient
-    vllm_generation.VLLMClient = client_cls
-    try:
-        yield
-    finally:
-        vllm_generation.VLLMClient = original
+    return _in_vllm_generation("VLLMClient", lambda _original: client_cls)
 
 
-@contextlib.contextmanager
 def vllm_engine_kwargs(**extra):
     """While the block runs, TRL 1.16's ``VLLMGeneration`` builds its colocated engine (``LLM(...)`` in
     ``_init_vllm``) with the keyword arguments `extra` added to TRL's (TRL's config has no field for them)."""
-    from trl.generation import vllm_generation
-
-    original = vllm_generation.LLM
-    vllm_generation.LLM = functools.partial(original, **extra)
-    try:
-        yield
-    finally:
-        vllm_generation.LLM = original
+    return _in_vllm_generation("LLM", lambda original: functools.partial(original, **extra))
 
 
 # Per-completion tensors of a TRL 1.16 generation batch (`_generate_and_score_completions`' output) and the value
