@@ -20,7 +20,8 @@ need them print ``n/a``; the run says so.
 Last line: ``precision: make-train step bf16/fp32 <x>, decode <y>x the weight-read bound (12 rows), step <z>x the
 bf16 compute bound`` (x, z: ours at G=4; y: the recipe's auto precision). Targets: x <= 0.55, y <= 2.0.
 
-Run on an idle machine: ``python bench/precision.py`` (tens of minutes on 2 cores); ``--quick`` (< 2 minutes).
+Run on an idle machine: ``python bench/precision.py`` (tens of minutes on 2 cores); ``--quick`` (< 2 minutes);
+``--memory-only``: part 4 alone (a few minutes).
 """
 
 from __future__ import annotations
@@ -200,6 +201,7 @@ def main(argv=None):
     parser.add_argument("--quick", action="store_true", help="tiny random model, forced bf16: a smoke test (< 2 min)")
     parser.add_argument("--memory-steps", type=int, default=4, help="optimizer steps of each memory run")
     parser.add_argument("--memory-eval", type=int, default=64, help="held-out problems of each memory run")
+    parser.add_argument("--memory-only", action="store_true", help="only the memory runs (part 4): a few minutes")
     args = parser.parse_args(argv)
     warnings.filterwarnings("ignore")
     logging.getLogger("transformers").setLevel(logging.ERROR)
@@ -229,6 +231,13 @@ def main(argv=None):
                 else "the bf16 rows are skipped (their figures print n/a); run on a bf16-capable CPU for them"
             )
         )
+    memory_overrides = ["--model_name_or_path", model_path, "--max_completion_length", "8"] if args.quick else []
+    if args.quick:
+        args.memory_steps, args.memory_eval = 1, 4
+    memory_precisions = ["fp32", "bf16"] if run_bf16 else ["fp32"]
+    if args.memory_only:
+        memory_figures(memory_precisions, args.memory_steps, args.memory_eval, memory_overrides)
+        return
     rates = {"fp32": [], "bf16": []}
     measure_rates(rates, 1.0)
     precisions = [("fp32", ["--bf16", "false"])] + ([("bf16", ["--bf16", "true"])] if run_bf16 else [])
@@ -254,10 +263,7 @@ def main(argv=None):
     else:
         print("\nmismatch: skipped (no bf16 units: a bf16 generation batch of the embedded model is emulated)")
 
-    memory_overrides = ["--model_name_or_path", model_path, "--max_completion_length", "8"] if args.quick else []
-    if args.quick:
-        args.memory_steps, args.memory_eval = 1, 4
-    memory_figures(["fp32", "bf16"] if run_bf16 else ["fp32"], args.memory_steps, args.memory_eval, memory_overrides)
+    memory_figures(memory_precisions, args.memory_steps, args.memory_eval, memory_overrides)
 
     def fmt(value):
         return "n/a" if value is None else f"{value:.2f}"

@@ -350,7 +350,6 @@ def test_detection_off_keeps_the_fp32_path(tiny_model_path, tmp_path, units):
 
 
 @pytest.mark.slow
-@pytest.mark.slow
 def test_eval_generator_samples_in_bf16_where_asked(tiny_model_path):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
