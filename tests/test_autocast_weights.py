@@ -1,5 +1,7 @@
 """`trl_grpo_ext.autocast_weights`: bf16 autocast training without the weights' bf16 copies held for backward --
-the same gradients to the bit, less memory -- and the TRL path's bf16 CPU loss forward inside it."""
+the same gradients to the bit, less memory. The TRL path's bf16 CPU loss forward inside it: tests/test_precision.py."""
+
+import contextlib
 
 import pytest
 import torch
@@ -28,6 +30,11 @@ def _batch(vocab=2048, rows=2, length=24):
     return ids
 
 
+def _context(recast):
+    """`recast_weights`, or autograd as it is."""
+    return recast_weights() if recast else contextlib.nullcontext()
+
+
 def _grads(model, ids, recast, checkpointing=None):
     """Loss and gradients of one bf16 autocast forward/backward on the CPU, with or without `recast_weights`."""
     model.zero_grad(set_to_none=True)
@@ -35,8 +42,7 @@ def _grads(model, ids, recast, checkpointing=None):
         model.gradient_checkpointing_disable()
     else:
         model.gradient_checkpointing_enable({"use_reentrant": checkpointing})
-    context = recast_weights() if recast else torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t)
-    with context, torch.autocast("cpu", dtype=torch.bfloat16):
+    with _context(recast), torch.autocast("cpu", dtype=torch.bfloat16):
         loss = model(input_ids=ids, labels=ids).loss
     loss.backward()
     return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
@@ -88,9 +94,8 @@ def _held_for_backward(model, ids, recast) -> int:
     """Bytes of CPU tensors a bf16 autocast forward leaves alive for its backward (torch's profiler events)."""
     from torch.profiler import ProfilerActivity, profile
 
-    context = recast_weights() if recast else torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t)
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        with context, torch.autocast("cpu", dtype=torch.bfloat16):
+        with _context(recast), torch.autocast("cpu", dtype=torch.bfloat16):
             loss = model(input_ids=ids, labels=ids).loss
     held = sum(e.nbytes() for e in prof.profiler.kineto_results.events() if e.name() == "[memory]")
     loss.backward()  # and the recast copies are read back
@@ -116,59 +121,3 @@ def test_the_autocast_cache_is_off_inside_and_restored_after():
     with pytest.raises(RuntimeError, match="boom"), recast_weights():
         raise RuntimeError("boom")
     assert torch.is_autocast_cache_enabled()
-
-
-# ------------------------------------------------------------------ the TRL path
-@pytest.mark.slow
-@pytest.mark.parametrize("bf16", [True, False])
-def test_the_trainers_loss_forward_recasts_in_bf16_on_the_cpu_only(tiny_model_path, tmp_path, monkeypatch, bf16):
-    """bf16 on the CPU: the loss forward runs with autocast's cache off and gives TRL's own gradients to the bit; fp32
-    runs TRL's context unchanged."""
-    from datasets import Dataset
-
-    from trl_grpo_ext.trl.config import GRPOConfig
-    from trl_grpo_ext.trl.trainer import GRPOTrainer
-    from trl_grpo_ext.trl.training_precision import RecastWeightsMixin
-
-    monkeypatch.setenv("TRL_GRPO_EXT_CPU_BF16", "1")
-    prompts = [[{"role": "user", "content": f"What is {i} + 4?"}] for i in range(8)]
-    args = GRPOConfig(
-        output_dir=str(tmp_path / "out"),
-        report_to="none",
-        use_cpu=True,
-        per_device_train_batch_size=4,
-        num_generations=4,
-        max_completion_length=6,
-        disable_tqdm=True,
-        bf16=bf16,
-        seed=0,
-    )
-    trainer = GRPOTrainer(
-        tiny_model_path,
-        [lambda completions, **kw: [float(len(c[0]["content"])) for c in completions]],
-        args=args,
-        train_dataset=Dataset.from_dict({"prompt": prompts}),
-    )
-    assert trainer._recasts_weights() is bf16
-    trainer.model.train()
-    trainer.current_gradient_accumulation_steps = 1
-    torch.manual_seed(0)
-    inputs = trainer._generate_and_score_completions([{"prompt": prompts[i]} for i in range(4)])
-    seen = []
-    handle = trainer.model.model.layers[0].mlp.down_proj.register_forward_hook(
-        lambda module, args, output: seen.append(torch.is_autocast_cache_enabled())
-    )
-
-    def grads(context):
-        trainer.model.zero_grad(set_to_none=True)
-        with context:
-            loss = trainer.compute_loss(trainer.model, inputs)
-        loss.backward()
-        return {n: p.grad.clone() for n, p in trainer.model.named_parameters() if p.grad is not None}
-
-    ours = grads(trainer.compute_loss_context_manager())
-    theirs = grads(super(RecastWeightsMixin, trainer).compute_loss_context_manager())
-    handle.remove()
-    assert seen == [not bf16, True]
-    assert ours.keys() == theirs.keys() and ours
-    assert all(torch.equal(ours[n], theirs[n]) for n in ours)

@@ -233,6 +233,40 @@ def test_bf16_auto_trains_in_autocast_with_fp32_master_weights_and_logs_the_mism
         assert row["sampling/sampler_kl"] >= 0
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("bf16", [True, False])
+def test_the_loss_forward_recasts_the_weights_in_bf16_on_the_cpu_only(tiny_model_path, tmp_path, units, bf16):
+    """bf16 on the CPU: the loss forward runs in `recast_weights` (autocast's cache off) and gives TRL's own gradients
+    to the bit; fp32 runs TRL's context unchanged."""
+    from trl_grpo_ext.trl.training_precision import RecastWeightsMixin
+
+    units(True)
+    trainer = _trainer(tiny_model_path, tmp_path, bf16=bf16)
+    assert trainer._recasts_weights() is bf16
+    trainer.model.train()
+    trainer.current_gradient_accumulation_steps = 1
+    torch.manual_seed(0)
+    inputs = trainer._generate_and_score_completions([{"prompt": PROMPTS[i]} for i in range(4)])
+    seen = []
+    handle = trainer.model.model.layers[0].mlp.down_proj.register_forward_hook(
+        lambda module, args, output: seen.append(torch.is_autocast_cache_enabled())
+    )
+
+    def grads(context):
+        trainer.model.zero_grad(set_to_none=True)
+        with context:
+            loss = trainer.compute_loss(trainer.model, inputs)
+        loss.backward()
+        return {n: p.grad.clone() for n, p in trainer.model.named_parameters() if p.grad is not None}
+
+    ours = grads(trainer.compute_loss_context_manager())
+    theirs = grads(super(RecastWeightsMixin, trainer).compute_loss_context_manager())
+    handle.remove()
+    assert seen == [not bf16, True]
+    assert ours.keys() == theirs.keys() and ours
+    assert all(torch.equal(ours[n], theirs[n]) for n in ours)
+
+
 def _generation_batch(trainer):
     """A generation batch (2 prompts x 4), the forward arguments of its completions, and the trainer's own bf16
     log-probs of them."""

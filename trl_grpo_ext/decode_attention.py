@@ -6,10 +6,10 @@ prompts of equal length) or copies the keys and values once per group (``repeat_
 a mask); transformers 5.25 packs each key/value head's group of queries into one ``(group, dim)`` query block
 (``pack_gqa``) for masked calls only. In bf16 on the CPU (the sampler's autocast, `trl_grpo_ext.precision`, or bf16
 weights) the unpacked calls are slow: torch 2.13's bf16 flash kernel took 1.55 ms a layer at 24 rows of 170 keys
-with ``enable_gqa`` against 0.32 ms packed (`bench/sampler.py`, 2 cores). `packed_decode_attention` makes every such step the packed call, mask or not,
-whatever the transformers version: for a masked call under transformers 5.25 the very call transformers makes (the
-same result to the bit), otherwise the same attention (each query sees its own key/value head's keys) to the
-rounding of a different summation order.
+with ``enable_gqa`` against 0.32 ms packed (`bench/sampler.py`, 2 cores). `packed_decode_attention` makes every
+such step the packed call, mask or not, whatever the transformers version: for a masked call under transformers
+5.25 the very call transformers makes (the same result to the bit), otherwise the same attention (each query sees
+its own key/value head's keys) to the rounding of a different summation order.
 
 It is applied through the package's wrapper of transformers' registered ``sdpa`` (`trl_grpo_ext.prefix.attention`,
 `install`), on calls that carry no prefix-sharing layout.

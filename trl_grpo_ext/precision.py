@@ -127,9 +127,10 @@ def limit_onednn_caches(entries: int = ONEDNN_CACHE_ENTRIES) -> None:
         os.environ.setdefault(name, str(entries))
 
 
-def sampler_bf16(bf16, device_type: str) -> bool:
-    """Whether a run's sampling (generation, evals) runs in one bf16 autocast region: a bf16 run on the CPU.
-    Elsewhere accelerate's per-forward autocast (or vLLM) samples as before."""
+def bf16_on_cpu(bf16, device_type: str) -> bool:
+    """A bf16 run on the CPU: its sampling (generation, evals) runs in one bf16 autocast region, and its training
+    forward keeps no bf16 weight copies for the backward pass (`trl_grpo_ext.autocast_weights`). Elsewhere
+    accelerate's per-forward autocast (or vLLM) samples, and autocast trains, as before."""
     return bool(bf16) and device_type == "cpu"
 
 

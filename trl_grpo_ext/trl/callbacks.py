@@ -34,7 +34,7 @@ from trl_grpo_ext.evaluation import (
     read_results,
     write_results,
 )
-from trl_grpo_ext.precision import sampler_bf16
+from trl_grpo_ext.precision import bf16_on_cpu
 from trl_grpo_ext.runs import (
     EVAL_AFTER_PROBLEMS_FILENAME,
     EVAL_BEFORE_AFTER_FILENAME,
@@ -116,8 +116,8 @@ class SwanLabCompletionsCallback(TrainerCallback):
 
 
 def _eval_bf16(args) -> bool:
-    """Whether the run's evals sample in bf16 autocast, as its generation does (`precision.sampler_bf16`)."""
-    return bool(getattr(args, "bf16", False)) and sampler_bf16(True, args.device.type)
+    """Whether the run's evals sample in bf16 autocast, as its generation does (`precision.bf16_on_cpu`)."""
+    return bool(getattr(args, "bf16", False)) and bf16_on_cpu(True, args.device.type)
 
 
 class BeforeAfterEvalCallback(TrainerCallback):

@@ -42,7 +42,7 @@ import torch
 from transformers import LogitsProcessor, LogitsProcessorList
 
 from trl_grpo_ext.grpo.losses import SAMPLER_MISMATCH_KEYS, sampler_correction
-from trl_grpo_ext.precision import bf16_autocast, sampler_bf16
+from trl_grpo_ext.precision import bf16_autocast, bf16_on_cpu
 from trl_grpo_ext.prefix.attention import install as install_attention
 from trl_grpo_ext.token_draws import fast_token_draws
 from trl_grpo_ext.trl import internals
@@ -113,7 +113,7 @@ class SamplerPrecisionMixin:
 
     def _sampler_bf16(self) -> bool:
         """Generation runs in bf16 autocast here: bf16 on the CPU, not vLLM (TRL's own sampler)."""
-        return sampler_bf16(self.args.bf16, self.accelerator.device.type) and not self.use_vllm
+        return bf16_on_cpu(self.args.bf16, self.accelerator.device.type) and not self.use_vllm
 
     def _keeps_sampler_logprobs(self) -> bool:
         """The loss is corrected here from the sampler's token log-probs: the bf16 sampler's, or vLLM's on-policy."""

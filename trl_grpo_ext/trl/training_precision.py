@@ -16,13 +16,14 @@ from __future__ import annotations
 import contextlib
 
 from trl_grpo_ext.autocast_weights import recast_weights
+from trl_grpo_ext.precision import bf16_on_cpu
 
 
 class RecastWeightsMixin:
     """`trl.GRPOTrainer` hook: the loss forward of a bf16 CPU run in `recast_weights`."""
 
     def _recasts_weights(self) -> bool:
-        return bool(self.args.bf16) and self.accelerator.device.type == "cpu"
+        return bf16_on_cpu(self.args.bf16, self.accelerator.device.type)
 
     def compute_loss_context_manager(self):
         stack = contextlib.ExitStack()
