@@ -19,7 +19,7 @@ CELL_TESTS = $(wildcard $(addprefix tests/,test_trainer*.py test_prefix*.py test
 	test_recipes*.py test_gpu_recipes*.py test_eval*.py test_multiprocess*.py test_models*.py \
 	test_pytrio_parity*.py test_pytrio_server_prefix*.py test_trl_internals*.py))
 
-# The tests whose results follow the CPU's bf16 detection (`bf16: auto`, trl_grpo_ext/precision.py): `make test` runs
+# The tests whose results follow the CPU's bf16 detection (`bf16: auto`, trl_grpo_ext/cpu/precision.py): `make test` runs
 # them with this machine's answer, `make test-precision` with each answer forced (TRL_GRPO_EXT_CPU_BF16=1, then 0),
 # so CI proves both on any CPU. Found as the tests that fail when the suite runs with an invalid
 # TRL_GRPO_EXT_CPU_BF16 (every reader of the detection then stops); tests that compare numbers in one precision name
@@ -102,7 +102,7 @@ endif
 
 train: $(TRAIN_VENV)/.installed
 	@echo "make train: sampler: $(TRAIN_SAMPLER); recipe $(RECIPE)"
-	# every core while the machine is idle, fewer while other processes keep some busy (trl_grpo_ext/cpu_threads.py)
+	# every core while the machine is idle, fewer while other processes keep some busy (trl_grpo_ext/cpu/threads.py)
 	# the sampler's reason, printed at start and kept in run_summary.json (trl_grpo_ext/trl/recipe.py, sampler_choice)
 	TRL_GRPO_EXT_SAMPLER_REASON="$(TRAIN_SAMPLER_REASON)" \
 	TRL_GRPO_EXT_CPU_THREADS=auto $(TRAIN_VENV)/bin/accelerate launch --config_file accelerate_configs/cpu.yaml \

@@ -3,7 +3,7 @@
 - TRL: `trl_grpo_ext.GRPOTrainer` with a LoRA adapter built by the server's own `peft_config` (same rank, alpha,
   target modules; no lm_head adapter on either side, TRL cannot train one), ``loss_type=importance_sampling``;
 - PyTRIO: `trl_grpo_ext.pytrio.loop.GRPOLoop.train_step` through the real ``pytrio`` client against
-  `trl_grpo_ext.pytrio.server` running in this process (127.0.0.1), built-in ``importance_sampling``.
+  `trl_grpo_ext.pytrio_server` running in this process (127.0.0.1), built-in ``importance_sampling``.
 
 Same prompts, ``num_generations``, ``max_completion_length``, temperature; learning rate 0 so both keep sampling
 from the same policy and do the same expected work every step. The steps alternate (TRL step k, then PyTRIO
@@ -124,8 +124,8 @@ def main(argv=None) -> int:
     from trl_grpo_ext.models import resolve_model
     from trl_grpo_ext.pytrio.config import PyTrioGRPOConfig
     from trl_grpo_ext.pytrio.loop import GRPOLoop
-    from trl_grpo_ext.pytrio.server import running_server
-    from trl_grpo_ext.pytrio.server.engine import LoraSettings
+    from trl_grpo_ext.pytrio_server import running_server
+    from trl_grpo_ext.pytrio_server.engine import LoraSettings
     from trl_grpo_ext.trl.config import GRPOConfig
     from trl_grpo_ext.trl.trainer import GRPOTrainer
 

@@ -1,5 +1,5 @@
 """CPU thread settings, idle and beside a busy process, in one run: the default the recipes and CLIs apply
-(trl_grpo_ext/cpu_threads.py: a short OpenMP spin, GOMP_SPINCOUNT=10000, every core while the machine is idle and
+(trl_grpo_ext/cpu/threads.py: a short OpenMP spin, GOMP_SPINCOUNT=10000, every core while the machine is idle and
 fewer while other processes keep cores busy, `govern_cpu_threads`) against torch's own default (OpenMP threads spin
 ~300k iterations while they wait, every core), sleeping at once (OMP_WAIT_POLICY=PASSIVE, for comparison) and one
 thread.
@@ -33,7 +33,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from trl_grpo_ext.cpu_threads import DEFAULTS, MODE_ENV, USER_SETTINGS, usable_cores  # noqa: E402
+from trl_grpo_ext.cpu.threads import DEFAULTS, MODE_ENV, USER_SETTINGS, usable_cores  # noqa: E402
 
 IDLE_TARGET = 0.95  # the default's idle speed relative to torch's default, at least
 LOADED_VS_ONE_THREAD = 0.90  # the default's loaded speed relative to one thread, at least
@@ -58,7 +58,7 @@ def worker(args) -> None:
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from trl_grpo_ext.cpu_threads import govern_cpu_threads
+    from trl_grpo_ext.cpu.threads import govern_cpu_threads
 
     torch.manual_seed(0)
     config = LlamaConfig(

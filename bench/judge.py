@@ -30,7 +30,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))
 sys.path.insert(0, str(ROOT / "recipes"))
 
-from trl_grpo_ext.cpu_threads import apply_cpu_thread_defaults  # noqa: E402
+from trl_grpo_ext.cpu.threads import apply_cpu_thread_defaults  # noqa: E402
 
 apply_cpu_thread_defaults()
 

@@ -69,8 +69,8 @@ def weight_bytes(model, bytes_per_weight: int) -> int:
 
 def decode_ms_per_token(model, rows: int, new_tokens: int, mode: str, prompt_len: int = 120) -> float:
     """ms per decode step at `rows` rows: (generate of 1 + n tokens - generate of 1 token) / n, best of 2; with the
-    attention wrapper the samplers install (`trl_grpo_ext.decode_attention`)."""
-    from trl_grpo_ext.precision import bf16_autocast
+    attention wrapper the samplers install (`trl_grpo_ext.cpu.decode_attention`)."""
+    from trl_grpo_ext.cpu.precision import bf16_autocast
     from trl_grpo_ext.prefix.attention import install
 
     install()
@@ -206,8 +206,8 @@ def main(argv=None):
     warnings.filterwarnings("ignore")
     logging.getLogger("transformers").setLevel(logging.ERROR)
 
+    from trl_grpo_ext.cpu.precision import cpu_bf16_units
     from trl_grpo_ext.models import resolve_model
-    from trl_grpo_ext.precision import cpu_bf16_units
 
     units, why = cpu_bf16_units()
     print(f"torch threads: {torch.get_num_threads()}; bf16 matrix units: {'yes' if units else 'NO'} ({why})")

@@ -4,7 +4,7 @@ benchmark, not a test.
 
 1. Sampling through the real ``pytrio`` client: ``--prompts`` requests of ``--group`` samples x ``--completion-tokens``
    tokens, sent one after another (what ``mode: sync`` does) or all at once (``mode: async``; the server batches
-   them, `trl_grpo_ext.pytrio.server.sampling`). Prints seconds per round and async/sync.
+   them, `trl_grpo_ext.pytrio_server.sampling`). Prints seconds per round and async/sync.
 2. ``forward_backward`` (importance_sampling) of the GRPO-shaped batch (each prompt's ``--group`` completions share
    its ``--prompt-tokens``) with ``share_prefix`` on and off on the engine: seconds, ratio, and the largest
    log-prob difference between the two.
@@ -94,9 +94,9 @@ def bench_requests(server, trio, args) -> dict[str, float]:
 def bench_forward_backward(engine, prompts, args) -> tuple[float, float, float]:
     import torch
 
-    from trl_grpo_ext.pytrio.server.adapters import LoraSettings
-    from trl_grpo_ext.pytrio.server.forward import ForwardDatum
-    from trl_grpo_ext.pytrio.server.loss_fns import parse_loss
+    from trl_grpo_ext.pytrio_server.adapters import LoraSettings
+    from trl_grpo_ext.pytrio_server.forward import ForwardDatum
+    from trl_grpo_ext.pytrio_server.loss_fns import parse_loss
 
     g = torch.Generator().manual_seed(0)
     data = []
@@ -146,7 +146,7 @@ def main() -> int:
 
     import pytrio as trio
 
-    from trl_grpo_ext.pytrio.server import running_server
+    from trl_grpo_ext.pytrio_server import running_server
 
     with tempfile.TemporaryDirectory() as tmp:
         model = args.model

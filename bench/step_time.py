@@ -21,7 +21,7 @@ between steps): fp32 and bf16 are both measured and printed, and the faster one 
 has bf16 matrix units; without them torch emulates bf16, slower than fp32).
 
 Precision: each configuration runs in fp32 (``--bf16 false``) and in the recipe's ``bf16: auto`` choice
-(`trl_grpo_ext.precision`) when that is bf16; vanilla TRL gets the same resolved ``bf16``, so for the bf16 rows
+(`trl_grpo_ext.cpu.precision`) when that is bf16; vanilla TRL gets the same resolved ``bf16``, so for the bf16 rows
 its peer is vanilla TRL with ``bf16: true``. Where auto is fp32 the auto rows are the fp32 rows (said so, not run
 twice).
 
@@ -249,7 +249,7 @@ def run_config(label, overrides, steps, rates):
 
 def measure_rates(rates: dict, seconds: float) -> None:
     """Append one fp32 and one bf16 matmul rate to `rates` ({"fp32": [...], "bf16": [...]})."""
-    from trl_grpo_ext.precision import cpu_bf16_units
+    from trl_grpo_ext.cpu.precision import cpu_bf16_units
 
     rates["fp32"].append(matmul_rate(seconds))
     if cpu_bf16_units()[0]:

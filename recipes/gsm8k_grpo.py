@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 from trl_grpo_ext.compat import ignore_dependency_warnings  # noqa: E402
-from trl_grpo_ext.cpu_threads import apply_cpu_thread_defaults, configure_cpu_threads  # noqa: E402
+from trl_grpo_ext.cpu.threads import apply_cpu_thread_defaults, configure_cpu_threads  # noqa: E402
 
 apply_cpu_thread_defaults()  # before torch loads: OpenMP reads its settings then
 ignore_dependency_warnings()  # the named ones our dependencies print and we cannot avoid

@@ -20,7 +20,7 @@ import sys
 from pathlib import Path
 
 from trl_grpo_ext.compat import ignore_dependency_warnings  # noqa: E402
-from trl_grpo_ext.cpu_threads import apply_cpu_thread_defaults, threads_mode  # noqa: E402
+from trl_grpo_ext.cpu.threads import apply_cpu_thread_defaults, threads_mode  # noqa: E402
 
 apply_cpu_thread_defaults()  # before torch loads (here or in the local server): OpenMP reads its settings then
 ignore_dependency_warnings()  # the named ones our dependencies print and we cannot avoid

@@ -146,7 +146,7 @@ def tiny_model_path(tmp_path_factory):
 def engine(tiny_model_path):
     """One local PyTRIO server `ModelEngine` on the tiny model for a module's servers (model loading dominates), in
     fp32 whatever the CPU: the server tests compare numbers exactly (the bf16 variants make their own engines)."""
-    from trl_grpo_ext.pytrio.server.engine import ModelEngine
+    from trl_grpo_ext.pytrio_server.engine import ModelEngine
 
     return ModelEngine(tiny_model_path, bf16=False)
 
@@ -155,7 +155,7 @@ def engine(tiny_model_path):
 def make_server(engine, tiny_model_path, tmp_path):
     """``make(**ServerConfig options)``: a started local PyTRIO server on `engine` (storage under `tmp_path`), the
     process's pytrio client pointed at it; every server made is stopped after the test."""
-    from trl_grpo_ext.pytrio.server import LocalPyTrioServer, ServerConfig
+    from trl_grpo_ext.pytrio_server import LocalPyTrioServer, ServerConfig
 
     started = []
 
@@ -184,7 +184,7 @@ def prefix_engine_calls(monkeypatch):
     """Counts of the prefix engine's token-row planner and packed forwards that the local PyTRIO server's `forward`
     calls (``{"plan": n, "packed": m}``), so a test fails if the server stops sharing through the engine."""
     from trl_grpo_ext.prefix.packing import PackedBatch
-    from trl_grpo_ext.pytrio.server import forward as server_forward
+    from trl_grpo_ext.pytrio_server import forward as server_forward
 
     calls = {"plan": 0, "packed": 0}
     plan, forward_kwargs = server_forward.plan_token_rows, PackedBatch.forward_kwargs

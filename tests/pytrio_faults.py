@@ -19,8 +19,8 @@ import shutil
 import threading
 from dataclasses import dataclass
 
-from trl_grpo_ext.pytrio.server.errors import ApiError
-from trl_grpo_ext.pytrio.server.routes import error_response
+from trl_grpo_ext.pytrio_server.errors import ApiError
+from trl_grpo_ext.pytrio_server.routes import error_response
 
 
 @dataclass
@@ -85,8 +85,8 @@ def full_storage(monkeypatch, mode: str = "mid-write"):
     partial folder is left for the server to clean up. ``no-room``: the disk reports almost no free space, so the
     server refuses before writing anything.
     """
-    from trl_grpo_ext.pytrio.server import checkpoints
-    from trl_grpo_ext.pytrio.server.adapters import LoraSnapshot
+    from trl_grpo_ext.pytrio_server import checkpoints
+    from trl_grpo_ext.pytrio_server.adapters import LoraSnapshot
 
     with monkeypatch.context() as patch:
         if mode == "mid-write":

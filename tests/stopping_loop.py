@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from trl_grpo_ext.pytrio.checkpoint import load_loop_state
 from trl_grpo_ext.pytrio.loop import GRPOLoop
+from trl_grpo_ext.runs.loop_state import load_loop_state
 
 
 class _Stopped(Exception):

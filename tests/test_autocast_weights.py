@@ -1,4 +1,4 @@
-"""`trl_grpo_ext.autocast_weights`: bf16 autocast training without the weights' bf16 copies held for backward --
+"""`trl_grpo_ext.cpu.autocast_weights`: bf16 autocast training without the weights' bf16 copies held for backward --
 the same gradients to the bit, less memory. The TRL path's bf16 CPU loss forward inside it: tests/test_precision.py."""
 
 import contextlib
@@ -7,7 +7,7 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from trl_grpo_ext.autocast_weights import recast_weights
+from trl_grpo_ext.cpu.autocast_weights import recast_weights
 
 
 def _model(tied=True, hidden=128, vocab=2048, seed=0):

@@ -1,4 +1,4 @@
-"""CPU threads (trl_grpo_ext/cpu_threads.py): a short OpenMP spin (GOMP_SPINCOUNT) unless the user chose how OpenMP
+"""CPU threads (trl_grpo_ext/cpu/threads.py): a short OpenMP spin (GOMP_SPINCOUNT) unless the user chose how OpenMP
 threads wait, set before torch loads in the recipes and the console script; and the governor, which runs a CPU
 model's forwards on the cores other processes leave free. bench/cpu_threads.py measures why."""
 
@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from trl_grpo_ext.cpu_threads import (
+from trl_grpo_ext.cpu.threads import (
     DEFAULTS,
     MODE_ENV,
     USER_SETTINGS,
@@ -162,7 +162,7 @@ def test_proc_is_read_at_most_once_per_interval():
 
 
 def test_busy_time_leaves_out_idle_and_iowait():
-    from trl_grpo_ext.cpu_threads import _busy_fields
+    from trl_grpo_ext.cpu.threads import _busy_fields
 
     assert _busy_fields("cpu0 1 2 3 1000 2000 4 5 6 7 8") == 1 + 2 + 3 + 4 + 5 + 6
 
@@ -192,7 +192,7 @@ def test_proc_reader_counts_this_process():
 
 
 def test_no_proc_or_one_thread_installs_nothing(monkeypatch):
-    from trl_grpo_ext import cpu_threads
+    from trl_grpo_ext.cpu import threads as cpu_threads
 
     def missing(cpus=None):
         raise FileNotFoundError("/proc/stat")
@@ -222,7 +222,7 @@ def fake_governor(monkeypatch):
     """This process's governor over fake readings (cap 2 on 2 cores), installs allowed; torch's count restored."""
     import torch
 
-    from trl_grpo_ext import cpu_threads
+    from trl_grpo_ext.cpu import threads as cpu_threads
 
     before = torch.get_num_threads()
     torch.set_num_threads(2)
@@ -234,7 +234,7 @@ def fake_governor(monkeypatch):
 
 
 def _hooked(model):
-    from trl_grpo_ext.cpu_threads import _pre_forward
+    from trl_grpo_ext.cpu.threads import _pre_forward
 
     return _pre_forward in model._forward_pre_hooks.values()
 
@@ -279,7 +279,7 @@ def test_each_cpu_model_load_installs_it(fake_governor, tiny_model_path, monkeyp
     from types import SimpleNamespace
 
     from trl_grpo_ext.evaluation.generator import HFGenerator
-    from trl_grpo_ext.pytrio.server.engine import ModelEngine
+    from trl_grpo_ext.pytrio_server.engine import ModelEngine
     from trl_grpo_ext.trl.recipe import load_model
 
     model_args = SimpleNamespace(dtype="float32", model_revision=None, attn_implementation=None)
@@ -306,7 +306,7 @@ def test_a_bad_switch_is_one_line_before_any_model_loads(monkeypatch, capsys):
     assert f"error: {MODE_ENV}='sometimes': expected one of auto, fixed" in capsys.readouterr().err
     from types import SimpleNamespace
 
-    from trl_grpo_ext.cpu_threads import configure_cpu_threads
+    from trl_grpo_ext.cpu.threads import configure_cpu_threads
 
     with pytest.raises(ValueError, match=MODE_ENV):  # the TRL recipe: inside its one-line `error:` block
         configure_cpu_threads(SimpleNamespace(use_cpu=True))
@@ -315,7 +315,7 @@ def test_a_bad_switch_is_one_line_before_any_model_loads(monkeypatch, capsys):
 def test_the_run_summary_says_when_the_count_followed_the_load(fake_governor, tmp_path, capsys):
     from types import SimpleNamespace
 
-    from trl_grpo_ext.cpu_threads import current_governor
+    from trl_grpo_ext.cpu.threads import current_governor
     from trl_grpo_ext.trl.recipe import report_run
 
     trainer = SimpleNamespace(is_world_process_zero=lambda: True)

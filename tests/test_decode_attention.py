@@ -1,4 +1,4 @@
-"""`trl_grpo_ext.decode_attention`: a CPU bf16 decode step's grouped-query attention as one packed sdpa call."""
+"""`trl_grpo_ext.cpu.decode_attention`: a CPU bf16 decode step's grouped-query attention as one packed sdpa call."""
 
 from types import SimpleNamespace
 
@@ -7,7 +7,7 @@ import torch
 from transformers.integrations import sdpa_attention
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-from trl_grpo_ext.decode_attention import packed_decode_attention
+from trl_grpo_ext.cpu.decode_attention import packed_decode_attention
 from trl_grpo_ext.prefix import attention as prefix_attention
 
 ROWS, HEADS, KV_HEADS, DIM, KEYS = 6, 9, 3, 64, 37

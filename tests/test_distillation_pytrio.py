@@ -179,7 +179,7 @@ SECRET_KEY = "trio-local-opd-key-0123456789"
 
 @pytest.fixture(scope="module")
 def local_server(tiny_model_path, tmp_path_factory):
-    from trl_grpo_ext.pytrio.server import LocalPyTrioServer, ServerConfig
+    from trl_grpo_ext.pytrio_server import LocalPyTrioServer, ServerConfig
 
     server = LocalPyTrioServer(ServerConfig(model=tiny_model_path, api_key=SECRET_KEY, ephemeral_storage=True))
     with server:

@@ -479,11 +479,11 @@ def test_pytrio_run_on_local_server_logs_both_options(tiny_model_path, tmp_path,
 
     from stopping_loop import StoppingLoop
 
-    from trl_grpo_ext.pytrio.checkpoint import load_loop_state
     from trl_grpo_ext.pytrio.config import PyTrioGRPOConfig
     from trl_grpo_ext.pytrio.loop import GRPOLoop
-    from trl_grpo_ext.pytrio.server import running_server
+    from trl_grpo_ext.pytrio_server import running_server
     from trl_grpo_ext.runs import run_metrics
+    from trl_grpo_ext.runs.loop_state import load_loop_state
 
     rows = [
         {"prompt": [{"role": "user", "content": f"What is {i} + 4?"}], "answer": f"#### {i + 4}", "flat": i % 2 == 0,

@@ -126,7 +126,7 @@ def test_pytrio_recipe_killed_mid_row_resumes_without_a_glued_row(tiny_model_pat
 def test_pytrio_recipe_killed_during_a_save_resumes_from_the_previous_checkpoint(tiny_model_path, tmp_path):
     """Killed after step 2's checkpoint is saved remotely but before the loop state records it: the state still
     names step 1's checkpoint, so `--resume true` drops step 2's row, trains steps 2 and 3 again and logs each once."""
-    from trl_grpo_ext.pytrio.checkpoint import load_loop_state
+    from trl_grpo_ext.runs.loop_state import load_loop_state
 
     out = tmp_path / "pytrio"
     args = _pytrio_args(tiny_model_path, out)

@@ -1,4 +1,4 @@
-"""Precision by hardware (`trl_grpo_ext.precision`): detection, `bf16: auto`, the sampler correction's maths, and
+"""Precision by hardware (`trl_grpo_ext.cpu.precision`): detection, `bf16: auto`, the sampler correction's maths, and
 the TRL path's bf16 autocast (fp32 master weights and optimizer state) with the mismatch logged; fp32 unchanged."""
 
 import json
@@ -12,14 +12,14 @@ import torch
 import trl
 from datasets import Dataset
 
-from trl_grpo_ext.grpo.losses import SAMPLER_MISMATCH_KEYS, sampler_correction
-from trl_grpo_ext.precision import (
+from trl_grpo_ext.cpu.precision import (
     ENV_CPU_BF16,
     ONEDNN_CACHE_VARIABLES,
     cpu_bf16_units,
     parse_bf16_setting,
     resolve_precision,
 )
+from trl_grpo_ext.grpo.losses import SAMPLER_MISMATCH_KEYS, sampler_correction
 from trl_grpo_ext.trl.config import GRPOConfig
 
 PROMPTS = [[{"role": "user", "content": f"What is {i} + 4?"}] for i in range(8)]
@@ -91,7 +91,7 @@ def test_settings_and_bad_values(units):
 ONEDNN_PROBE = r"""
 import sys
 import torch
-from trl_grpo_ext.precision import resolve_precision
+from trl_grpo_ext.cpu.precision import resolve_precision
 
 resolve_precision(sys.argv[1], on_cpu=True)
 weight = torch.randn(64, 64)
@@ -312,7 +312,7 @@ def test_bf16_sampler_logprobs_are_kept_with_prefix_sharing_off(tiny_model_path,
         tiny_model_path, tmp_path, share_prompt_prefix=False, vllm_importance_sampling_mode="token_truncate"
     )
     prompt_ids = [trainer.processing_class(f"What is {i} + 4?")["input_ids"] for i in (1, 1, 22, 333)]
-    from trl_grpo_ext.precision import bf16_autocast
+    from trl_grpo_ext.cpu.precision import bf16_autocast
 
     with bf16_autocast(True):
         torch.manual_seed(0)

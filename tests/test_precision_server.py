@@ -1,4 +1,4 @@
-"""The local PyTRIO server follows the precision rule (`trl_grpo_ext.precision`): bf16 autocast in forward/backward
+"""The local PyTRIO server follows the precision rule (`trl_grpo_ext.cpu.precision`): bf16 autocast in forward/backward
 where chosen (LoRA weights and Adam state fp32), sampling in fp32 unless ``bf16_sampling`` (then the frozen base
 linears are stored in bf16 and every path runs in autocast), fp32 untouched elsewhere; the PyTRIO loop logs the
 sampler/trainer mismatch from the same function as the TRL path."""
@@ -8,8 +8,8 @@ import math
 import pytest
 import torch
 
+from trl_grpo_ext.cpu.precision import ENV_CPU_BF16
 from trl_grpo_ext.grpo.losses import SAMPLER_MISMATCH_KEYS
-from trl_grpo_ext.precision import ENV_CPU_BF16
 
 pytest.importorskip("peft")
 pytestmark = pytest.mark.slow
@@ -18,7 +18,7 @@ ADAM = {"learning_rate": 1e-2, "beta1": 0.9, "beta2": 0.95, "eps": 1e-8, "weight
 
 
 def _engine(path, monkeypatch, units: bool, **kwargs):
-    from trl_grpo_ext.pytrio.server.engine import ModelEngine
+    from trl_grpo_ext.pytrio_server.engine import ModelEngine
 
     monkeypatch.setenv(ENV_CPU_BF16, "1" if units else "0")
     return ModelEngine(path, **kwargs)
@@ -27,9 +27,9 @@ def _engine(path, monkeypatch, units: bool, **kwargs):
 def _step(engine, run_id="r"):
     """Sample a completion on the base model, then one forward_backward (importance_sampling against the
     sampler's log-probs) and an optimizer step on a fresh LoRA run; returns (sampled, logprobs, outputs, run)."""
-    from trl_grpo_ext.pytrio.server.adapters import LoraSettings
-    from trl_grpo_ext.pytrio.server.forward import ForwardDatum
-    from trl_grpo_ext.pytrio.server.loss_fns import parse_loss
+    from trl_grpo_ext.pytrio_server.adapters import LoraSettings
+    from trl_grpo_ext.pytrio_server.forward import ForwardDatum
+    from trl_grpo_ext.pytrio_server.loss_fns import parse_loss
 
     prompt = [3, 17, 29, 41, 5, 8, 11]
     sampled = engine.sample(None, prompt, num_samples=1, max_tokens=6, temperature=1.0, seed=3)[0]
@@ -59,7 +59,7 @@ def _dtypes_seen(engine, work):
 
 
 def _assert_fp32_master_weights(engine, run):
-    from trl_grpo_ext.pytrio.server.adapters import LoraSettings
+    from trl_grpo_ext.pytrio_server.adapters import LoraSettings
 
     assert {p.dtype for _, p in run.params} == {torch.float32}  # LoRA weights: fp32 master weights
     second = engine.create_run("r2", LoraSettings(rank=4, seed=7))  # PEFT's add_adapter, not get_peft_model
@@ -121,7 +121,7 @@ def test_detection_off_keeps_the_fp32_server(tiny_model_path, monkeypatch):
 
 
 def test_server_config_rejects_a_bad_bf16(tiny_model_path):
-    from trl_grpo_ext.pytrio.server import ServerConfig
+    from trl_grpo_ext.pytrio_server import ServerConfig
 
     with pytest.raises(ValueError, match="bf16='sometimes' must be auto, true or false"):
         ServerConfig(model=tiny_model_path, bf16="sometimes")

@@ -20,11 +20,11 @@ import pytest
 
 trio = pytest.importorskip("pytrio")
 
-from trl_grpo_ext.pytrio.checkpoint import load_loop_state  # noqa: E402
 from trl_grpo_ext.pytrio.config import PyTrioGRPOConfig  # noqa: E402
 from trl_grpo_ext.pytrio.connection import close_service_client, service_answers  # noqa: E402
 from trl_grpo_ext.pytrio.loop import GRPOLoop  # noqa: E402
 from trl_grpo_ext.runs import CONFIG_FILENAME, METRICS_FILENAME, PYTRIO_STATE_FILENAME, read_metrics_file  # noqa: E402
+from trl_grpo_ext.runs.loop_state import load_loop_state  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 KEY = "survival-key-3a9b1c"

@@ -11,13 +11,6 @@ import pytest
 import torch
 
 from trl_grpo_ext.grpo.losses import group_advantages, policy_loss, token_level_mean
-from trl_grpo_ext.pytrio.checkpoint import (
-    LoopState,
-    check_resumable,
-    load_loop_state,
-    pinned_settings,
-    save_loop_state,
-)
 from trl_grpo_ext.pytrio.config import PyTrioGRPOConfig
 from trl_grpo_ext.pytrio.connection import redact
 from trl_grpo_ext.pytrio.datums import Rollout, build_datum, shifted_sequences
@@ -35,6 +28,13 @@ from trl_grpo_ext.pytrio.loop import (
     rollouts_from_response,
 )
 from trl_grpo_ext.runs import METRICS_FILENAME, run_metrics, truncate_metrics
+from trl_grpo_ext.runs.loop_state import (
+    LoopState,
+    check_resumable,
+    load_loop_state,
+    pinned_settings,
+    save_loop_state,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -362,7 +362,7 @@ def _digits_reward(completions, **kwargs):
 def local_pytrio(tiny_model_path, tmp_path_factory):
     from pytrio_faults import FaultInjector
 
-    from trl_grpo_ext.pytrio.server import LocalPyTrioServer, ServerConfig
+    from trl_grpo_ext.pytrio_server import LocalPyTrioServer, ServerConfig
     from trl_grpo_ext.task.rewards import REWARD_REGISTRY, register_reward
 
     if TEST_REWARD not in REWARD_REGISTRY:

@@ -19,9 +19,9 @@ trio = pytest.importorskip("pytrio")
 
 from precision_tolerance import assert_grads_close, tolerance  # noqa: E402
 
+from trl_grpo_ext.cpu.precision import bf16_autocast  # noqa: E402
 from trl_grpo_ext.grpo import losses  # noqa: E402
-from trl_grpo_ext.precision import bf16_autocast  # noqa: E402
-from trl_grpo_ext.pytrio.server import running_server  # noqa: E402
+from trl_grpo_ext.pytrio_server import running_server  # noqa: E402
 
 PROMPTS = ["What is 3 + 4?", "Natalia sold 48 clips in April", "Solve the problem step by step."]
 COMPLETIONS = [" The answer is \\boxed{7}.", " and half as many in May. #### 72", " so x = 18"]

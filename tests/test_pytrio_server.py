@@ -28,8 +28,8 @@ from pytrio.protocol.actor.events.event import (  # noqa: E402
 from pytrio_faults import FaultInjector  # noqa: E402
 
 from trl_grpo_ext.grpo import losses  # noqa: E402
-from trl_grpo_ext.pytrio.server import LocalPyTrioServer, ServerConfig  # noqa: E402
-from trl_grpo_ext.pytrio.server.registry import safe_name  # noqa: E402
+from trl_grpo_ext.pytrio_server import LocalPyTrioServer, ServerConfig  # noqa: E402
+from trl_grpo_ext.pytrio_server.registry import safe_name  # noqa: E402
 
 TEXT = "What is 3 + 4? The answer is \\boxed{7}. Solve the problem step by step."
 

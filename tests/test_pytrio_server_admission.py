@@ -18,7 +18,7 @@ httpx = pytest.importorskip("httpx")
 pytest.importorskip("pytrio")
 
 
-from trl_grpo_ext.pytrio.server import LocalPyTrioServer, ServerConfig  # noqa: E402
+from trl_grpo_ext.pytrio_server import LocalPyTrioServer, ServerConfig  # noqa: E402
 
 KEY = {"Authorization": "Bearer k"}
 GOOD = [  # (prompt, sampling params, num_samples)
@@ -146,7 +146,7 @@ def test_stop_token_ids_and_stop_strings_of_the_right_types_are_taken(served):
 def test_a_request_failing_inside_its_batch_fails_alone(served, monkeypatch):
     """With the admission checks switched off, bad requests reach the decode batch: each fails alone (400 with the
     cause), the good ones of the batch finish with the same tokens as without it."""
-    from trl_grpo_ext.pytrio.server import actor, decoding
+    from trl_grpo_ext.pytrio_server import actor, decoding
 
     server = served[0]
     with ThreadPoolExecutor(5) as pool:

@@ -497,8 +497,8 @@ VISION_PROMPT = (
 
 @pytest.fixture(scope="module")
 def vision_server(tiny_vision_model_path, tmp_path_factory):
-    from trl_grpo_ext.pytrio.server import LocalPyTrioServer, ServerConfig
-    from trl_grpo_ext.pytrio.server.engine import ModelEngine
+    from trl_grpo_ext.pytrio_server import LocalPyTrioServer, ServerConfig
+    from trl_grpo_ext.pytrio_server.engine import ModelEngine
 
     tmp = tmp_path_factory.mktemp("vision-server")
     engine = ModelEngine(tiny_vision_model_path, bf16=False)

@@ -11,7 +11,7 @@ import pytest
 pytest.importorskip("pytrio")
 
 
-from trl_grpo_ext.pytrio.server.serving import IdleTimeoutProtocol, ThrottledAcceptErrors  # noqa: E402
+from trl_grpo_ext.pytrio_server.serving import IdleTimeoutProtocol, ThrottledAcceptErrors  # noqa: E402
 
 VERIFY = b"GET /api/openapi/v1/api-key/verify HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer k\r\n\r\n"
 

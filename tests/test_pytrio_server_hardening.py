@@ -19,7 +19,7 @@ trio = pytest.importorskip("pytrio")
 
 from pytrio.errors.control import ControlAPIError  # noqa: E402
 
-from trl_grpo_ext.pytrio.server import LocalPyTrioServer, ServerConfig  # noqa: E402
+from trl_grpo_ext.pytrio_server import LocalPyTrioServer, ServerConfig  # noqa: E402
 
 VERIFY = "/api/openapi/v1/api-key/verify"
 DEMO_NAME = "Qwen/Qwen3-4B-Instruct-2507"  # what the hosted service's demo scripts pass as base_model
@@ -211,7 +211,7 @@ def test_by_default_no_saved_checkpoint_is_deleted(make_server, tmp_path, caplog
     service = trio.ServiceClient()
     try:
         tc = service.create_lora_training_client(base_model=server.model_alias, rank=4, seed=3)
-        with caplog.at_level("INFO", logger="trl_grpo_ext.pytrio.server.checkpoints"):
+        with caplog.at_level("INFO", logger="trl_grpo_ext.pytrio_server.checkpoints"):
             states = _save_states(tc, ["a", "b", "c", "d", "e"])
             samplers = [tc.save_weights_for_sampler(f"w{i}").result().path for i in range(5)]
         mine = {c.uri for c in server.registry.checkpoints.values() if c.run == tc.training_run_cuid}
@@ -229,7 +229,7 @@ def test_retention_when_asked_deletes_the_oldest_and_logs_it(make_server, tmp_pa
     service = trio.ServiceClient()
     try:
         tc = service.create_lora_training_client(base_model=server.model_alias, rank=4, seed=3)
-        with caplog.at_level("INFO", logger="trl_grpo_ext.pytrio.server.checkpoints"):
+        with caplog.at_level("INFO", logger="trl_grpo_ext.pytrio_server.checkpoints"):
             states = _save_states(tc, ["a", "b", "c", "d"])
         mine = {c.uri for c in server.registry.checkpoints.values() if c.run == tc.training_run_cuid}
         assert mine == set(states[-2:])
@@ -240,7 +240,7 @@ def test_retention_when_asked_deletes_the_oldest_and_logs_it(make_server, tmp_pa
 
 
 def test_retention_keeps_the_newest_and_every_referenced_checkpoint(make_server, tmp_path):
-    from trl_grpo_ext.pytrio.checkpoint import LoopState, save_loop_state
+    from trl_grpo_ext.runs.loop_state import LoopState, save_loop_state
 
     run_dir = tmp_path / "run"  # the recipe's layout: <output_dir>/pytrio-server beside the loop state file
     server = make_server(storage_dir=str(run_dir / "pytrio-server"), keep_checkpoints=2)
@@ -351,7 +351,7 @@ def test_every_control_route_passes_the_path_parameters_its_handler_takes():
     import inspect
     import re
 
-    from trl_grpo_ext.pytrio.server.routes import CONTROL_ROUTES
+    from trl_grpo_ext.pytrio_server.routes import CONTROL_ROUTES
 
     assert len({(r.method, r.path) for r in CONTROL_ROUTES}) == len(CONTROL_ROUTES)
     for route in CONTROL_ROUTES:
@@ -382,7 +382,7 @@ def test_stop_answers_a_waiting_long_poll(make_server, engine, monkeypatch):
         pack_event_envelope,
     )
 
-    from trl_grpo_ext.pytrio.server.events import EventRecord
+    from trl_grpo_ext.pytrio_server.events import EventRecord
 
     waiting = threading.Event()
     wait = EventRecord.wait

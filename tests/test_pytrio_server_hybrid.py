@@ -43,7 +43,7 @@ def _build(family, path):
 
 @pytest.fixture(scope="module", params=FAMILIES)
 def hybrid(request, tmp_path_factory):
-    from trl_grpo_ext.pytrio.server.engine import ModelEngine
+    from trl_grpo_ext.pytrio_server.engine import ModelEngine
 
     path = tmp_path_factory.mktemp(request.param)
     model = _build(request.param, path)
@@ -69,7 +69,7 @@ def test_a_group_of_samples_is_what_the_plain_model_generates(hybrid):
 
 
 def test_lora_trains_every_layer_type_and_the_trained_sampler_samples_groups(hybrid, tmp_path):
-    from trl_grpo_ext.pytrio.server import LocalPyTrioServer, ServerConfig
+    from trl_grpo_ext.pytrio_server import LocalPyTrioServer, ServerConfig
 
     model, engine = hybrid
     server = LocalPyTrioServer(ServerConfig(model=engine.model_path, ephemeral_storage=True), engine=engine).start()

@@ -15,11 +15,11 @@ import torch
 from PIL import Image
 from pytrio.protocol.actor.model_input import WireEncodedTextChunk, WireImageChunk
 
-from trl_grpo_ext.pytrio.server import images
-from trl_grpo_ext.pytrio.server.adapters import LoraSettings
-from trl_grpo_ext.pytrio.server.errors import EngineError
-from trl_grpo_ext.pytrio.server.forward import ForwardDatum
-from trl_grpo_ext.pytrio.server.loss_fns import parse_loss
+from trl_grpo_ext.pytrio_server import images
+from trl_grpo_ext.pytrio_server.adapters import LoraSettings
+from trl_grpo_ext.pytrio_server.errors import EngineError
+from trl_grpo_ext.pytrio_server.forward import ForwardDatum
+from trl_grpo_ext.pytrio_server.loss_fns import parse_loss
 
 IMAGE_TOKENS = 8  # a 20x28 (w x h) image, resized to 16x32: 4x8 patches of 4 pixels, 2x4 tokens after 2x2 merging
 
@@ -60,7 +60,7 @@ def chunks(engine, data=None, fmt="png", expected=None, after="<|vision_end|> Wh
 
 @pytest.fixture(scope="module")
 def vision_engine(tiny_vision_model_path):
-    from trl_grpo_ext.pytrio.server.engine import ModelEngine
+    from trl_grpo_ext.pytrio_server.engine import ModelEngine
 
     return ModelEngine(tiny_vision_model_path, bf16=False)
 
@@ -247,7 +247,7 @@ def test_mask_image_targets_positions():
 
 
 def test_without_vision_an_image_text_checkpoint_serves_its_language_model(vision_engine, tiny_vision_model_path):
-    from trl_grpo_ext.pytrio.server.engine import ModelEngine
+    from trl_grpo_ext.pytrio_server.engine import ModelEngine
 
     text_engine = ModelEngine(tiny_vision_model_path, bf16=False, vision=False)
     assert not text_engine.accepts_images and type(text_engine.base).__name__ == "Qwen3_5ForCausalLM"
@@ -266,7 +266,7 @@ def test_without_vision_an_image_text_checkpoint_serves_its_language_model(visio
 def test_bf16_engines_take_images(vision_engine, tiny_vision_model_path, bf16_sampling):
     """bf16 autocast in training (and, with ``bf16_sampling``, bf16 frozen linears, the vision tower's included):
     every image path runs, and its numbers are the fp32 engine's to bf16 rounding."""
-    from trl_grpo_ext.pytrio.server.engine import ModelEngine
+    from trl_grpo_ext.pytrio_server.engine import ModelEngine
 
     engine = ModelEngine(tiny_vision_model_path, bf16=True, bf16_sampling=bf16_sampling)
     assert engine.autocast_bf16 and engine.sample_bf16 == bf16_sampling
@@ -287,7 +287,7 @@ def test_bf16_engines_take_images(vision_engine, tiny_vision_model_path, bf16_sa
 def test_other_qwen_vl_families_sample_and_score_images_as_a_direct_forward(tmp_path, family):
     from conftest import build_tiny_vision_model
 
-    from trl_grpo_ext.pytrio.server.engine import ModelEngine
+    from trl_grpo_ext.pytrio_server.engine import ModelEngine
 
     engine = ModelEngine(build_tiny_vision_model(tmp_path / family, family=family), bf16=False)
     assert engine.accepts_images and engine.base.config.model_type == family

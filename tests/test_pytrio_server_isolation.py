@@ -23,8 +23,8 @@ from pytrio.errors.event import EventFailedError  # noqa: E402
 from pytrio.protocol.actor.events.event import generate_event_id  # noqa: E402
 from pytrio_faults import full_storage  # noqa: E402
 
-from trl_grpo_ext.pytrio.server import LocalPyTrioServer, ServerConfig  # noqa: E402
-from trl_grpo_ext.pytrio.server.clients import KeyRing, owner_id  # noqa: E402
+from trl_grpo_ext.pytrio_server import LocalPyTrioServer, ServerConfig  # noqa: E402
+from trl_grpo_ext.pytrio_server.clients import KeyRing, owner_id  # noqa: E402
 
 KEY_A, KEY_B, ADMIN = "client-a-key-5d1e", "client-b-key-9c2f", "admin-key-77aa"
 API = "/api/openapi/v1"

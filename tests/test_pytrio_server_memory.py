@@ -19,9 +19,9 @@ from precision_tolerance import assert_grads_close, tolerance  # noqa: E402
 from pytrio.errors.actor import ActorAPIError  # noqa: E402
 from pytrio.errors.event import EventFailedError  # noqa: E402
 
-from trl_grpo_ext.pytrio.server.adapters import LoraSettings  # noqa: E402
-from trl_grpo_ext.pytrio.server.forward import ForwardDatum  # noqa: E402
-from trl_grpo_ext.pytrio.server.loss_fns import parse_loss  # noqa: E402
+from trl_grpo_ext.pytrio_server.adapters import LoraSettings  # noqa: E402
+from trl_grpo_ext.pytrio_server.forward import ForwardDatum  # noqa: E402
+from trl_grpo_ext.pytrio_server.loss_fns import parse_loss  # noqa: E402
 
 KEY = {"Authorization": "Bearer k"}
 
@@ -171,8 +171,8 @@ def test_chunked_logprobs_and_recomputed_layers_change_nothing(engine, tiny_mode
     """An item longer than one logit chunk, with and without recomputed layers: log-probs equal the full-vocabulary
     computation (in the engine's precision), gradients equal each other; to float rounding in fp32, to bf16 rounding
     (`precision_tolerance.BF16`) in bf16 autocast."""
-    from trl_grpo_ext.pytrio.server.engine import ModelEngine
-    from trl_grpo_ext.pytrio.server.logprobs import LOGIT_CHUNK
+    from trl_grpo_ext.pytrio_server.engine import ModelEngine
+    from trl_grpo_ext.pytrio_server.logprobs import LOGIT_CHUNK
 
     if bf16:
         engine = ModelEngine(tiny_model_path, bf16=True)
@@ -212,7 +212,7 @@ def test_estimates_follow_the_model_shape(engine):
     """Costs grow with tokens, samples and max_tokens; on the embedded model's shape (SmolLM2-135M) a 2,048-token
     forward_backward item is estimated above what it measured (0.35 GB peak, recomputed layers) and below 1 GB,
     and kept activations above what they measured (2.9 GB of saved tensors)."""
-    from trl_grpo_ext.pytrio.server.memory import GIB, MemoryModel
+    from trl_grpo_ext.pytrio_server.memory import GIB, MemoryModel
 
     model = engine.memory_model
     assert engine.forward_bytes([400], True) > engine.forward_bytes([100], True) > engine.forward_bytes([100], False)
@@ -226,7 +226,7 @@ def test_estimates_follow_the_model_shape(engine):
 
 def test_freed_memory_is_handed_back_once_the_server_is_idle(monkeypatch):
     """When admitted work drops to 0 and stays there a moment, gc + malloc_trim run (once per idle spell)."""
-    from trl_grpo_ext.pytrio.server import memory
+    from trl_grpo_ext.pytrio_server import memory
 
     real, calls, timer_threads = memory.release_freed_memory, [], set()
     gate = memory.MemoryGate(100)

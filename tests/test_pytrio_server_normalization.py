@@ -22,7 +22,7 @@ from pytrio.protocol.actor.events.event import (  # noqa: E402
     generate_event_id,
 )
 
-from trl_grpo_ext.pytrio.server import LocalPyTrioServer, ServerConfig  # noqa: E402
+from trl_grpo_ext.pytrio_server import LocalPyTrioServer, ServerConfig  # noqa: E402
 
 LOSSES = ["cross_entropy", "importance_sampling", "ppo", "cispo", "dro"]
 SEQUENCES = [[1, 5, 9, 14, 3, 7, 8, 11, 4], [2, 3, 6, 10], [7, 7, 12, 5, 9, 20, 21]]
@@ -30,7 +30,7 @@ SEQUENCES = [[1, 5, 9, 14, 3, 7, 8, 11, 4], [2, 3, 6, 10], [7, 7, 12, 5, 9, 20, 
 
 @pytest.fixture(scope="module")
 def fp32_engine(tiny_model_path):
-    from trl_grpo_ext.pytrio.server.engine import ModelEngine
+    from trl_grpo_ext.pytrio_server.engine import ModelEngine
 
     return ModelEngine(tiny_model_path, bf16=False)  # gradients compared to float rounding: no bf16
 

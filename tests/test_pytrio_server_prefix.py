@@ -20,11 +20,11 @@ import torch
 from precision_tolerance import Tolerance, assert_grads_close, tolerance
 
 from trl_grpo_ext.prefix import plan_token_rows
-from trl_grpo_ext.pytrio.server import forward as server_forward
-from trl_grpo_ext.pytrio.server.adapters import LoraSettings
-from trl_grpo_ext.pytrio.server.engine import ModelEngine
-from trl_grpo_ext.pytrio.server.forward import ForwardDatum
-from trl_grpo_ext.pytrio.server.loss_fns import parse_loss
+from trl_grpo_ext.pytrio_server import forward as server_forward
+from trl_grpo_ext.pytrio_server.adapters import LoraSettings
+from trl_grpo_ext.pytrio_server.engine import ModelEngine
+from trl_grpo_ext.pytrio_server.forward import ForwardDatum
+from trl_grpo_ext.pytrio_server.loss_fns import parse_loss
 
 LOSSES = ["cross_entropy", "importance_sampling", "ppo", "cispo", "dro"]
 

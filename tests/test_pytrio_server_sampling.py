@@ -6,8 +6,8 @@ import time
 
 import pytest
 
-from trl_grpo_ext.pytrio.server.decoding import DecodeBatch, SampleSpec
-from trl_grpo_ext.pytrio.server.engine import ModelEngine
+from trl_grpo_ext.pytrio_server.decoding import DecodeBatch, SampleSpec
+from trl_grpo_ext.pytrio_server.engine import ModelEngine
 
 SPECS = [
     SampleSpec([1, 5, 9, 14, 3, 7, 8], 4, 12, seed=3),
@@ -55,7 +55,7 @@ def test_a_request_samples_the_same_alone_and_in_any_batch(engine):
 
 def test_concurrent_requests_through_the_server_are_batched(tiny_model_path, engine, tmp_path):
     trio = pytest.importorskip("pytrio")
-    from trl_grpo_ext.pytrio.server import LocalPyTrioServer, ServerConfig
+    from trl_grpo_ext.pytrio_server import LocalPyTrioServer, ServerConfig
 
     server = LocalPyTrioServer(ServerConfig(model=tiny_model_path, ephemeral_storage=True), engine=engine).start()
     try:

@@ -18,7 +18,7 @@ def uniform_engine(tmp_path_factory):
     import torch
     from transformers import AutoModelForCausalLM
 
-    from trl_grpo_ext.pytrio.server.engine import ModelEngine
+    from trl_grpo_ext.pytrio_server.engine import ModelEngine
 
     path = build_tiny_model(tmp_path_factory.mktemp("uniform-model"), vocab_size=64)
     model = AutoModelForCausalLM.from_pretrained(path)
@@ -30,7 +30,7 @@ def uniform_engine(tmp_path_factory):
 
 @pytest.fixture
 def sampler(uniform_engine, tmp_path):
-    from trl_grpo_ext.pytrio.server import LocalPyTrioServer, ServerConfig
+    from trl_grpo_ext.pytrio_server import LocalPyTrioServer, ServerConfig
 
     config = ServerConfig(model=uniform_engine.model_path, ephemeral_storage=True)
     server = LocalPyTrioServer(config, engine=uniform_engine).start()

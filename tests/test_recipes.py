@@ -301,7 +301,7 @@ def test_failing_rerun_prints_one_error_exits_2_and_keeps_the_previous_files(
 
 
 def test_cpu_threads_after_accelerate_launch():
-    from trl_grpo_ext.cpu_threads import cpu_threads_to_set
+    from trl_grpo_ext.cpu.threads import cpu_threads_to_set
 
     child = {"ACCELERATE_DYNAMO_BACKEND": "NO", "OMP_NUM_THREADS": "1"}
     launcher = ({"PATH": "/usr/bin"}, ["python", "/venv/bin/accelerate", "launch", "recipes/gsm8k_grpo.py"])

@@ -1,12 +1,12 @@
-"""`trl_grpo_ext.token_draws`: torch.multinomial's one-sample draws, vectorised, with torch's results."""
+"""`trl_grpo_ext.cpu.token_draws`: torch.multinomial's one-sample draws, vectorised, with torch's results."""
 
 import threading
 
 import pytest
 import torch
 
-from trl_grpo_ext import token_draws
-from trl_grpo_ext.token_draws import draw_tokens, fast_token_draws, multinomial
+from trl_grpo_ext.cpu import token_draws
+from trl_grpo_ext.cpu.token_draws import draw_tokens, fast_token_draws, multinomial
 
 
 def _probs(rows, vocab, dtype=torch.float32, seed=0):

@@ -25,7 +25,7 @@ ROWS = [
 
 @pytest.fixture(scope="module")
 def tool_server(tmp_path_factory):
-    from trl_grpo_ext.pytrio.server import LocalPyTrioServer, ServerConfig
+    from trl_grpo_ext.pytrio_server import LocalPyTrioServer, ServerConfig
 
     model = build_tool_model(tmp_path_factory.mktemp("tool-model"))
     server = LocalPyTrioServer(ServerConfig(model=model, ephemeral_storage=True))

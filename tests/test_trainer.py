@@ -334,7 +334,7 @@ def test_train_steps(tiny_model_path, tmp_path, loss_type, beta, num_iterations,
 def test_default_args_as_trl_builds_them(tiny_model_path, tmp_path, monkeypatch):
     """Without `args` TRL builds ``GRPOConfig(f"{model}-GRPO")`` (output_dir positional): ours gets that output_dir
     too. On a GPU machine TRL's does as well; on a CPU machine TRL stops at its bf16 default, where ours' `bf16: auto`
-    (`trl_grpo_ext.precision`) chooses fp32, since transformers trains bf16 on the CPU only with `use_cpu`."""
+    (`trl_grpo_ext.cpu.precision`) chooses fp32, since transformers trains bf16 on the CPU only with `use_cpu`."""
     monkeypatch.chdir(tmp_path)
 
     def outcome(cls):

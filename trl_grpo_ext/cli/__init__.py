@@ -10,7 +10,7 @@ import sys
 from importlib import import_module
 
 from trl_grpo_ext.compat import ignore_dependency_warnings
-from trl_grpo_ext.cpu_threads import apply_cpu_thread_defaults, threads_mode
+from trl_grpo_ext.cpu.threads import apply_cpu_thread_defaults, threads_mode
 
 SUBCOMMANDS = {
     "pytrio-serve": ("trl_grpo_ext.cli.pytrio_serve", "serve the PyTRIO protocol locally on a transformers model"),

@@ -10,7 +10,7 @@ import sys
 import threading
 
 from trl_grpo_ext.models import EMBEDDED_NAME
-from trl_grpo_ext.pytrio.server.config import API_KEY_ENV, MIB, ServerConfig, read_api_key_file
+from trl_grpo_ext.pytrio_server.config import API_KEY_ENV, MIB, ServerConfig, read_api_key_file
 
 # (flag, ServerConfig field, type, help) of the server's limits that map one to one onto a field
 LIMIT_FLAGS = [
@@ -176,7 +176,7 @@ def run(args: argparse.Namespace) -> int:
     if args.host not in ("127.0.0.1", "localhost", "::1"):
         logging.warning("binding %s exposes the server beyond this machine; anyone with the key can train", args.host)
 
-    from trl_grpo_ext.pytrio.server import LocalPyTrioServer  # torch, starlette: after the arguments are checked
+    from trl_grpo_ext.pytrio_server import LocalPyTrioServer  # torch, starlette: after the arguments are checked
 
     stop = threading.Event()
     # installed before the address is printed: a supervisor may send SIGTERM as soon as it reads it

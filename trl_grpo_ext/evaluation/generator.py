@@ -7,11 +7,11 @@ import contextlib
 from pathlib import Path
 from typing import Any, Sequence
 
-from trl_grpo_ext.cpu_threads import govern_cpu_threads
+from trl_grpo_ext.cpu.precision import bf16_autocast
+from trl_grpo_ext.cpu.threads import govern_cpu_threads
+from trl_grpo_ext.cpu.token_draws import fast_token_draws
 from trl_grpo_ext.evaluation.problems import Prompt
 from trl_grpo_ext.models import resolve_model
-from trl_grpo_ext.precision import bf16_autocast
-from trl_grpo_ext.token_draws import fast_token_draws
 
 
 class HFGenerator:
@@ -55,7 +55,7 @@ class HFGenerator:
         self.temperature = temperature
         self.top_p = top_p
         self.seed = seed
-        # bf16 autocast around each generate call (the run's precision, `trl_grpo_ext.precision`); fp32 weights stay
+        # bf16 autocast around each generate call (the run's precision, `trl_grpo_ext.cpu.precision`); fp32 weights stay
         self.bf16 = bool(bf16)
         self._calls = 0
         self.last_completion_tokens: list[int] | None = None
@@ -105,7 +105,7 @@ class HFGenerator:
         from trl_grpo_ext.prefix import shared_prefix_generate
         from trl_grpo_ext.prefix.attention import install as install_attention
 
-        install_attention()  # CPU bf16 decode steps as one packed attention call (trl_grpo_ext.decode_attention)
+        install_attention()  # CPU bf16 decode steps as one packed attention call (trl_grpo_ext.cpu.decode_attention)
 
         texts = [self._text(p) for p in prompts]
         # Templated text already holds its special tokens; adding BOS again would shift the prompt.
@@ -130,7 +130,7 @@ class HFGenerator:
         del kwargs["num_return_sequences"]
         rows = [row for row in rows for _ in range(num_samples)]
         # one autocast region for the whole call: each weight is cast to bf16 once, not at every decode step; sampled
-        # tokens drawn as torch.multinomial draws them, vectorised (trl_grpo_ext.token_draws)
+        # tokens drawn as torch.multinomial draws them, vectorised (trl_grpo_ext.cpu.token_draws)
         with torch.no_grad(), bf16_autocast(self.bf16, torch.device(self.device).type), fast_token_draws():
             out = shared_prefix_generate(self.model, rows, **kwargs)
         new = out[:, enc["input_ids"].shape[1] :]

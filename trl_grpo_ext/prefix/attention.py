@@ -22,7 +22,7 @@ the registered ``sdpa``, ``flash_attention_2/3`` and ``flex_attention`` function
   ranges.
 
 A call without ``prefix_attention`` goes to the wrapped function unchanged, except an ``sdpa`` decode step on the CPU
-in bf16, which runs as one packed call (`trl_grpo_ext.decode_attention`; the generation paths call `install` for
+in bf16, which runs as one packed call (`trl_grpo_ext.cpu.decode_attention`; the generation paths call `install` for
 it). ``eager`` is not wrapped: it keeps a dense 4D mask (`layout.dense_visibility`).
 """
 
@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from trl_grpo_ext.decode_attention import packed_decode_attention
+from trl_grpo_ext.cpu.decode_attention import packed_decode_attention
 
 # Implementations whose registered function `install` wraps, by how the layout runs under them.
 SDPA_ATTENTION = ("sdpa",)
@@ -376,7 +376,7 @@ def _dispatch(
     original, module, query, key, value, attention_mask, *args, prefix_attention=None, attention_name="", **kwargs
 ):
     if prefix_attention is None:
-        # a CPU bf16 decode step: one packed call (trl_grpo_ext.decode_attention)
+        # a CPU bf16 decode step: one packed call (trl_grpo_ext.cpu.decode_attention)
         if attention_name == "sdpa" and not args:
             packed = packed_decode_attention(module, query, key, value, attention_mask, **kwargs)
             if packed is not None:

@@ -2,7 +2,7 @@
 
 Credentials come only from pytrio's own mechanisms: ``PYTRIO_API_KEY`` / ``PYTRIO_BASE_URL`` (read when pytrio is
 imported), the profile written by ``trio login``, or `pytrio.configure`. ``pytrio_base_url: local`` starts the
-local server of `trl_grpo_ext.pytrio.server` on 127.0.0.1 and points the client at it with a throw-away key.
+local server of `trl_grpo_ext.pytrio_server` on 127.0.0.1 and points the client at it with a throw-away key.
 """
 
 from __future__ import annotations
@@ -62,10 +62,10 @@ def install_log_redaction() -> None:
 
 @contextlib.contextmanager
 def local_server(base_model: str, **options):
-    """Run the local pytrio server (`trl_grpo_ext.pytrio.server`) for ``base_model`` on 127.0.0.1 in this process;
+    """Run the local pytrio server (`trl_grpo_ext.pytrio_server`) for ``base_model`` on 127.0.0.1 in this process;
     yields the server (``.base_url``, ``.api_key``, a fresh random key)."""
     try:
-        from trl_grpo_ext.pytrio.server import running_server  # torch and the [pytrio] extra: local server only
+        from trl_grpo_ext.pytrio_server import running_server  # torch and the [pytrio] extra: local server only
     except ImportError as error:
         raise RuntimeError(
             f"pytrio_base_url: local needs the local server, which cannot be imported: {error}"

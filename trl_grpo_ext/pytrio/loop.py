@@ -15,7 +15,7 @@ One optimizer step (`GRPOLoop.train_step`), phase by phase:
 5. metrics (`reward_step_metrics`, `completion_metrics`, the loss's): one row of ``metrics.jsonl`` (and SwanLab).
 
 Every ``save_every`` steps ``save_state`` checkpoints weights + optimizer remotely and
-`trl_grpo_ext.pytrio.checkpoint` records step and data position locally; ``resume: true`` continues from there.
+`trl_grpo_ext.runs.loop_state` records step and data position locally; ``resume: true`` continues from there.
 A service that stops answering (or restarts and forgets the run) is retried for ``server_retry_budget_s``, saying
 so (`connection.ServiceOutage`); once it answers, the loop reconnects and continues from the last saved state, as
 ``resume: true`` would.
@@ -52,13 +52,6 @@ from trl_grpo_ext.grpo.reward_aggregation import (
 from trl_grpo_ext.grpo.spec import curriculum_pass_reward
 from trl_grpo_ext.models import check_local_model, is_embedded, resolve_model
 from trl_grpo_ext.pytrio import connection
-from trl_grpo_ext.pytrio.checkpoint import (
-    LoopState,
-    check_resumable,
-    load_loop_state,
-    pinned_settings,
-    save_loop_state,
-)
 from trl_grpo_ext.pytrio.config import PyTrioGRPOConfig
 from trl_grpo_ext.pytrio.connection import (
     LOCAL_SERVER_NAME,
@@ -76,6 +69,13 @@ from trl_grpo_ext.runs import (
     PYTRIO_SERVER_DIRNAME,
     PYTRIO_STATE_FILENAME,
     write_run_config,
+)
+from trl_grpo_ext.runs.loop_state import (
+    LoopState,
+    check_resumable,
+    load_loop_state,
+    pinned_settings,
+    save_loop_state,
 )
 from trl_grpo_ext.runs.metrics import RunLogger
 from trl_grpo_ext.runs.tracking import start_swanlab

@@ -25,7 +25,7 @@ EVAL_AFTER_PROBLEMS_FILENAME = "eval_after.jsonl"
 # SwanLab's offline logs.
 SWANLAB_DIRNAME = "swanlog"
 # The PyTRIO loop's resume record, and the local PyTRIO server's checkpoint storage beside it (also the name of
-# the server's default storage in the package cache, `trl_grpo_ext.pytrio.server.config.default_storage_dir`).
+# the server's default storage in the package cache, `trl_grpo_ext.pytrio_server.config.default_storage_dir`).
 PYTRIO_STATE_FILENAME = "pytrio_state.json"
 PYTRIO_SERVER_DIRNAME = "pytrio-server"
 # HF Trainer's checkpoint folders (`transformers.trainer_utils.PREFIX_CHECKPOINT_DIR`), the file

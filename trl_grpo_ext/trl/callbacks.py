@@ -15,6 +15,7 @@ from pathlib import Path
 
 from transformers import TrainerCallback
 
+from trl_grpo_ext.cpu.precision import bf16_on_cpu
 from trl_grpo_ext.evaluation import (
     RECIPE_EVAL_BATCH_SIZE,
     EvalOptions,
@@ -34,7 +35,6 @@ from trl_grpo_ext.evaluation import (
     read_results,
     write_results,
 )
-from trl_grpo_ext.precision import bf16_on_cpu
 from trl_grpo_ext.runs import (
     EVAL_AFTER_PROBLEMS_FILENAME,
     EVAL_BEFORE_AFTER_FILENAME,

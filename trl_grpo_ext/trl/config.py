@@ -12,7 +12,8 @@ from dataclasses import dataclass, field, fields
 import trl
 
 from trl_grpo_ext.compat import resolve_checkpointing_fields
-from trl_grpo_ext.cpu_threads import runs_on_cpu
+from trl_grpo_ext.cpu.precision import Precision, resolve_precision
+from trl_grpo_ext.cpu.threads import runs_on_cpu
 from trl_grpo_ext.errors import raise_problems
 from trl_grpo_ext.grpo.loss_table import (
     LOCAL_LOSS_TYPES,
@@ -30,7 +31,6 @@ from trl_grpo_ext.grpo.spec import (
     spec_field,
     spec_problems,
 )
-from trl_grpo_ext.precision import Precision, resolve_precision
 
 # Loss names on this path, from the one table (`trl_grpo_ext.grpo.loss_table`): TRL 1.16's own (handed to TRL unchanged),
 # the ones the subclass computes (`ppo` is Tinker's/PyTRIO's name, per token TRL's dapo, so one recipe sweeps the same
@@ -74,7 +74,7 @@ class GRPOConfig(GRPOSpec, trl.GRPOConfig):
     # The spec's help (both paths' loss names), TRL's default.
     loss_type: str = spec_field("loss_type", default="dapo")
 
-    # TRL's field (bool | None) also takes `auto`, resolved here before TRL sees it (`trl_grpo_ext.precision`); typed
+    # TRL's field (bool | None) also takes `auto`, resolved here before TRL sees it (`trl_grpo_ext.cpu.precision`); typed
     # `str | None` so the command line passes `--bf16 auto` through (YAML true/false stay booleans).
     bf16: str | None = field(
         default="auto",

@@ -15,7 +15,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from trl_grpo_ext.cpu_threads import current_governor, govern_cpu_threads, runs_on_cpu
+from trl_grpo_ext.cpu.threads import current_governor, govern_cpu_threads, runs_on_cpu
 from trl_grpo_ext.environments import definition_problems, environment_factory
 from trl_grpo_ext.environments.chat import use_tool_chat_template
 from trl_grpo_ext.environments.data import with_environments
@@ -138,7 +138,7 @@ def load_model(path: str, model_args, training_args):
 
 
 def run_precision(training_args) -> dict | None:
-    """The run's precision choice and its reason (`trl_grpo_ext.precision.Precision`), as run_summary.json keeps it;
+    """The run's precision choice and its reason (`trl_grpo_ext.cpu.precision.Precision`), as run_summary.json keeps it;
     None for a plain `trl.GRPOConfig`, which has no `auto`."""
     precision = getattr(training_args, "precision", None)
     return precision.as_dict() if precision is not None else None
@@ -188,7 +188,7 @@ def run_sampler(trainer, training_args) -> dict:
 
 
 def precision_line(training_args) -> str:
-    """The recipe's startup line on precision: the choice and why (`trl_grpo_ext.precision`)."""
+    """The recipe's startup line on precision: the choice and why (`trl_grpo_ext.cpu.precision`)."""
     precision = getattr(training_args, "precision", None)
     if precision is None:
         return f"precision: {'bf16' if training_args.bf16 else 'fp32'} (bf16: {training_args.bf16})"

@@ -1,6 +1,6 @@
 """`SamplerPrecisionMixin`: the TRL path's sampler in bf16, and the loss corrected for its mismatch with the trainer.
 
-Where the run computes in bf16 on the CPU (``bf16`` resolved by `trl_grpo_ext.precision`: autocast, fp32 master
+Where the run computes in bf16 on the CPU (``bf16`` resolved by `trl_grpo_ext.cpu.precision`: autocast, fp32 master
 weights and optimizer state), generation runs inside one bf16 autocast region, so each weight is cast to bf16 once
 per generation batch instead of at every decode step (accelerate's autocast wraps each forward call on its own).
 The sampler's numbers then differ from the trainer's (bf16 rounding in a KV-cached decode against one packed
@@ -16,8 +16,8 @@ every TRL loss type and ours is linear in the advantage with a non-negative weig
 The fp32 path runs exactly as before: no autocast region, no recorder.
 
 Around transformers' generation, in either precision, two speed-ups: torch's token draws vectorised
-(`trl_grpo_ext.token_draws`: the same tokens from the same random numbers), and a bf16 decode step's grouped-query
-attention as one packed call (`trl_grpo_ext.decode_attention`: transformers 5.25's own call for the recipes'
+(`trl_grpo_ext.cpu.token_draws`: the same tokens from the same random numbers), and a bf16 decode step's grouped-query
+attention as one packed call (`trl_grpo_ext.cpu.decode_attention`: transformers 5.25's own call for the recipes'
 left-padded batches, the same attention to rounding for the others).
 
 **vLLM, on-policy.** TRL 1.16 corrects vLLM's mismatch from a no-grad forward of the whole generation batch that it
@@ -41,10 +41,10 @@ import logging
 import torch
 from transformers import LogitsProcessor, LogitsProcessorList
 
+from trl_grpo_ext.cpu.precision import bf16_autocast, bf16_on_cpu
+from trl_grpo_ext.cpu.token_draws import fast_token_draws
 from trl_grpo_ext.grpo.losses import SAMPLER_MISMATCH_KEYS, sampler_correction
-from trl_grpo_ext.precision import bf16_autocast, bf16_on_cpu
 from trl_grpo_ext.prefix.attention import install as install_attention
-from trl_grpo_ext.token_draws import fast_token_draws
 from trl_grpo_ext.trl import internals
 
 logger = logging.getLogger(__name__)
@@ -127,7 +127,7 @@ class SamplerPrecisionMixin:
         if self._user_rollout():  # TRL's dispatch alone: the rollout needs none of this class's config
             return super()._generate(prompts)
         # transformers' generate draws each sampled token with torch.multinomial: the same draws, vectorised
-        # (trl_grpo_ext.token_draws); CPU bf16 decode steps' attention as one packed call (decode_attention)
+        # (trl_grpo_ext.cpu.token_draws); CPU bf16 decode steps' attention as one packed call (decode_attention)
         install_attention()
         with bf16_autocast(self._sampler_bf16()), fast_token_draws():
             return super()._generate(prompts)

@@ -1,7 +1,7 @@
 """`RecastWeightsMixin`: a bf16 training forward on the CPU without a bf16 copy of the weights held for backward.
 
-Where the run trains in bf16 autocast on the CPU (``bf16`` resolved by `trl_grpo_ext.precision`), the loss's forward
-runs inside `trl_grpo_ext.autocast_weights.recast_weights`: the bf16 copies of the trainable weights that autograd
+Where the run trains in bf16 autocast on the CPU (``bf16`` resolved by `trl_grpo_ext.cpu.precision`), the loss's forward
+runs inside `trl_grpo_ext.cpu.autocast_weights.recast_weights`: the bf16 copies of the trainable weights that autograd
 would keep for the backward pass are cast again from the fp32 weights when the backward pass reads them. The hook is
 ``compute_loss_context_manager``, which transformers' ``training_step`` enters around ``compute_loss`` (the backward
 pass follows outside it); accelerate's autocast, entered inside each forward call, is built there with its cache
@@ -15,8 +15,8 @@ from __future__ import annotations
 
 import contextlib
 
-from trl_grpo_ext.autocast_weights import recast_weights
-from trl_grpo_ext.precision import bf16_on_cpu
+from trl_grpo_ext.cpu.autocast_weights import recast_weights
+from trl_grpo_ext.cpu.precision import bf16_on_cpu
 
 
 class RecastWeightsMixin:

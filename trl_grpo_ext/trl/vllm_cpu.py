@@ -16,7 +16,7 @@ What vLLM needs on the CPU is set here, before TRL builds the engine, where the 
 - threads: vLLM runs in this process on torch's thread count (no OpenMP binding: that is done for its
   multi-process executor only). Its CPU worker replaces ``torch.set_num_threads`` with a no-op for the whole
   process; the real one is put back after the engine is built, so the trainer's thread governor
-  (`trl_grpo_ext.cpu_threads`) keeps working for generation and training alike.
+  (`trl_grpo_ext.cpu.threads`) keeps working for generation and training alike.
 - eager (``enforce_eager=True``, `CPU_ENGINE_KWARGS`, which TRL's config has no field for): TRL builds the engine
   with vLLM's default, compiled, which on 2 cores took 51.7 s to start against 14.8 s eager, to sample 24 rows x 48
   tokens in 3.25 s against 3.50 s (docs/gpu.md): the start costs more than a CPU run's sampling gains back.

@@ -129,7 +129,7 @@ def limit_onednn_caches(entries: int = ONEDNN_CACHE_ENTRIES) -> None:
 
 def bf16_on_cpu(bf16, device_type: str) -> bool:
     """A bf16 run on the CPU: its sampling (generation, evals) runs in one bf16 autocast region, and its training
-    forward keeps no bf16 weight copies for the backward pass (`trl_grpo_ext.autocast_weights`). Elsewhere
+    forward keeps no bf16 weight copies for the backward pass (`trl_grpo_ext.cpu.autocast_weights`). Elsewhere
     accelerate's per-forward autocast (or vLLM) samples, and autocast trains, as before."""
     return bool(bf16) and device_type == "cpu"
 

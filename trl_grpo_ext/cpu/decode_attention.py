@@ -4,7 +4,7 @@ At a decode step each row has one query token per head. With grouped-query atten
 heads per key/value head, 3 in SmolLM2-135M) transformers' ``sdpa`` either passes ``enable_gqa=True`` (no mask:
 prompts of equal length) or copies the keys and values once per group (``repeat_kv``: transformers before 5.20 with
 a mask); transformers 5.25 packs each key/value head's group of queries into one ``(group, dim)`` query block
-(``pack_gqa``) for masked calls only. In bf16 on the CPU (the sampler's autocast, `trl_grpo_ext.precision`, or bf16
+(``pack_gqa``) for masked calls only. In bf16 on the CPU (the sampler's autocast, `trl_grpo_ext.cpu.precision`, or bf16
 weights) the unpacked calls are slow: torch 2.13's bf16 flash kernel took 1.55 ms a layer at 24 rows of 170 keys
 with ``enable_gqa`` against 0.32 ms packed (`bench/sampler.py`, 2 cores). `packed_decode_attention` makes every
 such step the packed call, mask or not, whatever the transformers version: for a masked call under transformers

@@ -23,9 +23,9 @@ import torch
 from trl_grpo_ext.prefix import log_fallback_once
 from trl_grpo_ext.prefix.packing import PackedBatch, fit_to, pack_rows, packed_beats_padded
 from trl_grpo_ext.prefix.plan import plan_token_rows
-from trl_grpo_ext.pytrio.server.errors import EngineError
-from trl_grpo_ext.pytrio.server.images import VisionInput, mask_image_targets
-from trl_grpo_ext.pytrio.server.loss_fns import LossSpec, per_token_loss
+from trl_grpo_ext.pytrio_server.errors import EngineError
+from trl_grpo_ext.pytrio_server.images import VisionInput, mask_image_targets
+from trl_grpo_ext.pytrio_server.loss_fns import LossSpec, per_token_loss
 
 # Leading tokens forward/backward rows must share before they form a group whose prompt is encoded once: fewer
 # save less than a segment of the packed layout costs.

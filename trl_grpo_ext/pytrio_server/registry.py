@@ -21,9 +21,9 @@ from dataclasses import asdict, dataclass, field
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
 
-from trl_grpo_ext.pytrio.server.adapters import LoraSettings, next_snapshot_uid
-from trl_grpo_ext.pytrio.server.clients import INTERNAL, LOCAL_OWNER, Caller
-from trl_grpo_ext.pytrio.server.errors import ApiError
+from trl_grpo_ext.pytrio_server.adapters import LoraSettings, next_snapshot_uid
+from trl_grpo_ext.pytrio_server.clients import INTERNAL, LOCAL_OWNER, Caller
+from trl_grpo_ext.pytrio_server.errors import ApiError
 from trl_grpo_ext.runs import atomic_write_text
 
 logger = logging.getLogger(__name__)

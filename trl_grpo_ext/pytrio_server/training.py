@@ -17,15 +17,15 @@ from pytrio.protocol.actor.events.trainer.init_run import TrainerInitRunPayload
 from pytrio.protocol.actor.events.trainer.optimize_step import TrainerOptimizeStepPayload
 from pytrio.protocol.actor.events.trainer.save import TrainerSavePayload
 
-from trl_grpo_ext.pytrio.server.adapters import LoraSettings
-from trl_grpo_ext.pytrio.server.errors import ApiError, EngineError, EventFailure
-from trl_grpo_ext.pytrio.server.events import EventRecord
-from trl_grpo_ext.pytrio.server.forward import ForwardDatum
-from trl_grpo_ext.pytrio.server.images import mask_image_targets, memory_positions
-from trl_grpo_ext.pytrio.server.loss_fns import LossConfigError, parse_loss
-from trl_grpo_ext.pytrio.server.normalization import TotalsError, counted_tokens, loss_scale, parse_totals
-from trl_grpo_ext.pytrio.server.registry import KIND_FOLDERS, CheckpointRecord, checkpoint_uri, new_id, safe_name
-from trl_grpo_ext.pytrio.server.wire import prompt_input, validation_message, wire_tensor
+from trl_grpo_ext.pytrio_server.adapters import LoraSettings
+from trl_grpo_ext.pytrio_server.errors import ApiError, EngineError, EventFailure
+from trl_grpo_ext.pytrio_server.events import EventRecord
+from trl_grpo_ext.pytrio_server.forward import ForwardDatum
+from trl_grpo_ext.pytrio_server.images import mask_image_targets, memory_positions
+from trl_grpo_ext.pytrio_server.loss_fns import LossConfigError, parse_loss
+from trl_grpo_ext.pytrio_server.normalization import TotalsError, counted_tokens, loss_scale, parse_totals
+from trl_grpo_ext.pytrio_server.registry import KIND_FOLDERS, CheckpointRecord, checkpoint_uri, new_id, safe_name
+from trl_grpo_ext.pytrio_server.wire import prompt_input, validation_message, wire_tensor
 
 logger = logging.getLogger(__name__)
 

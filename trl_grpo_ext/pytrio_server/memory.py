@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
-from trl_grpo_ext.pytrio.server.errors import ApiError
+from trl_grpo_ext.pytrio_server.errors import ApiError
 
 logger = logging.getLogger(__name__)
 

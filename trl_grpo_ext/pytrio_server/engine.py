@@ -17,17 +17,17 @@ import warnings
 import torch
 
 from trl_grpo_ext.compat import cache_keyword
-from trl_grpo_ext.cpu_threads import govern_cpu_threads
-from trl_grpo_ext.precision import bf16_autocast, resolve_precision
+from trl_grpo_ext.cpu.precision import bf16_autocast, resolve_precision
+from trl_grpo_ext.cpu.threads import govern_cpu_threads
 from trl_grpo_ext.prefix import packed_unsupported_reason
-from trl_grpo_ext.pytrio.server.adapters import LoraAdapters, LoraSettings, LoraSnapshot, TrainingRun
-from trl_grpo_ext.pytrio.server.decoding import SampleSpec, Sampling, default_stop_ids
-from trl_grpo_ext.pytrio.server.errors import EngineError
-from trl_grpo_ext.pytrio.server.forward import MIN_SHARED_PREFIX, ForwardBackward
-from trl_grpo_ext.pytrio.server.images import ImageInputs, is_image_text, load_image_processor
-from trl_grpo_ext.pytrio.server.logprobs import LOGIT_CHUNK, TokenLogprobs, checkpointing_exact, split_head_exact
-from trl_grpo_ext.pytrio.server.memory import MemoryModel
-from trl_grpo_ext.pytrio.server.sample_params import SampleLimits, check_spec
+from trl_grpo_ext.pytrio_server.adapters import LoraAdapters, LoraSettings, LoraSnapshot, TrainingRun
+from trl_grpo_ext.pytrio_server.decoding import SampleSpec, Sampling, default_stop_ids
+from trl_grpo_ext.pytrio_server.errors import EngineError
+from trl_grpo_ext.pytrio_server.forward import MIN_SHARED_PREFIX, ForwardBackward
+from trl_grpo_ext.pytrio_server.images import ImageInputs, is_image_text, load_image_processor
+from trl_grpo_ext.pytrio_server.logprobs import LOGIT_CHUNK, TokenLogprobs, checkpointing_exact, split_head_exact
+from trl_grpo_ext.pytrio_server.memory import MemoryModel
+from trl_grpo_ext.pytrio_server.sample_params import SampleLimits, check_spec
 
 
 class ModelEngine(LoraAdapters, ForwardBackward, Sampling, TokenLogprobs, ImageInputs):
@@ -59,7 +59,7 @@ class ModelEngine(LoraAdapters, ForwardBackward, Sampling, TokenLogprobs, ImageI
         if not isinstance(torch_dtype, torch.dtype):
             raise ValueError(f"unknown dtype {dtype!r}")
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_path)
-        # compute precision (`trl_grpo_ext.precision`): with fp32 weights, bf16 autocast in forward/backward where
+        # compute precision (`trl_grpo_ext.cpu.precision`): with fp32 weights, bf16 autocast in forward/backward where
         # the CPU has bf16 matrix units (auto) or bf16 is forced; the LoRA weights and their Adam state stay fp32.
         # Off the CPU `auto` keeps fp32 (the server's behaviour before).
         self.precision = resolve_precision(bf16, on_cpu=self.device.type == "cpu")

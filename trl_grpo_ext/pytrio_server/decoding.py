@@ -17,10 +17,10 @@ from dataclasses import dataclass, field
 import torch
 
 from trl_grpo_ext.compat import output_cache
-from trl_grpo_ext.pytrio.server.adapters import LoraSnapshot
-from trl_grpo_ext.pytrio.server.errors import EngineError
-from trl_grpo_ext.pytrio.server.images import VisionInput
-from trl_grpo_ext.token_draws import multinomial
+from trl_grpo_ext.cpu.token_draws import multinomial
+from trl_grpo_ext.pytrio_server.adapters import LoraSnapshot
+from trl_grpo_ext.pytrio_server.errors import EngineError
+from trl_grpo_ext.pytrio_server.images import VisionInput
 
 
 @dataclass

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from trl_grpo_ext.pytrio.server.errors import EngineError
+from trl_grpo_ext.pytrio_server.errors import EngineError
 
 MAX_IMAGE_BYTES = 16 * 1024 * 1024  # encoded bytes of one image
 MAX_IMAGE_PIXELS = 4096 * 4096  # width x height of one image, checked from its header before decoding

@@ -16,8 +16,8 @@ import json
 import secrets
 import time
 
-from trl_grpo_ext.pytrio.server.errors import ApiError, EngineError
-from trl_grpo_ext.pytrio.server.sample_params import sample_spec
+from trl_grpo_ext.pytrio_server.errors import ApiError, EngineError
+from trl_grpo_ext.pytrio_server.sample_params import sample_spec
 
 CHAT_ROLES = ("system", "user", "assistant", "tool", "developer")
 MAX_MESSAGES = 1024

@@ -24,23 +24,23 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from trl_grpo_ext.models import EMBEDDED_NAME, is_embedded, resolve_model
-from trl_grpo_ext.pytrio.server.actor import ActorHandlers
-from trl_grpo_ext.pytrio.server.adapters import LoraSnapshot
-from trl_grpo_ext.pytrio.server.checkpoints import CheckpointStore
-from trl_grpo_ext.pytrio.server.clients import KeyRing
-from trl_grpo_ext.pytrio.server.config import ServerConfig, default_storage_dir, split_sampling_model
-from trl_grpo_ext.pytrio.server.control import ControlHandlers
-from trl_grpo_ext.pytrio.server.engine import ModelEngine
-from trl_grpo_ext.pytrio.server.errors import ApiError
-from trl_grpo_ext.pytrio.server.events import RunEventQueue, started_future
-from trl_grpo_ext.pytrio.server.memory import MemoryGate, default_budget, gib, tune_allocator
-from trl_grpo_ext.pytrio.server.openai_api import OpenAIHandlers
-from trl_grpo_ext.pytrio.server.registry import Registry
-from trl_grpo_ext.pytrio.server.routes import create_app
-from trl_grpo_ext.pytrio.server.sampling import SamplingBatcher
-from trl_grpo_ext.pytrio.server.serving import BackgroundServer
-from trl_grpo_ext.pytrio.server.training import TrainingHandlers
-from trl_grpo_ext.pytrio.server.wire import ACTOR_CUID
+from trl_grpo_ext.pytrio_server.actor import ActorHandlers
+from trl_grpo_ext.pytrio_server.adapters import LoraSnapshot
+from trl_grpo_ext.pytrio_server.checkpoints import CheckpointStore
+from trl_grpo_ext.pytrio_server.clients import KeyRing
+from trl_grpo_ext.pytrio_server.config import ServerConfig, default_storage_dir, split_sampling_model
+from trl_grpo_ext.pytrio_server.control import ControlHandlers
+from trl_grpo_ext.pytrio_server.engine import ModelEngine
+from trl_grpo_ext.pytrio_server.errors import ApiError
+from trl_grpo_ext.pytrio_server.events import RunEventQueue, started_future
+from trl_grpo_ext.pytrio_server.memory import MemoryGate, default_budget, gib, tune_allocator
+from trl_grpo_ext.pytrio_server.openai_api import OpenAIHandlers
+from trl_grpo_ext.pytrio_server.registry import Registry
+from trl_grpo_ext.pytrio_server.routes import create_app
+from trl_grpo_ext.pytrio_server.sampling import SamplingBatcher
+from trl_grpo_ext.pytrio_server.serving import BackgroundServer
+from trl_grpo_ext.pytrio_server.training import TrainingHandlers
+from trl_grpo_ext.pytrio_server.wire import ACTOR_CUID
 
 __all__ = ["LocalPyTrioServer", "ServerConfig", "default_storage_dir"]
 

@@ -6,8 +6,8 @@ import math
 
 import numpy as np
 
-from trl_grpo_ext.pytrio.server.errors import ApiError, EngineError, EventFailure
-from trl_grpo_ext.pytrio.server.images import VisionInput
+from trl_grpo_ext.pytrio_server.errors import ApiError, EngineError, EventFailure
+from trl_grpo_ext.pytrio_server.images import VisionInput
 
 WORKSPACE = "ws_local"
 USER = "user_local"

@@ -6,9 +6,9 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from trl_grpo_ext.cpu.precision import parse_bf16_setting
 from trl_grpo_ext.models import cache_dir
-from trl_grpo_ext.precision import parse_bf16_setting
-from trl_grpo_ext.pytrio.server.normalization import NORMALIZATIONS
+from trl_grpo_ext.pytrio_server.normalization import NORMALIZATIONS
 from trl_grpo_ext.runs import PYTRIO_SERVER_DIRNAME
 
 API_KEY_ENV = "TRL_GRPO_EXT_PYTRIO_API_KEY"  # read by `trl-grpo-ext pytrio-serve`: keeps the key out of `ps`
@@ -46,7 +46,7 @@ class ServerConfig:
     device: str | None = None
     dtype: str = "float32"
     # bf16 autocast of an fp32 model in forward/backward: auto (where the CPU has bf16 matrix units), true, false
-    # (`trl_grpo_ext.precision`); the LoRA weights and their optimizer state stay fp32
+    # (`trl_grpo_ext.cpu.precision`); the LoRA weights and their optimizer state stay fp32
     bf16: str | bool = "auto"
     # sampling and compute_logprobs in bf16 too (where `bf16` is on). Off by default: in fp32 a request's tokens do
     # not depend on its batch-mates; in bf16 the rounding of a shared decode step can change them

@@ -11,8 +11,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from trl_grpo_ext.pytrio.server.decoding import SampleSpec
-from trl_grpo_ext.pytrio.server.errors import EngineError
+from trl_grpo_ext.pytrio_server.decoding import SampleSpec
+from trl_grpo_ext.pytrio_server.errors import EngineError
 
 SAMPLING_PARAM_KEYS = {"max_tokens", "temperature", "top_k", "top_p", "seed", "stop", "stop_token_ids"}
 # torch.Generator.manual_seed takes seeds in [-2**63, 2**64): outside it raises while the batch draws

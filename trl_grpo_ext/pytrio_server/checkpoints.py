@@ -14,10 +14,10 @@ from pathlib import Path
 
 import torch
 
-from trl_grpo_ext.pytrio.checkpoint import load_loop_state
-from trl_grpo_ext.pytrio.server.adapters import LoraSnapshot
-from trl_grpo_ext.pytrio.server.errors import ApiError, EventFailure
-from trl_grpo_ext.pytrio.server.registry import RECORD_FILE, CheckpointRecord
+from trl_grpo_ext.pytrio_server.adapters import LoraSnapshot
+from trl_grpo_ext.pytrio_server.errors import ApiError, EventFailure
+from trl_grpo_ext.pytrio_server.registry import RECORD_FILE, CheckpointRecord
+from trl_grpo_ext.runs.loop_state import load_loop_state
 
 logger = logging.getLogger(__name__)
 

@@ -54,10 +54,10 @@ from starlette.responses import Response
 from starlette.routing import Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from trl_grpo_ext.pytrio.server.control import ControlHandlers as C
-from trl_grpo_ext.pytrio.server.errors import ApiError
-from trl_grpo_ext.pytrio.server.openai_api import sse_events
-from trl_grpo_ext.pytrio.server.wire import require_finite, validate, validation_message
+from trl_grpo_ext.pytrio_server.control import ControlHandlers as C
+from trl_grpo_ext.pytrio_server.errors import ApiError
+from trl_grpo_ext.pytrio_server.openai_api import sse_events
+from trl_grpo_ext.pytrio_server.wire import require_finite, validate, validation_message
 
 logger = logging.getLogger(__name__)
 

@@ -1,6 +1,6 @@
 """Local server speaking the ``pytrio==0.2.9`` client protocol on a transformers + PEFT LoRA model.
 
-    from trl_grpo_ext.pytrio.server import running_server
+    from trl_grpo_ext.pytrio_server import running_server
 
     with running_server("path/to/model") as server:
         server.configure_client()          # or: os.environ.update(server.client_env()) before `import pytrio`
@@ -20,7 +20,7 @@ _MISSING = [name for name in ("pytrio", "starlette", "uvicorn") if importlib.uti
 if _MISSING:
     raise ImportError(f"the local PyTRIO server needs {', '.join(_MISSING)}: pip install 'trl-grpo-ext[pytrio]'")
 
-from trl_grpo_ext.pytrio.server.app import LocalPyTrioServer, ServerConfig  # noqa: E402 - after the check
+from trl_grpo_ext.pytrio_server.app import LocalPyTrioServer, ServerConfig  # noqa: E402 - after the check
 
 __all__ = ["LocalPyTrioServer", "ServerConfig", "running_server"]
 

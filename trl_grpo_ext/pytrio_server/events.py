@@ -14,7 +14,7 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
-from trl_grpo_ext.pytrio.server.errors import EventFailure
+from trl_grpo_ext.pytrio_server.errors import EventFailure
 
 logger = logging.getLogger(__name__)
 

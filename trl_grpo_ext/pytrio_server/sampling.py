@@ -19,11 +19,11 @@ from collections import deque
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
-from trl_grpo_ext.pytrio.server.adapters import LoraSnapshot
-from trl_grpo_ext.pytrio.server.decoding import DecodeBatch, SampleSpec
-from trl_grpo_ext.pytrio.server.engine import ModelEngine
-from trl_grpo_ext.pytrio.server.errors import EngineError
-from trl_grpo_ext.pytrio.server.memory import MemoryGate
+from trl_grpo_ext.pytrio_server.adapters import LoraSnapshot
+from trl_grpo_ext.pytrio_server.decoding import DecodeBatch, SampleSpec
+from trl_grpo_ext.pytrio_server.engine import ModelEngine
+from trl_grpo_ext.pytrio_server.errors import EngineError
+from trl_grpo_ext.pytrio_server.memory import MemoryGate
 
 logger = logging.getLogger(__name__)
 

@@ -20,10 +20,10 @@ from pytrio.protocol.control.service_session.create import ServiceSessionCreateR
 from pytrio.protocol.control.training_run.create import TrainingRunCreateRequest
 from pytrio.protocol.control.training_run.update import TrainingRunUpdateRequest
 
-from trl_grpo_ext.pytrio.server.adapters import LoraSettings
-from trl_grpo_ext.pytrio.server.clients import Caller
-from trl_grpo_ext.pytrio.server.errors import ApiError
-from trl_grpo_ext.pytrio.server.registry import (
+from trl_grpo_ext.pytrio_server.adapters import LoraSettings
+from trl_grpo_ext.pytrio_server.clients import Caller
+from trl_grpo_ext.pytrio_server.errors import ApiError
+from trl_grpo_ext.pytrio_server.registry import (
     CheckpointRecord,
     SamplingRunRecord,
     ServiceSession,
@@ -31,7 +31,7 @@ from trl_grpo_ext.pytrio.server.registry import (
     iso,
     new_id,
 )
-from trl_grpo_ext.pytrio.server.wire import USER, WORKSPACE, page, query_int
+from trl_grpo_ext.pytrio_server.wire import USER, WORKSPACE, page, query_int
 
 logger = logging.getLogger(__name__)
 

@@ -16,14 +16,14 @@ import msgpack
 from pytrio.protocol.actor.events.event import EventEnvelope
 from pytrio.protocol.actor.sampling_run.sample import SampleRequest
 
-from trl_grpo_ext.pytrio.server.adapters import LoraSnapshot
-from trl_grpo_ext.pytrio.server.decoding import SampleResult
-from trl_grpo_ext.pytrio.server.errors import ApiError, EngineError, EventFailure
-from trl_grpo_ext.pytrio.server.events import EventRecord, RunEventQueue
-from trl_grpo_ext.pytrio.server.images import memory_positions
-from trl_grpo_ext.pytrio.server.registry import ActorToken
-from trl_grpo_ext.pytrio.server.sample_params import check_topk, sample_spec
-from trl_grpo_ext.pytrio.server.wire import item_lengths, prompt_input, require_finite, validate
+from trl_grpo_ext.pytrio_server.adapters import LoraSnapshot
+from trl_grpo_ext.pytrio_server.decoding import SampleResult
+from trl_grpo_ext.pytrio_server.errors import ApiError, EngineError, EventFailure
+from trl_grpo_ext.pytrio_server.events import EventRecord, RunEventQueue
+from trl_grpo_ext.pytrio_server.images import memory_positions
+from trl_grpo_ext.pytrio_server.registry import ActorToken
+from trl_grpo_ext.pytrio_server.sample_params import check_topk, sample_spec
+from trl_grpo_ext.pytrio_server.wire import item_lengths, prompt_input, require_finite, validate
 
 KNOWN_EVENTS = (
     "trainer.init_run",

@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 from trl_grpo_ext.compat import set_active_adapter
-from trl_grpo_ext.pytrio.server.errors import EngineError
+from trl_grpo_ext.pytrio_server.errors import EngineError
 
 ATTN_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj")
 # The projections of linear-attention (Gated DeltaNet) layers of hybrid models, trained with the attention ones:
