@@ -26,6 +26,7 @@ from trl_grpo_ext.trl.recipe import (  # noqa: E402
     prepare_run,
     report_run,
     sampler_line,
+    sampling_mode,
     save_run_config,
 )
 from trl_grpo_ext.trl.script_args import parse_recipe_args  # noqa: E402
@@ -40,6 +41,7 @@ def main(argv=None) -> int:
         print(f"torch threads: {configure_cpu_threads(training_args)}", flush=True)
         print(precision_line(training_args), flush=True)
         print(sampler_line(training_args), flush=True)
+        print(f"sampling: {sampling_mode(training_args)}", flush=True)
         # Every input check, before the model loads and before anything in output_dir is written.
         run = prepare_run(script_args, training_args, model_args)
     except (ValueError, FileNotFoundError) as error:
@@ -63,6 +65,7 @@ def main(argv=None) -> int:
     if run.eval_problems:
         eval_options = recipe_eval_options(script_args, training_args)
         callbacks.append(cbs.BeforeAfterEvalCallback(run.eval_problems, eval_options))
+    callbacks.append(cbs.TrainingPhaseCallback())  # after the eval before training: its time is left out
     trainer = trl_grpo_ext.GRPOTrainer(
         model=model,
         reward_funcs=reward_funcs,

@@ -10,7 +10,8 @@ point named (tests/test_kill_resume.py; without the variable, SCRIPT runs untouc
 - ``save``: TRL: inside checkpoint-N's save, after the model and optimizer are written and before
   trainer_state.json (`transformers.Trainer._save_checkpoint` saves the RNG state in between); PyTRIO: step N's
   checkpoint is saved by the service but not yet recorded in pytrio_state.json (the loop's `save_loop_state`);
-- ``metrics``: half of step N's metrics.jsonl row reaches the file (the run logger's `append_jsonl_row`, both paths).
+- ``metrics``: half of step N's metrics.jsonl row reaches the file (the run logger's `append_jsonl_row`, both paths);
+- ``interrupt``: TRL: Ctrl-C (SIGINT, not a kill) once optimizer step N is done, at the same event as ``step``.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 TEST_KILL_ENV = "TRL_GRPO_EXT_TEST_KILL"
-KILL_POINTS = ("step", "save", "metrics")
+KILL_POINTS = ("step", "save", "metrics", "interrupt")
 SCRIPT = Path(__file__).resolve()
 
 
@@ -50,14 +51,14 @@ def install(spec: str | None = None, patch=setattr) -> tuple[str, int] | None:
     if not spec:
         return None
     point, step = parse(spec)
-    if point == "step":
+    if point in ("step", "interrupt"):
         from transformers.trainer_callback import CallbackHandler
 
         on_step_end = CallbackHandler.on_step_end
 
         def killing_on_step_end(self, args, state, control, **kwargs):
             if state.global_step == step:
-                _die()
+                _die() if point == "step" else os.kill(os.getpid(), signal.SIGINT)
             return on_step_end(self, args, state, control, **kwargs)
 
         patch(CallbackHandler, "on_step_end", killing_on_step_end)

@@ -43,6 +43,7 @@ import math
 import os
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 logger = logging.getLogger(__name__)
@@ -273,3 +274,54 @@ def govern_cpu_threads(model, on_cpu: bool | None = None) -> CpuThreadGovernor |
     if _pre_forward not in model._forward_pre_hooks.values():
         model.register_forward_pre_hook(_pre_forward)
     return _governor
+
+
+# ------------------------------------------------------------------ the cores of an asynchronous run's two sides
+
+
+@dataclass(frozen=True)
+class CoreSplit:
+    """The cores and torch threads of a run whose sampler and trainer run at once, one thread each side of them.
+
+    Both sides get the same thread count: ``torch.set_num_threads`` is per thread for OpenMP but sets MKL's count
+    for the whole process, so unequal counts would keep changing each other's. On an odd count the trainer's side
+    gets the spare core (its Python work: rewards, tokenizing, logging), not a thread."""
+
+    trainer_cores: tuple[int, ...]
+    sampler_cores: tuple[int, ...]
+    threads: int
+
+    def line(self) -> str:
+        return (
+            f"sampler on core(s) {_cores(self.sampler_cores)}, trainer on core(s) {_cores(self.trainer_cores)}, "
+            f"{self.threads} torch thread(s) each"
+        )
+
+
+def _cores(cores: tuple[int, ...]) -> str:
+    return ",".join(str(c) for c in cores)
+
+
+def split_cores(cores: tuple[int, ...] | None = None) -> CoreSplit | None:
+    """Halves of this process's cores (`cores`: default its CPU affinity) for the trainer and the sampler; None
+    with a single core (both sides then share it, as a synchronous run would)."""
+    if cores is None:
+        cores = (
+            tuple(sorted(os.sched_getaffinity(0)))
+            if hasattr(os, "sched_getaffinity")
+            else tuple(range(usable_cores()))
+        )
+    cores = tuple(cores)
+    if len(cores) < 2:
+        return None
+    threads = len(cores) // 2
+    return CoreSplit(cores[: len(cores) - threads], cores[len(cores) - threads :], threads)
+
+
+def pin_this_thread(cores: tuple[int, ...], threads: int) -> None:
+    """Run the calling thread (and the OpenMP threads it starts) on `cores` with `threads` torch threads."""
+    import torch
+
+    if hasattr(os, "sched_setaffinity"):
+        os.sched_setaffinity(threading.get_native_id(), cores)
+    torch.set_num_threads(threads)

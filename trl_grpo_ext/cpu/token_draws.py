@@ -76,19 +76,27 @@ def multinomial(input, num_samples, replacement=False, *, generator=None, out=No
 
 def _multinomial(input, num_samples, replacement=False, *, generator=None, out=None):
     if getattr(_state, "depth", 0):
+        generator = generator if generator is not None else getattr(_state, "generator", None)
         return multinomial(input, num_samples, replacement, generator=generator, out=out)
     return _torch_multinomial(input, num_samples, replacement, generator=generator, out=out)
 
 
 @contextlib.contextmanager
-def fast_token_draws():
+def fast_token_draws(generator: torch.Generator | None = None):
     """``torch.multinomial`` calls of this thread inside the block drawn by `draw_tokens` where it gives their result
-    (module docstring). Nests; other threads keep torch's function."""
+    (module docstring). Nests; other threads keep torch's function.
+
+    `generator`: the random stream of the block's draws that name none (transformers' ``generate`` names none), in
+    place of torch's default one: a sampler in its own thread then draws from its own seeded stream, whatever the
+    other threads draw from the default one meanwhile."""
     with _install_lock:  # installed once per process; outside a block it passes every call to torch's
         if torch.multinomial is not _multinomial:
             torch.multinomial = _multinomial
+    outer = getattr(_state, "generator", None)
     _state.depth = getattr(_state, "depth", 0) + 1
+    _state.generator = generator if generator is not None else outer
     try:
         yield
     finally:
         _state.depth -= 1
+        _state.generator = outer

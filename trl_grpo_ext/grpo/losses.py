@@ -28,6 +28,7 @@ from functools import partial
 import torch
 
 # (clip_low, clip_high) as ratio bounds, not epsilons, and dro's beta: the loss table's defaults (Tinker's).
+from trl_grpo_ext.grpo.async_sampling import IS_RATIO_BY_STALENESS
 from trl_grpo_ext.grpo.loss_table import DEFAULT_CLIP, DEFAULT_DRO_BETA, LOCAL_LOSS_TYPES
 
 # Floor of the reward std in `scale_rewards`, as in TRL 1.16 (`advantages / (std + 1e-4)`).
@@ -365,3 +366,18 @@ def sampler_correction(
         "sampling/is_ratio_truncated_frac": outside[counted].float().mean() if ratios.numel() else zero,
     }
     return weights, metrics
+
+
+def ratio_by_staleness(log_ratio: torch.Tensor, mask: torch.Tensor, staleness: torch.Tensor) -> dict[str, float]:
+    """The mean importance ratio ``exp(trainer - sampler)`` of the masked tokens of the rows of each staleness in
+    `staleness` (B,), as ``sample/is_ratio/staleness_<s>`` (`trl_grpo_ext.grpo.async_sampling`): how far the
+    trained policy has moved from the weights that drew a batch, by how many steps older they are."""
+    ratio = torch.exp(torch.nan_to_num(log_ratio.detach().float()))
+    weights = mask.detach().float()
+    metrics = {}
+    for value in sorted(set(staleness.tolist())):
+        rows = staleness == value
+        count = weights[rows].sum()
+        if count > 0:
+            metrics[IS_RATIO_BY_STALENESS.format(value)] = float((ratio[rows] * weights[rows]).sum() / count)
+    return metrics

@@ -25,6 +25,7 @@ import math
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 
+from trl_grpo_ext.grpo.async_sampling import async_problems
 from trl_grpo_ext.grpo.curriculum import curriculum_settings_problems
 from trl_grpo_ext.grpo.distillation import distillation_block_problems, normalize_distillation
 from trl_grpo_ext.grpo.loss_table import (
@@ -156,6 +157,35 @@ class GRPOSpec:
             "token, default 1.0), reward_coef (weight of GRPO's reward advantage, default 0: pure distillation) "
             "and discount (0: per-token terms; > 0: discounted sum of the later terms). From the command line: "
             "JSON text. None: plain GRPO."
+        },
+    )
+
+    # Asynchronous sampling: `trl_grpo_ext.grpo.async_sampling` (docs/async.md).
+    async_sampling: bool = field(
+        default=False,
+        metadata={
+            "help": "Sample the next steps' batches while the current step trains, with weights up to max_staleness "
+            "optimizer steps old; the loss takes the sampler's own log-probs as the behaviour policy (its ratio, "
+            "clipped as loss_type clips it, corrects the gap). Which weights draw which batch follows the step, not "
+            "the clock: a seeded run gives the same results whatever the speed of either side. On a CPU the sampler "
+            "and the trainer get their own cores. Logs sample/staleness_*, perf/rollout_wait_s, "
+            "rollout/weight_wait_s, perf/overlap_frac and the importance ratio by staleness."
+        },
+    )
+    max_staleness: int = field(
+        default=1,
+        metadata={
+            "help": "With async_sampling: how many optimizer steps older than the trained policy a sample may be "
+            "(TRL's AsyncGRPOTrainer's name). 0: on-policy, the synchronous path itself; 1: step k+1 samples "
+            "while step k trains."
+        },
+    )
+    async_timeout_s: float = field(
+        default=600.0,
+        metadata={
+            "help": "With async_sampling: seconds without a batch from the sampler (or, for the sampler, without "
+            "the weights its next batch needs) before the run stops with an error; a wait longer than a tenth of "
+            "it is logged as a stall."
         },
     )
 
@@ -298,6 +328,7 @@ def spec_problems(config, path: str) -> list[str]:
     problems += _name_problem("curriculum_reward", config.curriculum_reward)
     problems += _sampling_problems(config)
     problems += distillation_block_problems(getattr(config, "distillation", None))
+    problems += async_problems(config)
     if getattr(config, "distillation", None) is not None and config.dynamic_sampling:
         problems.append(
             "distillation: dynamic_sampling filters groups by their rewards, which a teacher's per-token signal "

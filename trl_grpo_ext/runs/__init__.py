@@ -34,6 +34,7 @@ from trl_grpo_ext.runs.files import (
 from trl_grpo_ext.runs.metrics import RunLogger, append_jsonl_row, read_metrics_file, run_metrics, truncate_metrics
 from trl_grpo_ext.runs.names import (
     ADAPTER_CONFIG_FILENAME,
+    ASYNC_ROLLOUTS_FILENAME,
     CHECKPOINT_PATTERN,
     CHECKPOINT_PREFIX,
     CONFIG_FILENAME,
@@ -69,6 +70,7 @@ __all__ = [
     "yaml_loads",
     "RunLogger",
     "ADAPTER_CONFIG_FILENAME",
+    "ASYNC_ROLLOUTS_FILENAME",
     "CHECKPOINT_PATTERN",
     "CHECKPOINT_PREFIX",
     "CONFIG_FILENAME",

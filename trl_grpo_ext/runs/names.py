@@ -34,6 +34,8 @@ CHECKPOINT_PREFIX = "checkpoint"
 CHECKPOINT_PATTERN = re.compile(rf"{CHECKPOINT_PREFIX}-(\d+)")
 TRAINER_STATE_FILENAME = "trainer_state.json"
 CURRICULUM_STATE_FILENAME = "curriculum_state.json"
+# An asynchronous run's batches already drawn for the steps after a checkpoint (`trl_grpo_ext.trl.async_sampling`)
+ASYNC_ROLLOUTS_FILENAME = "async_rollouts.json"
 # A model saved into the run folder (`save_model`): a LoRA adapter's config (peft), else the model's config
 # (transformers; every model folder has one: `trl_grpo_ext.models` checks model folders by it too).
 ADAPTER_CONFIG_FILENAME = "adapter_config.json"

@@ -10,6 +10,8 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
+import signal
+import threading
 import time
 from pathlib import Path
 
@@ -78,6 +80,55 @@ class MetricsJsonlCallback(TrainerCallback):
             return
         evaluation = all(key.startswith("eval_") for key in logs if key != "epoch")
         self._logger(args).log(state.global_step, logs, EVAL_METRICS_FILENAME if evaluation else METRICS_FILENAME)
+
+
+class TrainingPhaseCallback(TrainerCallback):
+    """The training phase's wall time, and Ctrl-C as a stop with a checkpoint.
+
+    ``seconds``: from the first step's start to the last step's end (the evals before and after training left out).
+    Ctrl-C (SIGINT) during training stops the run at the end of the step being trained, saving a checkpoint there
+    (also with ``save_strategy: no``), which ``resume_from_checkpoint: true`` continues from; the evaluation after
+    training is skipped. A second Ctrl-C stops at once, as Python would. Only in the main thread, where Python
+    delivers signals.
+    """
+
+    def __init__(self):
+        self.started: float | None = None
+        self.ended: float | None = None
+        self.interrupted = False
+        self._previous = None
+
+    @property
+    def seconds(self) -> float | None:
+        return None if self.started is None or self.ended is None else self.ended - self.started
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        if threading.current_thread() is threading.main_thread():
+            self._previous = signal.signal(signal.SIGINT, self._interrupt)
+
+    def _interrupt(self, signum, frame):
+        if self.interrupted:  # the second Ctrl-C: stop now
+            signal.signal(signal.SIGINT, self._previous or signal.default_int_handler)
+            raise KeyboardInterrupt
+        self.interrupted = True
+        print("\nCtrl-C: stopping after this step with a checkpoint (resume_from_checkpoint: true continues it); "
+              "Ctrl-C again to stop at once", flush=True)  # fmt: skip
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        if self.started is None:
+            self.started = time.monotonic()
+
+    def on_step_end(self, args, state, control, **kwargs):
+        self.ended = time.monotonic()
+        if self.interrupted:
+            control.should_save = True
+            control.should_training_stop = True
+            state.interrupted = True  # read by BeforeAfterEvalCallback: no eval of a run stopped half way
+
+    def on_train_end(self, args, state, control, **kwargs):
+        if self._previous is not None:
+            signal.signal(signal.SIGINT, self._previous)
+            self._previous = None
 
 
 class SwanLabCompletionsCallback(TrainerCallback):
@@ -222,6 +273,10 @@ class BeforeAfterEvalCallback(TrainerCallback):
 
     def on_train_end(self, args, state, control, model=None, processing_class=None, **kwargs):
         o, main = self.options, state.is_world_process_zero
+        if getattr(state, "interrupted", False):  # Ctrl-C (`TrainingPhaseCallback`): the run stops, unevaluated
+            if main:
+                print("[eval after] skipped: training was stopped by Ctrl-C", flush=True)
+            return
         start = time.perf_counter()
         with HFGenerator.borrowing(model, processing_class, o.max_new_tokens, bf16=_eval_bf16(args)) as gen:
             results, _ = evaluate(self.problems, gen, 1, o.batch_size, progress=o.progress and main, desc="eval after")

@@ -175,6 +175,9 @@ class ExtensionOptions:
     share_prompt_prefix: bool
     share_prompt_prefix_across_microbatches: bool
     max_packed_tokens: int | None
+    async_sampling: bool
+    max_staleness: int
+    async_timeout_s: float
 
     @classmethod
     def of(cls, args) -> ExtensionOptions:

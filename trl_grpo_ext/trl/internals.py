@@ -259,6 +259,17 @@ def generate_single_turn(trainer, prompt_ids: list[list[int]], generate: Callabl
         trainer._dist.summon_full_params(trainer.model_wrapped, recurse=False),
     ):
         prompt_completion_ids = generate(unwrapped_model, prompt_ids)
+    return completions_after_prompt(trainer, prompt_completion_ids, prompt_ids), None
+
+
+@mirrors(
+    f"{TRL_GRPO}._generate_single_turn", {"1.16.0": "d2590f88b1522c4a"}, part="transformers generate's completions"
+)
+def completions_after_prompt(
+    trainer, prompt_completion_ids: torch.Tensor, prompt_ids: list[list[int]]
+) -> list[list[int]]:
+    """TRL 1.16 ``_generate_single_turn``'s completions out of a left-padded ``generate`` output: the tokens after the
+    (padded) prompt, cut after the first EOS, as lists (`generate_single_turn`; the asynchronous sampler too)."""
     prompt_length = max(len(p) for p in prompt_ids)
     if trainer.pad_to_multiple_of:
         prompt_length = -(-prompt_length // trainer.pad_to_multiple_of) * trainer.pad_to_multiple_of
@@ -269,8 +280,7 @@ def generate_single_turn(trainer, prompt_ids: list[list[int]], generate: Callabl
     eos_idx[is_eos.any(dim=1)] = is_eos.int().argmax(dim=1)[is_eos.any(dim=1)]
     sequence_indices = torch.arange(is_eos.size(1), device=completion_ids.device).expand(is_eos.size(0), -1)
     completion_mask = (sequence_indices <= eos_idx.unsqueeze(1)).int()
-    completion_ids = [c[m].tolist() for c, m in zip(completion_ids.cpu(), completion_mask.bool().cpu(), strict=True)]
-    return completion_ids, None
+    return [c[m].tolist() for c, m in zip(completion_ids.cpu(), completion_mask.bool().cpu(), strict=True)]
 
 
 @mirrors(f"{TRL_GRPO}._generate_single_turn", {"1.16.0": "d2590f88b1522c4a"}, part="regular generation path")
@@ -359,6 +369,7 @@ GENERATION_BATCH_RIGHT_PADDED = {
     "sampling_per_token_logps": 0.0,
     "importance_sampling_ratio": 0.0,
     "advantages": 0.0,
+    "sample_staleness": 0,  # ours, one per row (trl.async_sampling): concatenated, never padded
 }
 
 # ------------------------------------------------------------------------------------------ a frozen second model
@@ -526,16 +537,16 @@ PRIVATE_STATE = (
 )
 OVERRIDDEN_HOOKS = (
     "_calculate_rewards",  # trl.trainer (degenerate groups), trl.sampling (curriculum)
-    "_generate_and_score_completions",  # trl.trainer
+    "_generate_and_score_completions",  # trl.trainer, trl.async_sampling (the sampler's log-probs as the old ones)
     "_get_per_token_logps_and_entropies",  # trl.trainer (captured log-probs), trl.prefix_mixin,
     # trl.sampler_precision (the bf16 sampler's correction)
     "_generate",  # trl.sampler_precision (bf16 autocast around generation), trl.tools (tool metrics)
     "_compute_loss",  # trl.trainer
-    "_prepare_inputs",  # trl.sampling (dynamic sampling)
+    "_prepare_inputs",  # trl.sampling (dynamic sampling), trl.async_sampling (which batch the sampler drew)
     "_get_train_sampler",  # trl.sampling (curriculum)
-    "_save_checkpoint",  # trl.sampling (curriculum state)
-    "_load_optimizer_and_scheduler",  # trl.sampling (curriculum state)
-    "_generate_single_turn",  # trl.prefix_mixin
+    "_save_checkpoint",  # trl.sampling (curriculum state), trl.async_sampling (the batches drawn ahead)
+    "_load_optimizer_and_scheduler",  # trl.sampling (curriculum state), trl.async_sampling (the batches drawn ahead)
+    "_generate_single_turn",  # trl.prefix_mixin, trl.async_sampling (the batch the sampler drew ahead)
 )
 
 
@@ -575,6 +586,12 @@ def completions_log(trainer) -> dict | None:
 def buffered_inputs(trainer) -> list[dict]:
     """The micro-batches of the generation batch being trained on (none before the first)."""
     return trainer._buffered_inputs or []
+
+
+def micro_steps(trainer) -> int:
+    """``training_step`` calls since this ``train()`` began: TRL generates when it is a multiple of
+    ``steps_per_generation * num_iterations`` (``_prepare_inputs``)."""
+    return trainer._step
 
 
 def pad_token_id(trainer) -> int | None:

@@ -323,53 +323,53 @@ class PrefixSharingMixin:
 
     def _generate_single_turn(self, prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False):
         multimodal = images is not None or multimodal_fields or has_tool_images or internals.is_vlm(self)
-        reason = None
-        if not self._sharing_enabled() or self.use_vllm:
-            reason = ""  # off, or vLLM, which caches prefixes itself: nothing to log
-        elif self.use_transformers_continuous_batching:
-            reason = "transformers continuous batching manages its own cache"
-        elif multimodal:
-            reason = "multimodal inputs"
-        else:
-            reason = generation_unsupported_reason(self.model, self.generation_config)
+        reason = self._generation_sharing_reason(self.model, multimodal)
         if reason is not None:
             if reason:
                 log_fallback_once(reason)
             transformers_text = not (self.use_vllm or self.use_transformers_continuous_batching or multimodal)
             recorder = self._sampler_logprob_recorder() if transformers_text else None
             if recorder is not None:  # bf16 sampler (trl.sampler_precision): TRL's generate, its log-probs recorded
-                return self._recorded_generate_single_turn(prompt_ids, recorder)
+                completion_ids, _ = internals.generate_single_turn(
+                    self, prompt_ids, self._text_generate(False, recorder)
+                )
+                return completion_ids, recorder.per_row(completion_ids)
             return super()._generate_single_turn(
                 prompt_ids, images, multimodal_fields, num_generations, has_tool_images
             )
         self._count_prefix_tokens(None, len(prompt_ids), True, kind="generations")
-        return self._shared_prefix_generate_single_turn(prompt_ids)
-
-    def _recorded_generate_single_turn(self, prompt_ids, recorder):
-        """TRL 1.16 ``_generate_single_turn``'s regular path, text only (`internals.left_padded_generate`), with
-        `recorder` reading the scores each token was drawn from: the same tokens as TRL's, and their log-probs."""
-
-        def generate(unwrapped_model, prompts):
-            return internals.left_padded_generate(self, unwrapped_model, prompts, **recorder.generate_kwargs())
-
-        completion_ids, _ = internals.generate_single_turn(self, prompt_ids, generate)
-        return completion_ids, recorder.per_row(completion_ids)
-
-    def _shared_prefix_generate_single_turn(self, prompt_ids):
-        """TRL 1.16 ``_generate_single_turn``'s transformers-generate branch (`internals.generate_single_turn`), text
-        only, with the shared-prefix prefill (`shared_prefix_generate`) in place of ``unwrapped_model.generate``."""
-
         recorder = self._sampler_logprob_recorder()  # bf16 sampler: its token log-probs (trl.sampler_precision)
+        completion_ids, _ = internals.generate_single_turn(self, prompt_ids, self._text_generate(True, recorder))
+        return completion_ids, recorder.per_row(completion_ids) if recorder is not None else None
 
-        def generate(unwrapped_model, prompts):
+    def _generation_sharing_reason(self, model, multimodal: bool = False) -> str | None:
+        """Why transformers' generation of `model` does not share the prompt prefix ("" when switched off or vLLM,
+        which caches prefixes itself), or None when it does."""
+        if not self._sharing_enabled() or self.use_vllm:
+            return ""
+        if self.use_transformers_continuous_batching:
+            return "transformers continuous batching manages its own cache"
+        if multimodal:
+            return "multimodal inputs"
+        return generation_unsupported_reason(model, self.generation_config)
+
+    def _text_generate(self, shared: bool, recorder=None):
+        """``generate(model, prompt_ids) -> prompt and completion ids``: TRL 1.16 ``_generate_single_turn``'s text
+        generation (`internals.left_padded_generate`), or the shared-prefix prefill (`shared_prefix_generate`) in
+        its place; with `recorder` (`trl.sampler_precision.SampledTokenLogprobs`) the sampled tokens' log-probs are
+        recorded. For the trainer's model (`internals.generate_single_turn`) and the asynchronous sampler's."""
+        kwargs = recorder.generate_kwargs() if recorder is not None else {}
+        if not shared:
+            return lambda model, prompts: internals.left_padded_generate(self, model, prompts, **kwargs)
+
+        def generate(model, prompts):
             return shared_prefix_generate(
-                unwrapped_model,
+                model,
                 prompts,
                 internals.pad_token_id(self),
                 generation_config=self.generation_config,
                 pad_to_multiple_of=self.pad_to_multiple_of,
-                **(recorder.generate_kwargs() if recorder is not None else {}),
+                **kwargs,
             )
 
-        completion_ids, _ = internals.generate_single_turn(self, prompt_ids, generate)
-        return completion_ids, recorder.per_row(completion_ids) if recorder is not None else None
+        return generate

