@@ -65,9 +65,9 @@ def install(spec: str | None = None, patch=setattr) -> tuple[str, int] | None:
     elif point == "save":
         from transformers import Trainer
 
-        from trl_grpo_ext.pytrio import loop
+        from trl_grpo_ext.pytrio import checkpoints
 
-        save_rng_state, save_loop_state = Trainer._save_rng_state, loop.save_loop_state
+        save_rng_state, save_loop_state = Trainer._save_rng_state, checkpoints.save_loop_state
 
         def killing_save_rng_state(self, output_dir):
             if self.state.global_step == step:
@@ -80,7 +80,7 @@ def install(spec: str | None = None, patch=setattr) -> tuple[str, int] | None:
             return save_loop_state(output_dir, state)
 
         patch(Trainer, "_save_rng_state", killing_save_rng_state)
-        patch(loop, "save_loop_state", killing_save_loop_state)
+        patch(checkpoints, "save_loop_state", killing_save_loop_state)
     else:
         from trl_grpo_ext.runs import METRICS_FILENAME
         from trl_grpo_ext.runs import metrics as metrics_file

@@ -11,9 +11,11 @@ import pytest
 import torch
 
 from trl_grpo_ext.grpo.distillation import DistillationSpec
+from trl_grpo_ext.pytrio.batch import build_train_batch
+from trl_grpo_ext.pytrio.calls import PyTrioLoopError
 from trl_grpo_ext.pytrio.config import PyTrioGRPOConfig
-from trl_grpo_ext.pytrio.datums import Rollout
-from trl_grpo_ext.pytrio.loop import GRPOLoop, PyTrioLoopError, ScoredBatch, build_train_batch
+from trl_grpo_ext.pytrio.loop import GRPOLoop
+from trl_grpo_ext.pytrio.types import Rollout, ScoredBatch
 from trl_grpo_ext.trl import distillation as trl_distillation
 
 SPEC = {"teacher": "teacher-model", "coef": 0.7, "reward_coef": 0.3, "discount": 0.8}
@@ -77,7 +79,7 @@ def pytrio_advantages(spec=SPEC, mode="sync"):
     service = ScriptedService(teacher)
     loop = GRPOLoop(config(distillation=spec, mode=mode), service_client=service, rows=[])
     scored = scored_batch()
-    metrics = loop._distill(scored)
+    metrics = loop.teacher.distill(scored)
     assert service.created == [(spec["teacher"], spec.get("teacher_model_path"))]
     assert len(teacher.asked) == 3  # the empty completion is not asked about
     return scored, metrics
@@ -157,7 +159,7 @@ def test_datums_carry_the_per_token_advantages():
 def test_a_short_teacher_answer_is_refused():
     loop = GRPOLoop(config(distillation=SPEC), service_client=ScriptedService(ScriptedTeacher(corrupt=True)), rows=[])
     with pytest.raises(PyTrioLoopError, match="teacher"):
-        loop._distill(scored_batch())
+        loop.teacher.distill(scored_batch())
 
 
 def test_a_datum_takes_one_advantage_per_completion_token():

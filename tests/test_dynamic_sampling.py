@@ -406,13 +406,13 @@ def _pytrio_loop(tiny_model_path, flat_ids, **kw):
 
 
 def test_pytrio_step_samples_until_its_groups_are_informative(tiny_model_path, pytrio_reward):
-    from trl_grpo_ext.pytrio.loop import StepTimes
+    from trl_grpo_ext.pytrio.types import StepTimes
 
     flat = set(range(0, N_PROMPTS, 2))
     loop, client, stream = _pytrio_loop(tiny_model_path, flat, max_generation_batches=8)
     for step in range(3):
         before = stream.position
-        scored, metrics = loop._sample_and_score(client, stream, step, StepTimes())
+        scored, metrics = loop.sample_and_score(client, stream, step, StepTimes())
         rounds = int(metrics["generation_batches"])
         assert stream.position - before == 2 * rounds  # two prompts a round
         assert metrics["frac_degenerate"] == 0.0 and 0.0 <= metrics["frac_degenerate_before_filter"] < 1.0
@@ -430,10 +430,11 @@ def test_pytrio_step_samples_until_its_groups_are_informative(tiny_model_path, p
 
 
 def test_pytrio_budget_trains_on_what_there_is(tiny_model_path, pytrio_reward):
-    from trl_grpo_ext.pytrio.loop import StepTimes, build_train_batch
+    from trl_grpo_ext.pytrio.batch import build_train_batch
+    from trl_grpo_ext.pytrio.types import StepTimes
 
     loop, client, stream = _pytrio_loop(tiny_model_path, set(range(N_PROMPTS)), max_generation_batches=2)
-    scored, metrics = loop._sample_and_score(client, stream, 0, StepTimes())
+    scored, metrics = loop.sample_and_score(client, stream, 0, StepTimes())
     assert metrics["generation_batches"] == 2 and metrics["frac_degenerate"] == 1.0
     assert metrics["frac_degenerate_before_filter"] == 1.0
     # nothing informative: the padding stays, with zero advantages, so the step runs and moves nothing
@@ -443,7 +444,7 @@ def test_pytrio_budget_trains_on_what_there_is(tiny_model_path, pytrio_reward):
     loop, client, stream = _pytrio_loop(tiny_model_path, set(range(N_PROMPTS)) - {5}, max_generation_batches=3)
     found = False
     for step in range(6):
-        scored, metrics = loop._sample_and_score(client, stream, step, StepTimes())
+        scored, metrics = loop.sample_and_score(client, stream, step, StepTimes())
         kept = round(2 * (1 - metrics["frac_degenerate"]))
         if 0 < kept < 2:  # fewer groups than a full step: the padding is left out
             found = True
@@ -452,22 +453,22 @@ def test_pytrio_budget_trains_on_what_there_is(tiny_model_path, pytrio_reward):
 
 
 def test_pytrio_without_dynamic_sampling_is_one_round(tiny_model_path, pytrio_reward):
-    from trl_grpo_ext.pytrio.loop import StepTimes
+    from trl_grpo_ext.pytrio.types import StepTimes
 
     loop, client, stream = _pytrio_loop(tiny_model_path, set(range(0, N_PROMPTS, 2)), dynamic_sampling=False)
-    scored, metrics = loop._sample_and_score(client, stream, 0, StepTimes())
+    scored, metrics = loop.sample_and_score(client, stream, 0, StepTimes())
     assert "generation_batches" not in metrics and stream.position == 2 and client.sampler.requests == 2
     assert len(scored.rows) == 2
 
 
 def test_pytrio_curriculum_updates_from_each_round(tiny_model_path, pytrio_reward):
     from trl_grpo_ext.grpo.curriculum import CurriculumPromptStream
-    from trl_grpo_ext.pytrio.loop import StepTimes
+    from trl_grpo_ext.pytrio.types import StepTimes
 
     # even prompts: always 0.5 (never pass at threshold 1.0); odd: a hash below 1 (never pass either) -> p falls
     loop, client, stream = _pytrio_loop(tiny_model_path, set(range(0, N_PROMPTS, 2)), curriculum=True)
     assert isinstance(stream, CurriculumPromptStream)
-    _, metrics = loop._sample_and_score(client, stream, 0, StepTimes())
+    _, metrics = loop.sample_and_score(client, stream, 0, StepTimes())
     assert loop.curriculum.updates == metrics["generation_batches"]
     assert metrics["curriculum/even/pass_rate"] < 0.5 and "curriculum/odd/weight" in metrics
 

@@ -126,7 +126,7 @@ def test_yaml_and_cli_parse_the_shared_keys_on_both_paths(tmp_path):
 
 def test_one_loss_table_drives_both_paths_the_losses_and_the_server():
     from trl_grpo_ext.grpo.losses import LOSS_FUNCTIONS
-    from trl_grpo_ext.pytrio.loop import builtin_loss_config
+    from trl_grpo_ext.pytrio.loss import builtin_loss_config
     from trl_grpo_ext.pytrio_server.loss_fns import BUILTIN_LOSSES, parse_loss
 
     assert VALID_LOSS_TYPES == valid_loss_types(TRL)

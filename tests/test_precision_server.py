@@ -131,7 +131,8 @@ def test_loop_logs_the_mismatch_of_a_bf16_server(tiny_model_path, monkeypatch):
     """The PyTRIO loop's loss metrics carry the sampler/trainer mismatch (`grpo.losses.sampler_correction`)."""
     from trl_grpo_ext.pytrio.config import PyTrioGRPOConfig
     from trl_grpo_ext.pytrio.datums import shifted_sequences
-    from trl_grpo_ext.pytrio.loop import TokenRows, make_custom_loss
+    from trl_grpo_ext.pytrio.loss import make_custom_loss
+    from trl_grpo_ext.pytrio.types import TokenRows
 
     engine = _engine(tiny_model_path, monkeypatch, units=True)
     sampled, _old, _adv, trained, _run = _step(engine)

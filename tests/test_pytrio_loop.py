@@ -11,22 +11,17 @@ import pytest
 import torch
 
 from trl_grpo_ext.grpo.losses import group_advantages, policy_loss, token_level_mean
+from trl_grpo_ext.pytrio.batch import build_train_batch
+from trl_grpo_ext.pytrio.calls import PyTrioLoopError
 from trl_grpo_ext.pytrio.config import PyTrioGRPOConfig
 from trl_grpo_ext.pytrio.connection import redact
-from trl_grpo_ext.pytrio.datums import Rollout, build_datum, shifted_sequences
-from trl_grpo_ext.pytrio.loop import (
-    PromptStream,
-    PyTrioLoopError,
-    ScoredBatch,
-    TokenRows,
-    advantages_for,
-    build_train_batch,
-    builtin_loss_config,
-    completion_metrics,
-    make_custom_loss,
-    reward_step_metrics,
-    rollouts_from_response,
-)
+from trl_grpo_ext.pytrio.datums import build_datum, shifted_sequences
+from trl_grpo_ext.pytrio.loss import builtin_loss_config, make_custom_loss
+from trl_grpo_ext.pytrio.metrics import completion_metrics, reward_step_metrics
+from trl_grpo_ext.pytrio.prompts import PromptStream
+from trl_grpo_ext.pytrio.sampling import rollouts_from_response
+from trl_grpo_ext.pytrio.scoring import advantages_for
+from trl_grpo_ext.pytrio.types import Rollout, ScoredBatch, TokenRows
 from trl_grpo_ext.runs import METRICS_FILENAME, run_metrics, truncate_metrics
 from trl_grpo_ext.runs.loop_state import (
     LoopState,
@@ -462,7 +457,7 @@ def test_custom_loss_path_matches_builtin_loss(pytrio_client, tiny_model_path):
     (trl_grpo_ext.grpo.losses token mean) move the weights the same way."""
     import pytrio as trio
 
-    from trl_grpo_ext.pytrio.loop import make_custom_loss
+    from trl_grpo_ext.pytrio.loss import make_custom_loss
 
     c = cfg(loss_type="importance_sampling", max_grad_norm=0.0)
     rollouts = [([1, 2, 3], [4, 5, 6, 7], 1.0), ([1, 2], [8, 9], -1.0), ([3, 1, 2], [10, 11, 12], 0.5)]
@@ -749,7 +744,7 @@ def test_prompt_format_is_the_data_specs_on_this_path_too(tiny_model_path, tmp_p
         loop = GRPOLoop(cfg(**spec, **kw), tokenizer=tokenizer)
         loop.check_inputs()
         loop.prepare(training_client=None)
-        return loop._rows, [loop._prompt_tokens(row) for row in loop._rows]
+        return loop._rows, [loop.prompts(row) for row in loop._rows]
 
     text = load_dataset_split("synthetic", num_samples=4, tasks="chain_sum:1", seed=3, chat=False).to_list()
     messages = load_dataset_split("synthetic", num_samples=4, tasks="chain_sum:1", seed=3, chat=True).to_list()

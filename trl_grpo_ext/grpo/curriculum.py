@@ -161,7 +161,7 @@ def draw_tasks(curriculum: Curriculum, available: set[str], n: int, rng: random.
 
 
 class CurriculumPromptStream:
-    """The PyTRIO loop's prompt stream (`trl_grpo_ext.pytrio.loop.PromptStream`'s interface: ``take(n)``,
+    """The PyTRIO loop's prompt stream (`trl_grpo_ext.pytrio.prompts.PromptStream`'s interface: ``take(n)``,
     ``position``) with each prompt's task drawn from the curriculum's current weights. ``rows`` carry ``task``.
 
     ``position`` counts prompts handed out; a stream rebuilt at a position (a resumed run, whose loop state restored

@@ -10,20 +10,6 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
-
-
-@dataclass(frozen=True)
-class Rollout:
-    """One sampled completion of one prompt, as the sampler returned it."""
-
-    prompt_tokens: tuple[int, ...]
-    completion_tokens: tuple[int, ...]
-    completion_logprobs: tuple[float, ...]
-    stop_reason: str = ""
-    # multi-turn (tools): 0 on the tokens tools wrote (their log-probs are 0.0), and the turns as TRL's messages
-    tool_mask: tuple[int, ...] | None = None
-    messages: tuple | None = None
 
 
 def validate_rollout(prompt_tokens: Sequence[int], tokens: Sequence[int], logprobs: Sequence[float]) -> str | None:
