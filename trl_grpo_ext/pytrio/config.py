@@ -164,6 +164,8 @@ class PyTrioGRPOConfig(GRPOSpec, DataSpec):
         problems += environment_name_problems(self.environments)
         if self.environments and self.prompt_format == "text":
             problems.append("environments need chat prompts; prompt_format: text has none")
+        if self.environments and self.async_sampling and self.max_staleness:
+            problems.append("async_sampling does not sample multi-turn tool calls yet; unset environments or it")
         cap = self.max_tool_calling_iterations
         if cap is not None and (isinstance(cap, bool) or not isinstance(cap, int) or cap < 1):
             problems.append(f"max_tool_calling_iterations must be an int >= 1 or null, got {cap!r}")
@@ -225,3 +227,8 @@ class PyTrioGRPOConfig(GRPOSpec, DataSpec):
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+
+def asynchronous(config) -> bool:
+    """Whether `config` samples asynchronously (``async_sampling`` with ``max_staleness`` >= 1; 0 is on-policy)."""
+    return bool(config.async_sampling) and config.max_staleness > 0

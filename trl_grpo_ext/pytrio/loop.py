@@ -39,8 +39,9 @@ from trl_grpo_ext.pytrio import connection
 from trl_grpo_ext.pytrio.batch import build_train_batch
 from trl_grpo_ext.pytrio.calls import PyTrioLoopError
 from trl_grpo_ext.pytrio.checkpoints import save_checkpoint, save_final_weights, start_training_client
-from trl_grpo_ext.pytrio.config import PyTrioGRPOConfig
+from trl_grpo_ext.pytrio.config import PyTrioGRPOConfig, asynchronous
 from trl_grpo_ext.pytrio.connection import LOCAL_SERVER_NAME, ServiceLost, ServiceOutage, install_log_redaction, redact
+from trl_grpo_ext.pytrio.lookahead import SampleAhead
 from trl_grpo_ext.pytrio.metrics import averaged, round_metrics, step_metrics
 from trl_grpo_ext.pytrio.optim import optimizer_step
 from trl_grpo_ext.pytrio.prompts import PromptStream, PromptTokens, environment_tool_methods, load_tokenizer
@@ -87,6 +88,7 @@ class GRPOLoop:
         self._given_service = service_client is not None
         spec = distillation_of(config)
         self.teacher = Teacher(config, spec, self._service_client) if spec is not None else None
+        self.ahead: SampleAhead | None = None  # asynchronous sampling's batches in flight (`_train` sets it)
 
     # --- setup -------------------------------------------------------------------------------------------------
 
@@ -154,9 +156,12 @@ class GRPOLoop:
         groups = GroupFilter(c.prompts_per_step, c.max_generation_batches) if c.dynamic_sampling else None
         batches, metrics = [], []
         while True:
-            rows = stream.take(c.prompts_per_step)
-            first = len(batches) * c.prompts_per_step  # each round's prompts get their own sampling seeds
-            batches.append(self._sample_round(sampler, rows, step, first, times))
+            if not batches and self.ahead is not None and self._ahead_round(sampler, stream, step):
+                batches.append(self._drawn_round(sampler, step, times))
+            else:
+                rows = stream.take(c.prompts_per_step)
+                first = len(batches) * c.prompts_per_step  # each round's prompts get their own sampling seeds
+                batches.append(self._sample_round(sampler, rows, step, first, times))
             metrics.append(self._round_metrics(batches[-1]))
             if groups is None:
                 return batches[0], metrics[0]
@@ -179,6 +184,23 @@ class GRPOLoop:
         times.rewards += time.perf_counter() - t0
         return scored
 
+    def _ahead_round(self, sampler, stream: PromptStream, step: int) -> bool:
+        """Asynchronous sampling: the batches `sampler` (version `step`) may draw requested ahead; whether this step's
+        first round was (a resumed run trains the batches its checkpoint kept, also where it samples on-policy)."""
+        if asynchronous(self.config):
+            self.ahead.request(sampler, step, stream, self.config.max_steps)
+        return step in self.ahead.batches
+
+    def _drawn_round(self, sampler, step: int, times: StepTimes) -> ScoredBatch:
+        """The step's first round from the batch requested for it ahead (waited for), scored."""
+        t0 = time.perf_counter()
+        drawn = self.ahead.take(step, sampler, step)
+        times.sampling += time.perf_counter() - t0
+        t0 = time.perf_counter()
+        scored = score_rollouts(self.config, self.rewards, drawn.rows, drawn.rollouts)
+        times.rewards += time.perf_counter() - t0
+        return scored
+
     def _round_metrics(self, scored: ScoredBatch) -> dict:
         """A round's metrics; with the curriculum, its update from the round and its weights."""
         metrics = round_metrics(self.config, scored, self.rewards.names)
@@ -190,7 +212,7 @@ class GRPOLoop:
     def train_step(self, training_client, stream: PromptStream, step: int) -> dict:
         """One GRPO step (0-based ``step``): sample -> score -> build datums -> step -> metrics; returns its metrics."""
         times = StepTimes()
-        t_step = time.perf_counter()
+        t_step, step_started = time.perf_counter(), time.monotonic()
         scored, sampling_metrics = self.sample_and_score(training_client, stream, step, times)
         if self.teacher is not None:
             sampling_metrics = {**sampling_metrics, **self.teacher.distill(scored)}
@@ -198,7 +220,10 @@ class GRPOLoop:
         learning_rate = self.config.learning_rate_at(step)
         loss_metrics, optim_metrics = optimizer_step(self.config, training_client, batch, learning_rate, times)
         step_time = time.perf_counter() - t_step
-        return step_metrics(sampling_metrics, loss_metrics, batch, learning_rate, optim_metrics, step_time, times)
+        metrics = step_metrics(sampling_metrics, loss_metrics, batch, learning_rate, optim_metrics, step_time, times)
+        if asynchronous(self.config):
+            metrics.update(self.ahead.step_metrics(step_started, times.save_weights))
+        return metrics
 
     # --- entry point ---------------------------------------------------------------------------------------------
 
@@ -270,12 +295,17 @@ class GRPOLoop:
 
     def _checkpoint(self, training_client, state: LoopState, stream: PromptStream, step_done: int) -> None:
         curriculum = self.curriculum.state_dict() if self.curriculum is not None else None
+        # the batches drawn ahead, whose prompts the stream's position has passed: kept for the resumed run
+        state.ahead = self.ahead.saved() if self.ahead is not None else []
         save_checkpoint(self.config, training_client, state, step_done, stream.position, curriculum)
 
     def _train(self, training_client, stream: PromptStream, state: LoopState, sink: RunLogger, outage) -> dict:
         """Steps ``state.step`` to ``max_steps``, the final checkpoint and sampler weights; returns the summary."""
         c = self.config
         out = Path(c.output_dir)
+        self.ahead = None
+        if asynchronous(c) or state.ahead:
+            self.ahead = SampleAhead(c, self.prompts, self.tool_turns, start=state.step, saved=state.ahead)
         for step in range(state.step, c.max_steps):
             metrics = self.train_step(training_client, stream, step)
             step_done = step + 1

@@ -112,11 +112,13 @@ def submit_samples(
     prompt_tokens: list[list[int]],
     step: int,
     first_index: int = 0,
+    in_flight: bool | None = None,
 ) -> PendingSamples:
-    """The round's requests: with ``mode: async`` all submitted now (the service works on them while the caller
-    goes on); with ``mode: sync`` none yet (`collect_samples` sends them one at a time)."""
+    """The round's requests: with ``mode: async`` (or `in_flight`: a batch requested ahead, `lookahead`) all
+    submitted now (the service works on them while the caller goes on); with ``mode: sync`` none yet
+    (`collect_samples` sends them one at a time)."""
     pending = PendingSamples(step, sampler, rows, prompt_tokens, first_index, None)
-    if config.mode == "async":
+    if config.mode == "async" if in_flight is None else in_flight:
         pending.futures = [_submit(config, sampler, tokens, step, i) for i, tokens in pending.indexed()]
     return pending
 

@@ -29,6 +29,8 @@ class LoopState:
     pinned: dict = field(default_factory=dict)
     curriculum: dict | None = None  # `Curriculum.state_dict()` with ``curriculum: true``
     checkpoints: list[dict] = field(default_factory=list)
+    # asynchronous sampling: the batches drawn ahead for the steps after `step` (`pytrio.lookahead.SampleAhead.saved`)
+    ahead: list[dict] = field(default_factory=list)
     version: int = STATE_VERSION
 
     @classmethod

@@ -1,0 +1,120 @@
+"""Asynchronous GRPO on the PyTRIO path (`trl_grpo_ext.pytrio.lookahead`) against the local server on the tiny model:
+the same schedule and metrics as the TRL path, the same batches whatever the speed of either side, a resumed run
+that trains what an uninterrupted one would, and max_staleness 0 as the synchronous loop."""
+
+import json
+
+import pytest
+from test_pytrio_loop import ROWS, local_pytrio, loop_config, pytrio_client  # noqa: F401 - fixtures
+
+from trl_grpo_ext.pytrio import lookahead
+from trl_grpo_ext.pytrio.loop import GRPOLoop
+from trl_grpo_ext.runs import run_metrics
+from trl_grpo_ext.runs.loop_state import load_loop_state
+
+# every test here talks to the module's local server (test_pytrio_loop's fixtures)
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("pytrio_client")]
+
+# the per-step numbers two runs must share to have sampled and trained the same way: the tokens exactly; the
+# numbers computed from log-probs to float rounding (a request's log-probs follow its decode batch-mates to ~5e-7
+# on the local server, docs/pytrio_server.md; its tokens do not)
+SAMPLED = ("reward", "reward_std", "completions/mean_length", "train_tokens")
+COMPUTED = ("loss", "ratio_mean", "grad_norm")
+
+
+def _run(tmp_path, name, loop_cls=GRPOLoop, **kw):
+    settings = dict(max_steps=4, save_every=0, mode="async", loss_type="cispo", async_sampling=True, max_staleness=1)
+    config = loop_config(tmp_path / name, **{**settings, **kw})
+    loop_cls(config, rows=ROWS).run()
+    return run_metrics(config.output_dir), config
+
+
+def _same(rows, expected):
+    """Whether two runs sampled and trained the same way, step by step."""
+    assert [{key: r[key] for key in SAMPLED} for r in rows] == [{key: r[key] for key in SAMPLED} for r in expected]
+    for r, e in zip(rows, expected, strict=True):
+        assert {key: r[key] for key in COMPUTED} == pytest.approx(
+            {key: e[key] for key in COMPUTED}, rel=1e-4, abs=1e-6
+        )
+    return True
+
+
+def test_the_next_steps_are_drawn_while_a_step_trains_k_behind(tiny_model_path, tmp_path):
+    for k, expected in ((1, [0, 1, 1, 1]), (2, [0, 1, 2, 2])):
+        rows, config = _run(tmp_path, f"k{k}", base_model=tiny_model_path, max_staleness=k)
+        assert [r["sample/staleness_max"] for r in rows] == expected
+        assert all(r["sample/dropped_stale_total"] == 0 for r in rows)
+        for key in ("perf/rollout_wait_s", "rollout/weight_wait_s", "perf/overlap_frac", "sampling/sampler_kl"):
+            assert all(key in r for r in rows), key
+        # the loss's ratio is against the sampler that drew the batch: 1 on-policy, off 1 once it is a step old
+        assert rows[0]["ratio_mean"] == pytest.approx(1.0, abs=2e-3)
+        assert abs(rows[-1]["ratio_mean"] - 1.0) > 1e-4
+        # the same prompts as on-policy, in the same order: the stream is read step by step
+        assert load_loop_state(config.output_dir).data_position == 4 * config.prompts_per_step
+
+
+def test_a_slow_sampler_changes_the_waits_not_the_batches(tiny_model_path, tmp_path, monkeypatch):
+    baseline, _ = _run(tmp_path, "base", base_model=tiny_model_path)
+    collect = lookahead.collect_samples
+
+    def slow_collect(*args, **kwargs):
+        import time
+
+        time.sleep(0.5)
+        return collect(*args, **kwargs)
+
+    monkeypatch.setattr(lookahead, "collect_samples", slow_collect)
+    slow, _ = _run(tmp_path, "slow", base_model=tiny_model_path)
+    assert _same(slow, baseline)
+    assert sum(r["perf/rollout_wait_s"] for r in slow) > sum(r["perf/rollout_wait_s"] for r in baseline)
+
+
+def test_max_staleness_0_is_the_synchronous_loop(tiny_model_path, tmp_path):
+    sync, _ = _run(tmp_path, "sync", base_model=tiny_model_path, async_sampling=False, max_steps=2)
+    k0, _ = _run(tmp_path, "k0", base_model=tiny_model_path, max_staleness=0, max_steps=2)
+    assert _same(k0, sync)
+    assert not any(key.startswith("sample/staleness") for key in k0[0])
+
+
+def test_a_resumed_run_trains_the_batches_drawn_before_the_stop(tiny_model_path, tmp_path):
+    from stopping_loop import StoppingLoop
+
+    whole, _ = _run(tmp_path, "whole", base_model=tiny_model_path, save_every=2, max_staleness=2)
+    _run(tmp_path, "stopped", loop_cls=lambda c, rows: StoppingLoop(c, rows=rows, stop_after=3),
+         base_model=tiny_model_path, save_every=2, max_staleness=2)  # fmt: skip
+    state = load_loop_state(tmp_path / "stopped" / "run")
+    assert state.step == 2 and [(b["step"], b["version"]) for b in state.ahead] == [(2, 0), (3, 1)]
+    resumed, _ = _run(tmp_path, "stopped", base_model=tiny_model_path, save_every=2, max_staleness=2, resume=True)
+    assert [r["step"] for r in resumed] == [1, 2, 3, 4]
+    assert _same(resumed, whole)
+
+
+def test_a_kept_batch_too_old_for_the_resumed_bound_is_dropped_and_drawn_again(tiny_model_path, tmp_path):
+    from stopping_loop import StoppingLoop
+
+    _run(tmp_path, "run", loop_cls=lambda c, rows: StoppingLoop(c, rows=rows, stop_after=2),
+         base_model=tiny_model_path, save_every=2, max_staleness=2)  # fmt: skip
+    resumed, _ = _run(tmp_path, "run", base_model=tiny_model_path, save_every=2, max_staleness=1, resume=True)
+    # steps 3 and 4 kept batches drawn 2 steps before: too old for max_staleness 1, each drawn again on-policy
+    assert [r["sample/dropped_stale_total"] for r in resumed[2:]] == [8, 8]
+    assert [r["sample/staleness_max"] for r in resumed[2:]] == [0, 0]
+
+
+def test_a_malformed_kept_batch_is_one_line(tiny_model_path, tmp_path):
+    from stopping_loop import StoppingLoop
+
+    _run(tmp_path, "run", loop_cls=lambda c, rows: StoppingLoop(c, rows=rows, stop_after=2),
+         base_model=tiny_model_path, save_every=2, max_staleness=2)  # fmt: skip
+    path = tmp_path / "run" / "run" / "pytrio_state.json"
+    state = json.loads(path.read_text())
+    state["ahead"][0]["rollouts"][0]["completion_logprobs"] = []
+    path.write_text(json.dumps(state))
+    with pytest.raises(ValueError, match="a batch drawn ahead in the loop state is malformed"):
+        _run(tmp_path, "run", base_model=tiny_model_path, save_every=2, max_staleness=2, resume=True)
+
+
+def test_tools_with_async_sampling_are_refused(tmp_path):
+    from trl_grpo_ext.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="async_sampling does not sample multi-turn tool calls"):
+        loop_config(tmp_path, environments=["calculator"], async_sampling=True)
