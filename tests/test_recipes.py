@@ -58,8 +58,9 @@ def test_every_recipe_parses_into_the_real_classes(path):
         obj = next(o for o in (script_args, training_args, model_args) if hasattr(o, key))
         if key not in ("report_to", "save_strategy", "lr_scheduler_type", "use_cpu", "bf16"):
             assert getattr(obj, key) == value, key
-    # hybrid_judge, opd, tools: the embedded model on CPU; embedded_vllm: the embedded default sampled by vLLM
-    if Path(path).stem not in ("embedded", "hybrid_judge", "opd", "tools", "embedded_vllm"):
+    # hybrid_judge, opd, tools: the embedded model on CPU; embedded_vllm: the embedded default sampled by vLLM;
+    # embedded_async: the embedded default, asynchronous
+    if Path(path).stem not in ("embedded", "hybrid_judge", "opd", "tools", "embedded_vllm", "embedded_async"):
         assert model_args.model_name_or_path == "Qwen/Qwen2.5-0.5B-Instruct" and model_args.use_peft
         assert script_args.dataset_name == "openai/gsm8k"
 

@@ -62,7 +62,7 @@ from trl_grpo_ext.trl import internals
 from trl_grpo_ext.trl.config import ExtensionOptions
 from trl_grpo_ext.trl.rollout_worker import AsyncSamplerError, RolloutRequest, RolloutResult, RolloutWorker
 from trl_grpo_ext.trl.sampler_precision import SampledTokenLogprobs
-from trl_grpo_ext.trl.weight_transfer import InProcessWeights
+from trl_grpo_ext.trl.weight_transfer import InProcessWeights, ServerWeights
 
 logger = logging.getLogger(__name__)
 
@@ -93,6 +93,8 @@ class AsyncSamplingMixin:
         if not active:
             return  # max_staleness 0 is on-policy: the synchronous path, unchanged
         raise_problems("GRPOTrainer", self._async_problems())
+        # the sampler's log-probs are the loss's old ones: TRL's separate vLLM correction would apply the gap twice
+        self.vllm_importance_sampling_correction = False
         self.max_staleness = options.max_staleness
         self.async_timeout_s = float(options.async_timeout_s)
         self._worker: RolloutWorker | None = None
@@ -116,17 +118,21 @@ class AsyncSamplingMixin:
     def _async_problems(self) -> list[str]:
         """What the built trainer says async sampling cannot run with (`_argument_problems`: what its arguments say)."""
         problems = []
-        if self.accelerator.num_processes != 1 or self.is_deepspeed_enabled or self.is_fsdp_enabled:
-            problems.append(
-                f"async_sampling runs on one process without DeepSpeed/FSDP ({_WHY}, which needs the whole weights)"
-            )
+        if self.accelerator.num_processes != 1:
+            problems.append("async_sampling runs on one training process (its sampler thread draws for it alone)")
+        elif not self.use_vllm and (self.is_deepspeed_enabled or self.is_fsdp_enabled):
+            problems.append(f"async_sampling without vLLM needs the whole weights in this process ({_WHY}): not "
+                            "with DeepSpeed/FSDP; sample with vLLM's server (use_vllm, vllm_mode: server)")  # fmt: skip
         if internals.is_vlm(self):
             problems.append("async_sampling samples text only; this is a vision-language model")
         return problems
 
     # ------------------------------------------------------------------ the sampler's side, set up on first use
     def _start_sampler(self) -> RolloutWorker:
-        """The sampler thread with its copy of the policy, on its own cores (said at start)."""
+        """The sampler thread: with vLLM's server, its requests to the server; else with its own copy of the policy,
+        on its own cores (said at start)."""
+        if self.use_vllm:
+            return self._start_server_sampler()
         model = self.accelerator.unwrap_model(self.model)
         sampler_model = copy.deepcopy(model)
         sampler_model.__dict__.pop("forward", None)  # a forward wrapped in place would still call the trainer's
@@ -166,6 +172,23 @@ class AsyncSamplingMixin:
         threads = self._cores.threads if self._cores is not None else None
         return RolloutWorker(generate, weights, self.async_timeout_s, cores, threads)
 
+    def _start_server_sampler(self) -> RolloutWorker:
+        """TRL's vLLM server as the sampler (``vllm_mode: server``): the thread sends each batch's prompts to it as
+        TRL's generation does (`trl.generation.vllm_generation.VLLMGeneration.generate`); the trainer hands the weights
+        over itself, between two of the thread's requests (`ServerWeights`: TRL's sync, NCCL on GPUs, the file the
+        CPU server reloads otherwise, `trl_grpo_ext.trl.vllm_cpu`)."""
+        print(f"async sampling: max_staleness {self.max_staleness}; sampler: vLLM server", flush=True)
+        generation = self.vllm_generation
+
+        def generate(request: RolloutRequest):
+            prompt_ids = [list(p) for p in request.prompt_ids]
+            _, completion_ids, logprobs, _ = generation.generate(
+                prompts=prompt_ids, images=None, num_generations=self.num_generations
+            )
+            return completion_ids, [[lp[0] for lp in row] for row in logprobs]  # the sampled token's log-prob
+
+        return RolloutWorker(generate, ServerWeights(generation.sync_weights), self.async_timeout_s)
+
     def _stop_sampler(self) -> None:
         if self._worker is not None:
             self._worker.close()
@@ -195,6 +218,8 @@ class AsyncSamplingMixin:
         self._worker.raise_if_failed()
         version = self.state.global_step
         self._step_started = time.monotonic()
+        if self.use_vllm:  # the server holds one copy of the weights: swapped between two requests, not during one
+            self._stats.trainer_wait_s += self._worker.wait_idle()
         self._worker.weights.publish(version)
         if epoch_iterator is not self._lookahead_iterator:  # a new epoch: nothing of the last one is ahead
             self._lookahead_iterator, self._lookahead = epoch_iterator, collections.deque()
@@ -359,13 +384,15 @@ class AsyncSamplingMixin:
 
 
 _WHY = "the asynchronous sampler draws with transformers' generate on a copy of the policy in this process"
+_SERVER_ONLY = "async_sampling samples with vLLM's server (vllm_mode: server), not a colocated engine"
 
 
 def _argument_problems(given: dict) -> list[str]:
     """What the trainer's arguments say async sampling cannot run with (`trl.GRPOTrainer.__init__`'s, bound)."""
     problems = []
-    if getattr(given.get("args"), "use_vllm", False):
-        problems.append(f"async_sampling with use_vllm is not supported: {_WHY}; unset one of them")
+    args = given.get("args")
+    if getattr(args, "use_vllm", False) and getattr(args, "vllm_mode", None) != "server":
+        problems.append(f"{_SERVER_ONLY}: the engine would sample while this process trains; set vllm_mode: server")
     if given.get("tools") or given.get("environment_factory") is not None:
         problems.append("async_sampling does not sample multi-turn tool calls yet; unset tools/environments")
     if given.get("rollout_func") is not None:

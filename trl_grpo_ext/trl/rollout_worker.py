@@ -124,6 +124,21 @@ class RolloutWorker:
             del self._pending[seq]
             return self._results.pop(seq), time.monotonic() - t0
 
+    def wait_idle(self) -> float:
+        """Wait until every submitted request has been drawn (not necessarily taken); the seconds waited."""
+        t0 = time.monotonic()
+        with self._done:
+            while any(seq not in self._results for seq in self._pending):
+                if self._error is not None:
+                    raise self._failure()
+                if time.monotonic() - t0 >= self.timeout_s:
+                    raise AsyncSamplerError(
+                        f"async sampling: the sampler did not finish its batches in {self.timeout_s:g} s "
+                        "(async_timeout_s); it is hung or far too slow for this trainer"
+                    )
+                self._done.wait(timeout=1.0)
+        return time.monotonic() - t0
+
     def raise_if_failed(self) -> None:
         with self._done:
             if self._error is not None:

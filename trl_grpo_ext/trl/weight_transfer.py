@@ -133,9 +133,9 @@ class ServerWeights:
     sampler is between requests (`trl_grpo_ext.trl.async_sampling` calls ``publish`` only then); ``acquire`` only
     checks that the version a request names is the one on the server."""
 
-    def __init__(self, sync: Callable[[], None], version: int = 0):
+    def __init__(self, sync: Callable[[], None], version: int | None = None):
         self._sync = sync
-        self._on_server = version
+        self._on_server = version  # None: unknown (the server's own, e.g. a resumed run's base model) until synced
         self._closed = False
         self.sync_seconds = 0.0
 
