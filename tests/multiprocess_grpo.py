@@ -6,7 +6,7 @@ degenerate-group rule the same advantages. Generation is replaced by a determini
 hook), so everything after it -- rewards gathered across processes, group advantages, degenerate zeroing, old
 log-probabilities, the loss and its normaliser, DDP's gradient all-reduce -- runs as in training.
 
-    python tests/multiprocess_grpo.py --model PATH --out DIR
+    python tests/multiprocess_grpo.py --model PATH --out DIR [--only iterations-ppo]
 """
 
 from __future__ import annotations
@@ -72,7 +72,9 @@ def rollout(prompts, trainer):
     return {"prompt_ids": prompt_ids, "completion_ids": completions, "logprobs": None}
 
 
-def run(model_path: str, out_dir: str) -> None:
+def run(model_path: str, out_dir: str, only: str | None = None) -> None:
+    """Every schedule-loss_type pair (``only``: that one), each recorded in ``out_dir/<schedule>-<loss_type>.pt`` by
+    the main process."""
     import torch
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
@@ -104,6 +106,8 @@ def run(model_path: str, out_dir: str) -> None:
     for schedule, steps in SCHEDULES.items():
         per_device = COMPLETIONS_PER_GENERATION // (world * steps["steps_per_generation"])
         for loss_type in LOSS_TYPES:
+            if only is not None and only != f"{schedule}-{loss_type}":
+                continue
             args = GRPOConfig(
                 output_dir=str(out / "trainer" / f"{schedule}-{loss_type}"),
                 loss_type=loss_type,
@@ -137,6 +141,7 @@ def run(model_path: str, out_dir: str) -> None:
             if trainer.accelerator.is_main_process:
                 record = {
                     "world_size": world,
+                    "num_processes": trainer.accelerator.num_processes,  # the processes that formed the job
                     "log_history": [row for row in trainer.state.log_history if "loss" in row],
                     "advantages": trainer.recorded_advantages,
                     "grads": [g.cpu() for g in grads.grads],
@@ -149,5 +154,6 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", required=True)
     parser.add_argument("--out", required=True)
+    parser.add_argument("--only", help="one schedule-loss_type pair, e.g. iterations-ppo")
     cli = parser.parse_args()
-    run(cli.model, cli.out)
+    run(cli.model, cli.out, cli.only)

@@ -18,7 +18,7 @@ from trl_grpo_ext.task.rewards import (
     make_judge_reward,
     reward_functions,
 )
-from trl_grpo_ext.task.rewards.judge import judge_messages, parse_score
+from trl_grpo_ext.task.rewards.judge_messages import judge_messages, parse_score
 
 PROMPT = [{"role": "user", "content": "What is 2 + 2?"}]
 

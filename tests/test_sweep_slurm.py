@@ -5,8 +5,6 @@ The others (sbatch missing, option checks, how GPU runs are laid out) need no cl
 """
 
 import json
-import os
-import shutil
 import subprocess
 import sys
 import textwrap
@@ -15,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from slurm_cluster import require_cluster
 from sweep_fakes import FAKE_RECIPE, TINY_RUN
 
 from trl_grpo_ext.experiments.launch import LauncherError
@@ -26,33 +25,12 @@ from trl_grpo_ext.experiments.sweep import expand, load_sweep, parse_sweep
 from trl_grpo_ext.runs.names import SLURM_JOBS_DIRNAME, SWEEP_SUMMARY_FILENAME
 
 REPO = Path(__file__).resolve().parents[1]
-IN_CI = os.environ.get("CI", "").lower() in ("true", "1", "yes")
 DEADLINE_S = 600  # per wait; a tiny run takes ~20 s on an idle 2-core machine
-
-
-def slurm_down_reason() -> str | None:
-    """None when sbatch is here and a node is up; else why not."""
-    if shutil.which("sbatch") is None:
-        return "sbatch is not on PATH"
-    try:
-        out = subprocess.run(["sinfo", "--noheader", "--format=%t"], capture_output=True, text=True, timeout=30)
-    except (OSError, subprocess.TimeoutExpired) as e:
-        return f"sinfo failed: {e}"
-    if out.returncode != 0:
-        return f"sinfo failed: {out.stderr.strip()}"
-    states = out.stdout.split()
-    if not any(s.rstrip("*~#!%$@^-") in ("idle", "mix", "alloc") for s in states):
-        return f"no node is up (sinfo: {states})"
-    return None
 
 
 @pytest.fixture
 def slurm_cluster():
-    why = slurm_down_reason()
-    if why is not None:
-        if IN_CI:
-            pytest.fail(f"CI=true but no SLURM cluster answers ({why}); .ci/run starts one with .ci/slurm_up.sh")
-        pytest.skip(f"no SLURM cluster here ({why}); start one with: sudo .ci/slurm_up.sh")
+    require_cluster()
 
 
 @pytest.fixture

@@ -159,8 +159,6 @@ def context_logps_and_entropies(
     runs TRL's forward). `stats` as `shared_prefix_logps_and_entropies`' (the cost model is not asked: the stored
     parts are paid for, and the rows' own tokens cost no more than in TRL's padded rows).
     """
-    from transformers import DynamicCache
-
     kind = kind_of(_config_of(model)._attn_implementation)
     prompt_length = input_ids.size(1) - logits_to_keep
     prompts = prompts_from_left_padded(input_ids, attention_mask, prompt_length)
@@ -172,6 +170,43 @@ def context_logps_and_entropies(
     kept = _kept_lengths(attention_mask, prompt_length)
     binned = kind == "eager"
     limit = max_packed_tokens if max_packed_tokens is not None else DEFAULT_MAX_PACKED_TOKENS
+    specs, row_spec, stored = _row_segments(context, groups, prompts, kept, prompt_length, binned, limit)
+    n_stored = max((sum(n for _, n in s) for s in stored), default=0)
+    placement = place(specs, binned, n_stored if binned else int(context.keys[0].size(1)))
+    holes = _has_holes(attention_mask, prompt_length, kept)
+    if kind == "flash" and holes:
+        log_fallback_once("flash-attention can't skip padding inside a completion (attention mask 0 before its end)")
+        return None
+    row_slots = [(placement.bins[i] if binned else 0, placement.starts[i], kept[r]) for r, i in enumerate(row_spec)]
+    source = (input_ids, attention_mask, pad_token_id)
+    if binned:
+        packed = PackedBatch(placement, kind, row_slots, source, holes)
+        cache = _binned_cache(context, stored, n_stored, input_ids.device) if n_stored else None
+        kwargs = {**packed.forward_kwargs(model), **cache_kwargs(model, cache)}
+    else:
+        packed = fit_to(PackedBatch(placement, kind, row_slots, source, holes, context.keys, context.values), model)
+        kwargs = packed.forward_kwargs(model)
+    if stats is not None:
+        choose_layout(model, packed, attention_mask, stats)
+        stats["layout"] = "context"
+    outputs = model(**kwargs, labels=packed.labels, fused_lm_head=True)
+    logps = _unpack(outputs.log_probs, row_slots, logits_to_keep)
+    entropies = _unpack(outputs.entropy, row_slots, logits_to_keep) if compute_entropy else None
+    return logps, entropies
+
+
+def _row_segments(
+    context: PromptContext,
+    groups: list[int],
+    prompts: list,
+    kept: list[int],
+    prompt_length: int,
+    binned: bool,
+    limit: int,
+) -> tuple[list[SegmentSpec], list[int], list[list[tuple[int, int]]]]:
+    """`context_logps_and_entropies`' segments: one per row (its last prompt token and completion) reading its
+    prompt's stored prefix and rest. Returns ``(specs in bin-major order, each row's spec, per bin the stored
+    ranges its rows read)``; binned (eager), a new bin once the next row would push one past `limit`."""
     specs: list[SegmentSpec] = []
     row_spec = [0] * len(prompts)
     # binned: per bin the stored context ranges its rows read, in order ((first slot, length) each); a row's
@@ -207,38 +242,22 @@ def context_logps_and_entropies(
     position = {old: new for new, old in enumerate(order)}
     specs = [specs[i] for i in order]
     row_spec = [position[i] for i in row_spec]
-    n_stored = max((sum(n for _, n in s) for s in stored), default=0)
-    placement = place(specs, binned, n_stored if binned else int(context.keys[0].size(1)))
-    holes = _has_holes(attention_mask, prompt_length, kept)
-    if kind == "flash" and holes:
-        log_fallback_once("flash-attention can't skip padding inside a completion (attention mask 0 before its end)")
-        return None
-    row_slots = [(placement.bins[i] if binned else 0, placement.starts[i], kept[r]) for r, i in enumerate(row_spec)]
-    source = (input_ids, attention_mask, pad_token_id)
-    if binned:
-        packed = PackedBatch(placement, kind, row_slots, source, holes)
-        cache = None
-        if n_stored:
-            slot = torch.zeros((len(stored), n_stored), dtype=torch.long)
-            for b, ranges in enumerate(stored):
-                flat = torch.cat([torch.arange(start, start + n) for start, n in ranges])
-                slot[b, : flat.numel()] = flat
-            slot = slot.to(input_ids.device)
-            # (heads, slots, dim)[:, (bins, n_stored)] -> (bins, heads, n_stored, dim); autograd scatters gradients
-            cache = DynamicCache(
-                ddp_cache_data=[
-                    (k[:, slot].transpose(0, 1), v[:, slot].transpose(0, 1))
-                    for k, v in zip(context.keys, context.values, strict=True)
-                ]
-            )
-        kwargs = {**packed.forward_kwargs(model), **cache_kwargs(model, cache)}
-    else:
-        packed = fit_to(PackedBatch(placement, kind, row_slots, source, holes, context.keys, context.values), model)
-        kwargs = packed.forward_kwargs(model)
-    if stats is not None:
-        choose_layout(model, packed, attention_mask, stats)
-        stats["layout"] = "context"
-    outputs = model(**kwargs, labels=packed.labels, fused_lm_head=True)
-    logps = _unpack(outputs.log_probs, row_slots, logits_to_keep)
-    entropies = _unpack(outputs.entropy, row_slots, logits_to_keep) if compute_entropy else None
-    return logps, entropies
+    return specs, row_spec, stored
+
+
+def _binned_cache(context: PromptContext, stored: list[list[tuple[int, int]]], n_stored: int, device):
+    """Per bin, the stored context slots its rows read, gathered from ``context.keys/values`` into a cache."""
+    from transformers import DynamicCache
+
+    slot = torch.zeros((len(stored), n_stored), dtype=torch.long)
+    for b, ranges in enumerate(stored):
+        flat = torch.cat([torch.arange(start, start + n) for start, n in ranges])
+        slot[b, : flat.numel()] = flat
+    slot = slot.to(device)
+    # (heads, slots, dim)[:, (bins, n_stored)] -> (bins, heads, n_stored, dim); autograd scatters gradients
+    return DynamicCache(
+        ddp_cache_data=[
+            (k[:, slot].transpose(0, 1), v[:, slot].transpose(0, 1))
+            for k, v in zip(context.keys, context.values, strict=True)
+        ]
+    )

@@ -145,20 +145,8 @@ def run_sweep(
     """Start every run of `spec` that is not finished or already in a job, then (local; SLURM with `wait`) follow
     them to their end. Returns one result per run (SLURM without `wait`: `queued`) and the summary file's path."""
     runs = expand(spec) if runs is None else runs
-    launcher = launcher or spec.launcher
-    if launcher not in LAUNCHERS:
-        raise ValueError(f"unknown launcher '{launcher}'; known: {list(LAUNCHERS)}")
+    spec, launcher, parallel = _launch_settings(spec, runs, launcher, parallel)
     wait = launcher == "local" if wait is None else wait
-    parallel = parallel or spec.parallel
-    if launcher == "slurm":  # before anything is written
-        slurm.require_slurm()
-        slurm.preflight(spec, runs, parallel)
-    if launcher == "local":
-        parallel = parallel or 1
-        if parallel > 1 and "OMP_NUM_THREADS" not in spec.env and "OMP_NUM_THREADS" not in os.environ:
-            # N trainers each grabbing every core would thrash; split the cores between them.
-            threads = max(1, (os.cpu_count() or 1) // parallel)
-            spec = dataclasses.replace(spec, env={**spec.env, "OMP_NUM_THREADS": str(threads)})
     started = now_iso()
     previous = _previous_summary(spec)
     results: dict[str, RunResult] = {}
@@ -177,15 +165,7 @@ def run_sweep(
             results[result.name] = result
             if summary:
                 write_summary()
-            line = f"{result.status:<12} {result.name}"
-            if result.job_id:
-                line += f" (job {result.job_id})"
-            if result.status not in ("finished", "skipped") and result.reason:
-                line += f": {result.reason}"
-                if result.status not in IN_FLIGHT:
-                    line += f" (log: {Path(result.run_dir) / TRAIN_LOG_FILENAME})"
-            if result.wall_time is not None:
-                line += f" [{result.wall_time:.1f}s]"
+            line = _log_line(result)
             append_sweep_log(spec.output_root, line)
             if result.status not in IN_FLIGHT:
                 bar.update(1)
@@ -195,25 +175,8 @@ def run_sweep(
                 bar.write(line) if not bar.disable else echo(line)
 
     previous_term = _stop_on_sigterm()
-    jobs, submitted = [], []
     try:
-        # Picking and starting under the root's lock: a second sweep command then sees these runs' records.
-        with output_root_lock(
-            spec.output_root, on_wait=f"waiting for another sweep command in {spec.output_root} ..."
-        ):
-            start, left = _pick(spec, runs, force, Scheduler())
-            append_sweep_log(
-                spec.output_root, f"start {len(start)} of {len(runs)} runs, launcher={launcher}, parallel={parallel}"
-            )
-            jobs, failed = _prepare(spec, start, launcher)
-            for result in failed:
-                write_attempt(result)
-            if launcher == "slurm":
-                submitted = slurm.submit(spec, jobs, parallel)
-            else:
-                owner = this_process()  # queued until the job starts: a second sweep command leaves these alone
-                for _, job in jobs:
-                    write_attempt(RunResult(job.name, "queued", job.run_dir, launcher="local", **owner))
+        jobs, left, failed, submitted = _start(spec, runs, force, launcher, parallel)
         for result in left + failed + ([] if wait else submitted):
             record(result, summary=False)  # one summary for them all: a sweep may have thousands of runs
         write_summary(refresh=True)
@@ -235,6 +198,61 @@ def run_sweep(
         bar.close()
         path = write_summary(refresh=True)
     return [results[r.name] for r in runs], path
+
+
+def _launch_settings(spec: SweepSpec, runs: list[RunSpec], launcher: str | None, parallel: int | None):
+    """``(spec, launcher, parallel)`` as the sweep runs them: SLURM checked before anything is written; local runs
+    in parallel given an even share of the cores each, unless the sweep or the environment sets OMP_NUM_THREADS."""
+    launcher = launcher or spec.launcher
+    if launcher not in LAUNCHERS:
+        raise ValueError(f"unknown launcher '{launcher}'; known: {list(LAUNCHERS)}")
+    parallel = parallel or spec.parallel
+    if launcher == "slurm":  # before anything is written
+        slurm.require_slurm()
+        slurm.preflight(spec, runs, parallel)
+    if launcher == "local":
+        parallel = parallel or 1
+        if parallel > 1 and "OMP_NUM_THREADS" not in spec.env and "OMP_NUM_THREADS" not in os.environ:
+            # N trainers each grabbing every core would thrash; split the cores between them.
+            threads = max(1, (os.cpu_count() or 1) // parallel)
+            spec = dataclasses.replace(spec, env={**spec.env, "OMP_NUM_THREADS": str(threads)})
+    return spec, launcher, parallel
+
+
+def _start(spec: SweepSpec, runs: list[RunSpec], force: bool, launcher: str, parallel: int | None):
+    """Pick the runs to start and start them, under the output root's lock (a second sweep command then sees
+    these runs' records). Returns ``(jobs, runs left alone, runs that failed to prepare, SLURM submissions)``;
+    local jobs are recorded as queued here and run by the caller."""
+    submitted = []
+    with output_root_lock(spec.output_root, on_wait=f"waiting for another sweep command in {spec.output_root} ..."):
+        start, left = _pick(spec, runs, force, Scheduler())
+        append_sweep_log(
+            spec.output_root, f"start {len(start)} of {len(runs)} runs, launcher={launcher}, parallel={parallel}"
+        )
+        jobs, failed = _prepare(spec, start, launcher)
+        for result in failed:
+            write_attempt(result)
+        if launcher == "slurm":
+            submitted = slurm.submit(spec, jobs, parallel)
+        else:
+            owner = this_process()  # queued until the job starts: a second sweep command leaves these alone
+            for _, job in jobs:
+                write_attempt(RunResult(job.name, "queued", job.run_dir, launcher="local", **owner))
+    return jobs, left, failed, submitted
+
+
+def _log_line(result: RunResult) -> str:
+    """A run's line in the sweep log and on the console: status, name, job, why (and where its log is), time."""
+    line = f"{result.status:<12} {result.name}"
+    if result.job_id:
+        line += f" (job {result.job_id})"
+    if result.status not in ("finished", "skipped") and result.reason:
+        line += f": {result.reason}"
+        if result.status not in IN_FLIGHT:
+            line += f" (log: {Path(result.run_dir) / TRAIN_LOG_FILENAME})"
+    if result.wall_time is not None:
+        line += f" [{result.wall_time:.1f}s]"
+    return line
 
 
 def _previous_summary(spec: SweepSpec) -> dict[str, dict]:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import sys
 
 from trl_grpo_ext.task.answers import equality, ground_truth, normalise, values
+from trl_grpo_ext.task.answers.arithmetic import Refused, Surd
 from trl_grpo_ext.task.answers.boxes import (
     MAX_BOX_CHARS,
     MAX_SCAN_CHARS,
@@ -35,7 +36,7 @@ from trl_grpo_ext.task.answers.equality import (
 from trl_grpo_ext.task.answers.ground_truth import is_prose, parse_ground_truth
 from trl_grpo_ext.task.answers.normalise import MAX_ANSWER_CHARS, extract_last_number, is_hedged, normalize_answer
 from trl_grpo_ext.task.answers.text import completion_text
-from trl_grpo_ext.task.answers.values import Refused, Surd, exact_value, values_equal
+from trl_grpo_ext.task.answers.values import exact_value, values_equal
 
 __all__ = [
     "FALLBACK_TIMEOUT_S",

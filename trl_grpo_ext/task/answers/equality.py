@@ -22,9 +22,10 @@ import os
 import re
 from functools import lru_cache
 
+from trl_grpo_ext.task.answers.arithmetic import Refused
 from trl_grpo_ext.task.answers.normalise import MAX_ANSWER_CHARS, is_hedged, normalize_answer
 from trl_grpo_ext.task.answers.text import completion_text
-from trl_grpo_ext.task.answers.values import Refused, exact_value, is_unevaluated_arithmetic, values_equal
+from trl_grpo_ext.task.answers.values import exact_value, is_unevaluated_arithmetic, values_equal
 
 logger = logging.getLogger(__name__)
 

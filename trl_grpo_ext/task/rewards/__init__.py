@@ -9,7 +9,8 @@ from trl_grpo_ext.task.rewards.build import CONFIGURED_REWARDS, preflight_reward
 from trl_grpo_ext.task.rewards.cost import make_cost_reward
 from trl_grpo_ext.task.rewards.format import format_checks, format_reward, make_format_reward
 from trl_grpo_ext.task.rewards.hybrid import DEFAULT_HYBRID_COMPONENTS, hybrid_reward, make_hybrid_reward
-from trl_grpo_ext.task.rewards.judge import JudgeConfig, JudgeReward, JudgeUnavailableError, make_judge_reward
+from trl_grpo_ext.task.rewards.judge import JudgeReward, JudgeUnavailableError, make_judge_reward
+from trl_grpo_ext.task.rewards.judge_config import JudgeConfig
 from trl_grpo_ext.task.rewards.registry import (
     REWARD_REGISTRY,
     get_reward,

@@ -12,7 +12,8 @@ from collections.abc import Callable, Iterable
 
 from trl_grpo_ext.task.rewards.cost import cost_options, make_cost_reward
 from trl_grpo_ext.task.rewards.hybrid import DEFAULT_HYBRID_COMPONENTS, make_hybrid_reward
-from trl_grpo_ext.task.rewards.judge import JudgeConfig, make_judge_reward
+from trl_grpo_ext.task.rewards.judge import make_judge_reward
+from trl_grpo_ext.task.rewards.judge_config import JudgeConfig
 from trl_grpo_ext.task.rewards.registry import REWARD_REGISTRY, get_reward, unknown_reward
 from trl_grpo_ext.task.rewards.reward_model import (
     RewardModelOptions,
