@@ -283,3 +283,13 @@ def test_ctrl_c_stops_after_the_step_with_a_checkpoint_that_resumes(tiny_model_p
     assert second.returncode == 0, (second.stdout + second.stderr)[-3000:]
     assert f"resuming from {out / 'checkpoint-2'}" in second.stdout
     assert [r["step"] for r in read_metrics_file(out / METRICS_FILENAME)[0]] == [1, 2, 3, 4]
+
+
+def test_a_colocated_vllm_engine_is_refused_before_trl_loads_it(tiny_model_path, tmp_path):
+    with pytest.raises(ValueError, match="async_sampling samples with vLLM's server"):
+        GRPOTrainer(
+            tiny_model_path,
+            [length_reward],
+            args=_config(tmp_path, "colocate", use_vllm=True, vllm_mode="colocate"),
+            train_dataset=Dataset.from_dict({"prompt": PROMPTS}),
+        )

@@ -350,3 +350,22 @@ def test_server_mode_two_grpo_steps_with_our_loss_and_vllms_correction(vllm_mode
     assert all(step["prefix/shared_fraction"] > 0 for step in steps)  # prefix sharing under the server too
     # synced after step 1 (learning rate 1e-2): step 2's sampler-trainer KL stays the engines' numerical gap
     assert steps[1]["sampling/sampler_kl"] < 0.01
+
+
+@needs_vllm
+def test_server_mode_asynchronous_steps_sample_ahead_and_hand_each_version_over_once(
+    vllm_model, vllm_server, tmp_path
+):
+    """async_sampling with the vLLM server as the sampler: step k+1's batch drawn by the server while step k trains,
+    each version of the weights reaching the server once, between two batches, the server's log-probs the old ones."""
+    result = _run("train", "cispo+async", vllm_model, tmp_path / "out", "--server", vllm_server, cwd=tmp_path)
+    steps = result["steps"]
+    assert [s["step"] for s in steps] == [1, 2, 3]
+    assert [s["sample/staleness_max"] for s in steps] == [0, 1, 1]
+    assert result["synced_at_steps"] == [0, 1, 2]  # versions 0, 1, 2: each handed over once
+    assert _loss_forwards(result) == {0: [True], 1: [True], 2: [True]}  # no extra forward for old log-probs
+    for step in steps:
+        assert math.isfinite(step["loss"])
+        assert "sampling/importance_sampling_ratio/mean" not in step  # TRL's separate correction is off
+    # step 3 trained a batch drawn by version 1 (learning rate 1e-2): its ratio moved off 1 and was logged
+    assert step["sample/is_ratio/staleness_1"] != pytest.approx(1.0, abs=1e-4)

@@ -3,7 +3,8 @@ this runs under ``if __name__ == "__main__"``). Prints one JSON line (``RESULT {
 
     python tests/vllm_cpu_run.py sync MODEL_DIR OUT_DIR [lora]  # the weight sync after an optimizer step
     python tests/vllm_cpu_run.py train LOSS MODEL_DIR OUT_DIR  # 2 GRPO steps with vLLM's IS correction
-                                        # (LOSS "cispo+lora": with LoRA adapters; "cispo+reuse": num_iterations=2)
+                                        # (LOSS "cispo+lora": with LoRA adapters; "cispo+reuse": num_iterations=2;
+                                        # "cispo+async": 3 asynchronous steps, server mode)
 
 ``--server URL`` (last): TRL's server mode against the vLLM server at URL instead of colocate mode.
 """
@@ -175,6 +176,8 @@ def run_train(loss_type, model_dir, out_dir):
 
     loss_type, _, variant = loss_type.partition("+")
     overrides = {"num_iterations": 2} if variant == "reuse" else {}
+    if variant == "async":  # asynchronous sampling from the server (server mode only), 3 steps
+        overrides = {"async_sampling": True, "max_staleness": 1, "max_steps": 3}
     trainer = _trainer(model_dir, out_dir, lora=variant == "lora", loss_type=loss_type, **overrides)
     generation = trainer.vllm_generation
     sync, syncs = generation.sync_weights, []
