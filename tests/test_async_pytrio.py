@@ -118,3 +118,24 @@ def test_tools_with_async_sampling_are_refused(tmp_path):
 
     with pytest.raises(ConfigError, match="async_sampling does not sample multi-turn tool calls"):
         loop_config(tmp_path, environments=["calculator"], async_sampling=True)
+
+
+def test_ctrl_c_stops_after_the_step_with_a_checkpoint_that_resumes(tiny_model_path, tmp_path):
+    """SIGINT during step 2 of an asynchronous run: step 2 ends, a checkpoint holds it and the batches drawn ahead,
+    the run stops; `resume: true` ends the job with every step logged once."""
+    import os
+    import signal
+
+    class InterruptedLoop(GRPOLoop):
+        def train_step(self, training_client, stream, step):
+            if step == 1:
+                os.kill(os.getpid(), signal.SIGINT)  # Ctrl-C while step 2 trains
+            return super().train_step(training_client, stream, step)
+
+    rows, config = _run(tmp_path, "run", loop_cls=InterruptedLoop, base_model=tiny_model_path, max_staleness=2)
+    assert [r["step"] for r in rows] == [1, 2]
+    state = load_loop_state(config.output_dir)
+    assert state.step == 2 and [b["step"] for b in state.ahead] == [2, 3]
+    resumed, _ = _run(tmp_path, "run", base_model=tiny_model_path, max_staleness=2, resume=True)
+    assert [r["step"] for r in resumed] == [1, 2, 3, 4]
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # the handler was given back

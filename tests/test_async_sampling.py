@@ -225,3 +225,23 @@ def test_a_request_drawn_with_its_own_generator_leaves_the_default_stream_alone(
     with fast_token_draws():  # no generator: torch's default stream, as before
         torch.multinomial(probs, 1)
     assert not torch.equal(torch.random.get_rng_state(), before)
+
+
+def test_a_failed_hand_over_to_a_server_stops_with_its_reason_and_each_version_goes_over_once():
+    from trl_grpo_ext.trl.weight_transfer import ServerWeights
+
+    synced = []
+    weights = ServerWeights(lambda: synced.append(1))
+    weights.publish(0)  # the server's own weights are unknown: the first version is handed over
+    weights.publish(0)
+    weights.publish(1)
+    assert len(synced) == 2 and weights.acquire(1, 1.0) == (0.0, 0.0)
+    with pytest.raises(WeightTransferError, match="needs version 0 of the weights but the sampling server holds 1"):
+        weights.acquire(0, 1.0)
+
+    def broken():
+        raise ConnectionError("reload_weights: 500 Internal Server Error")
+
+    with pytest.raises(WeightTransferError, match="handing version 2 of the weights to the sampling server failed: "
+                       "ConnectionError: reload_weights: 500"):  # fmt: skip
+        ServerWeights(broken).publish(2)

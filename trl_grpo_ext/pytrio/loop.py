@@ -34,6 +34,7 @@ from trl_grpo_ext.grpo.curriculum import CurriculumPromptStream, curriculum_from
 from trl_grpo_ext.grpo.distillation import distillation_of
 from trl_grpo_ext.grpo.dynamic_sampling import GroupFilter
 from trl_grpo_ext.grpo.loss_table import print_loss_type_notice
+from trl_grpo_ext.interrupts import GracefulStop
 from trl_grpo_ext.models import check_local_model, is_embedded
 from trl_grpo_ext.pytrio import connection
 from trl_grpo_ext.pytrio.batch import build_train_batch
@@ -300,12 +301,18 @@ class GRPOLoop:
         save_checkpoint(self.config, training_client, state, step_done, stream.position, curriculum)
 
     def _train(self, training_client, stream: PromptStream, state: LoopState, sink: RunLogger, outage) -> dict:
-        """Steps ``state.step`` to ``max_steps``, the final checkpoint and sampler weights; returns the summary."""
+        """Steps ``state.step`` to ``max_steps``, the final checkpoint and sampler weights; returns the summary. Ctrl-C
+        stops after the step being trained, with a checkpoint there (`trl_grpo_ext.interrupts.GracefulStop`)."""
         c = self.config
-        out = Path(c.output_dir)
         self.ahead = None
         if asynchronous(c) or state.ahead:
             self.ahead = SampleAhead(c, self.prompts, self.tool_turns, start=state.step, saved=state.ahead)
+        with GracefulStop("stopping after this step with a checkpoint (resume: true continues it)") as stop:
+            return self._steps(training_client, stream, state, sink, outage, stop)
+
+    def _steps(self, training_client, stream, state: LoopState, sink: RunLogger, outage, stop) -> dict:
+        c = self.config
+        out = Path(c.output_dir)
         for step in range(state.step, c.max_steps):
             metrics = self.train_step(training_client, stream, step)
             step_done = step + 1
@@ -320,6 +327,14 @@ class GRPOLoop:
                 metrics.get("loss"),
                 metrics["step_time"],
             )
+            if stop.requested and step_done < c.max_steps:  # Ctrl-C: a checkpoint here, then stop
+                self._checkpoint(training_client, state, stream, step_done)
+                return {
+                    "steps": state.step,
+                    "state_path": state.state_path,
+                    "stopped": "Ctrl-C",
+                    "output_dir": str(out),
+                }
             if c.save_every and step_done % c.save_every == 0 and step_done < c.max_steps:
                 self._checkpoint(training_client, state, stream, step_done)
             outage.over()

@@ -10,8 +10,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
-import signal
-import threading
 import time
 from pathlib import Path
 
@@ -37,6 +35,7 @@ from trl_grpo_ext.evaluation import (
     read_results,
     write_results,
 )
+from trl_grpo_ext.interrupts import GracefulStop
 from trl_grpo_ext.runs import (
     EVAL_AFTER_PROBLEMS_FILENAME,
     EVAL_BEFORE_AFTER_FILENAME,
@@ -88,31 +87,26 @@ class TrainingPhaseCallback(TrainerCallback):
     ``seconds``: from the first step's start to the last step's end (the evals before and after training left out).
     Ctrl-C (SIGINT) during training stops the run at the end of the step being trained, saving a checkpoint there
     (also with ``save_strategy: no``), which ``resume_from_checkpoint: true`` continues from; the evaluation after
-    training is skipped. A second Ctrl-C stops at once, as Python would. Only in the main thread, where Python
-    delivers signals.
+    training is skipped. A second Ctrl-C stops at once (`trl_grpo_ext.interrupts.GracefulStop`).
     """
 
     def __init__(self):
         self.started: float | None = None
         self.ended: float | None = None
-        self.interrupted = False
-        self._previous = None
+        self.stop = GracefulStop(
+            "stopping after this step with a checkpoint (resume_from_checkpoint: true continues it)"
+        )
+
+    @property
+    def interrupted(self) -> bool:
+        return self.stop.requested
 
     @property
     def seconds(self) -> float | None:
         return None if self.started is None or self.ended is None else self.ended - self.started
 
     def on_train_begin(self, args, state, control, **kwargs):
-        if threading.current_thread() is threading.main_thread():
-            self._previous = signal.signal(signal.SIGINT, self._interrupt)
-
-    def _interrupt(self, signum, frame):
-        if self.interrupted:  # the second Ctrl-C: stop now
-            signal.signal(signal.SIGINT, self._previous or signal.default_int_handler)
-            raise KeyboardInterrupt
-        self.interrupted = True
-        print("\nCtrl-C: stopping after this step with a checkpoint (resume_from_checkpoint: true continues it); "
-              "Ctrl-C again to stop at once", flush=True)  # fmt: skip
+        self.stop.install()
 
     def on_step_begin(self, args, state, control, **kwargs):
         if self.started is None:
@@ -120,15 +114,13 @@ class TrainingPhaseCallback(TrainerCallback):
 
     def on_step_end(self, args, state, control, **kwargs):
         self.ended = time.monotonic()
-        if self.interrupted:
+        if self.stop.requested:
             control.should_save = True
             control.should_training_stop = True
             state.interrupted = True  # read by BeforeAfterEvalCallback: no eval of a run stopped half way
 
     def on_train_end(self, args, state, control, **kwargs):
-        if self._previous is not None:
-            signal.signal(signal.SIGINT, self._previous)
-            self._previous = None
+        self.stop.restore()
 
 
 class SwanLabCompletionsCallback(TrainerCallback):
