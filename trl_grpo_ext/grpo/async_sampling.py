@@ -36,13 +36,16 @@ ASYNC_METRIC_KEYS = (STALENESS_MEAN, STALENESS_MAX, DROPPED_STALE, TRAINER_WAIT,
 IS_RATIO_BY_STALENESS = "sample/is_ratio/staleness_{}"
 
 
+def last_step_to_request(version: int, max_staleness: int, max_steps: int | None) -> int:
+    """The last step whose batch `version` may draw: ``version + max_staleness``, below `max_steps` (None: no end)."""
+    last = version + max_staleness
+    return last if max_steps is None else min(last, max_steps - 1)
+
+
 def steps_to_request(version: int, max_staleness: int, requested_through: int, max_steps: int | None) -> range:
     """The steps whose batches may be requested once `version` is current and the batches of steps up to
-    `requested_through` (-1: none) have been: up to ``version + max_staleness``, below `max_steps` (None: no end)."""
-    last = version + max_staleness
-    if max_steps is not None:
-        last = min(last, max_steps - 1)
-    return range(requested_through + 1, last + 1)
+    `requested_through` (-1: none) have been (`last_step_to_request`)."""
+    return range(requested_through + 1, last_step_to_request(version, max_staleness, max_steps) + 1)
 
 
 def too_stale(batch_version: int, trainer_version: int, max_staleness: int) -> bool:

@@ -50,11 +50,7 @@ from trl_grpo_ext.cpu.precision import bf16_autocast
 from trl_grpo_ext.cpu.threads import CoreSplit, pin_this_thread, split_cores
 from trl_grpo_ext.cpu.token_draws import fast_token_draws
 from trl_grpo_ext.errors import raise_problems
-from trl_grpo_ext.grpo.async_sampling import (
-    AsyncStepStats,
-    busy_within,
-    too_stale,
-)
+from trl_grpo_ext.grpo.async_sampling import AsyncStepStats, busy_within, last_step_to_request, too_stale
 from trl_grpo_ext.grpo.losses import ratio_by_staleness
 from trl_grpo_ext.prefix.attention import install as install_attention
 from trl_grpo_ext.runs import ASYNC_ROLLOUTS_FILENAME, atomic_write_json, checkpoint_dir
@@ -104,8 +100,8 @@ class AsyncSamplingMixin:
         self._lookahead: collections.deque = collections.deque()
         self._lookahead_iterator = None
         self._tickets: dict[int, int] = {}  # id(generation batch) -> request seq
-        self._ready: dict[int, RolloutResult] = {}  # results restored from a checkpoint, by seq
-        self._requested_through = -1  # the last step whose batch was requested
+        # results in hand before their step: restored from a checkpoint, or waited for when one was saved; by seq
+        self._ready: dict[int, RolloutResult] = {}
         self._next_seq = 0
         self._on_demand: collections.Counter = collections.Counter()  # on-demand requests per step
         self._restored: dict[int, dict] = {}  # saved batches by step (a resumed run's)
@@ -225,7 +221,8 @@ class AsyncSamplingMixin:
             self._lookahead_iterator, self._lookahead = epoch_iterator, collections.deque()
         ga = self.args.gradient_accumulation_steps
         generate_every = self.args.steps_per_generation * self.num_iterations
-        ahead = (min(version + self.max_staleness, self.state.max_steps - 1) - version + 1) * ga
+        # the micro-batches of every step whose batch this version may draw (grpo.async_sampling's schedule)
+        ahead = (last_step_to_request(version, self.max_staleness, self.state.max_steps) - version + 1) * ga
         while len(self._lookahead) < ahead:
             try:
                 item = next(epoch_iterator)
@@ -245,7 +242,6 @@ class AsyncSamplingMixin:
         prompt_ids = tuple(tuple(int(t) for t in ids) for ids in prompt_ids)
         seq, self._next_seq = self._next_seq, self._next_seq + 1
         self._tickets[id(generation_batch)] = seq
-        self._requested_through = max(self._requested_through, step)
         saved = self._restored.pop(step, None)
         if saved is not None and tuple(tuple(p) for p in saved["prompt_ids"]) == prompt_ids:
             request = RolloutRequest(seq, step, saved["version"], prompt_ids, saved["seed"])
