@@ -2,8 +2,8 @@
 
 One Starlette app served by uvicorn (`routes`, `serving`) answers both; Control hands out ``<base_url>/actor`` as
 every run's actor endpoint. Requests and answers follow the schemas in ``pytrio.protocol`` (the client's own models
-validate them, so the server accepts exactly what the 0.2.9 client sends). This module holds the lifecycle and what
-every handler shares; the handlers are in `control` (Control API), `actor` (events, sampling), `training`
+validate them, so the server accepts exactly what the 0.2.8 and 0.2.9 clients send). This module holds the lifecycle
+and what every handler shares; the handlers are in `control` (Control API), `actor` (events, sampling), `training`
 (``trainer.*`` events) and `checkpoints` (snapshot cache, retention).
 """
 
@@ -23,6 +23,7 @@ from concurrent.futures import wait as wait_futures
 from dataclasses import dataclass
 from pathlib import Path
 
+from trl_grpo_ext.compat import pytrio_configure_options
 from trl_grpo_ext.models import EMBEDDED_NAME, is_embedded, resolve_model
 from trl_grpo_ext.pytrio_server.actor import ActorHandlers
 from trl_grpo_ext.pytrio_server.adapters import LoraSnapshot
@@ -52,7 +53,7 @@ REQUEST_THREADS = 32
 
 
 class LocalPyTrioServer(ControlHandlers, ActorHandlers, OpenAIHandlers, TrainingHandlers, CheckpointStore):
-    """A Control + actor server for the ``pytrio==0.2.9`` client, backed by `ModelEngine`.
+    """A Control + actor server for the ``pytrio`` client (0.2.8, 0.2.9), backed by `ModelEngine`.
 
     Use as a context manager (or `start`/`stop`); it serves from a background thread. Point the client at it
     with `client_env` (environment variables, read when ``pytrio`` is imported) or `configure_client`.
@@ -217,10 +218,11 @@ class LocalPyTrioServer(ControlHandlers, ActorHandlers, OpenAIHandlers, Training
         return {"PYTRIO_BASE_URL": self.base_url, "PYTRIO_API_KEY": self.api_key}
 
     def configure_client(self, **options) -> None:
-        """Point the already-imported ``pytrio`` at this server; extra options go to `pytrio.configure`."""
+        """Point the already-imported ``pytrio`` at this server; extra options go to `pytrio.configure`, named as
+        pytrio 0.2.9 names them (renamed for a 0.2.8 client: `compat.pytrio_configure_options`)."""
         import pytrio
 
-        pytrio.configure(api_key=self.api_key, base_url=self.base_url, **options)
+        pytrio.configure(api_key=self.api_key, base_url=self.base_url, **pytrio_configure_options(options))
 
     def _reap_idle_sessions(self) -> None:
         """`reclaim_idle_sessions` a few times per timeout, until `stop`."""
