@@ -322,7 +322,7 @@ def test_cli_key_from_file_or_environment_and_bad_options_fail_before_loading(tm
     assert module.run(args) == 2 and "line 2 has whitespace" in capsys.readouterr().err
 
 
-SERVER_THREADS = ("pytrio-local-server", "pytrio-request", "pytrio-sampling", "pytrio-events-")
+SERVER_THREADS = ("pytrio-local-server", "pytrio-request", "pytrio-sampling", "pytrio-events-", "pytrio-housekeeping")
 
 
 def test_stop_leaves_no_thread_behind(engine, tiny_model_path, tmp_path):

@@ -20,6 +20,7 @@ import torch
 
 from trl_grpo_ext.compat import set_active_adapter
 from trl_grpo_ext.pytrio_server.errors import EngineError
+from trl_grpo_ext.pytrio_server.optimizer_state import has_optimizer, load_optimizer, save_optimizer
 
 ATTN_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj")
 # The projections of linear-attention (Gated DeltaNet) layers of hybrid models, trained with the attention ones:
@@ -32,7 +33,6 @@ UNEMBED_MODULES = ("lm_head",)
 LORA_ALPHA = 32
 _SNAPSHOT_IDS = itertools.count(1)
 ADAPTER_FILE = "adapter_model.safetensors"
-OPTIMIZER_FILE = "optimizer.pt"
 META_FILE = "trio_checkpoint.json"
 
 
@@ -75,20 +75,22 @@ class LoraSnapshot:
         cfg.base_model_name_or_path = base_model
         cfg.save_pretrained(str(folder))
         if self.optimizer is not None:
-            torch.save(self.optimizer, folder / OPTIMIZER_FILE)
+            save_optimizer(self.optimizer, folder)
         (folder / META_FILE).write_text(json.dumps({"lora": asdict(self.lora), "step": self.step}))
         return sum(p.stat().st_size for p in folder.iterdir() if p.is_file())
 
     @classmethod
-    def load(cls, folder: Path, with_optimizer: bool) -> LoraSnapshot:
+    def load(cls, folder: Path, with_optimizer: bool, checkpoint: str = "") -> LoraSnapshot:
+        """The snapshot saved in `folder` (`checkpoint`, its URI, names it in errors); no file is unpickled."""
         from safetensors.torch import load_file
 
+        checkpoint = checkpoint or folder.name
         meta = json.loads((folder / META_FILE).read_text())
         optimizer = None
         if with_optimizer:
-            if not (folder / OPTIMIZER_FILE).is_file():
-                raise EngineError("checkpoint_has_no_optimizer", f"checkpoint {folder.name} holds no optimizer state")
-            optimizer = torch.load(folder / OPTIMIZER_FILE, weights_only=False)
+            if not has_optimizer(folder):
+                raise EngineError("checkpoint_has_no_optimizer", f"checkpoint {checkpoint} holds no optimizer state")
+            optimizer = load_optimizer(folder, checkpoint)
         return cls(LoraSettings(**meta["lora"]), load_file(str(folder / ADAPTER_FILE)), optimizer, meta.get("step", 0))
 
 

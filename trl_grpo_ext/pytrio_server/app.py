@@ -4,7 +4,7 @@ One Starlette app served by uvicorn (`routes`, `serving`) answers both; Control 
 every run's actor endpoint. Requests and answers follow the schemas in ``pytrio.protocol`` (the client's own models
 validate them, so the server accepts exactly what the 0.2.8 and 0.2.9 clients send). This module holds the lifecycle
 and what every handler shares; the handlers are in `control` (Control API), `actor` (events, sampling), `training`
-(``trainer.*`` events) and `checkpoints` (snapshot cache, retention).
+(``trainer.*`` events) and `checkpoints` (snapshot cache, base-model check, retention, ttl).
 """
 
 from __future__ import annotations
@@ -50,6 +50,7 @@ logger = logging.getLogger(__name__)
 # Threads that run the handlers' blocking work (registry, checkpoint files, model calls of a prompt-logprob answer).
 # A request holds one only while that work runs: waits for an event or a decode batch hold none.
 REQUEST_THREADS = 32
+HOUSEKEEPING_SECONDS = 30.0  # how often expired checkpoints are deleted (and idle sessions looked for, at most)
 
 
 class LocalPyTrioServer(ControlHandlers, ActorHandlers, OpenAIHandlers, TrainingHandlers, CheckpointStore):
@@ -97,12 +98,14 @@ class LocalPyTrioServer(ControlHandlers, ActorHandlers, OpenAIHandlers, Training
             names |= {served_name} if served_name else set()
             if names & (self.aliases | {n for m in self.sampling_models.values() for n in m.names}):
                 raise ValueError(f"sampling model {requested!r} has a name another served model has: {sorted(names)}")
-            model = SamplingModel(engine, SamplingBatcher(engine, config.max_sampling_rows, self.memory), names)
+            alias = served_name or _default_alias(requested, engine.model_path)
+            model = SamplingModel(engine, SamplingBatcher(engine, config.max_sampling_rows, self.memory), names, alias)
             self.sampling_models[engine.model_path] = model
             logger.info("PyTRIO local server: also serving %s for sampling (%s)", requested, engine.model_path)
         self._queues: dict[str, RunEventQueue] = {}
         self._snapshot_cache: OrderedDict[str, LoraSnapshot] = OrderedDict()
         self._cache_lock = threading.Lock()
+        self._unknown_base_warned: set[str] = set()  # checkpoints without a recorded base, warned about once
         self._own_storage = config.ephemeral_storage
         if config.ephemeral_storage:
             self.storage = Path(tempfile.mkdtemp(prefix="pytrio-server-"))
@@ -113,12 +116,13 @@ class LocalPyTrioServer(ControlHandlers, ActorHandlers, OpenAIHandlers, Training
         restored = self.registry.load_persisted()
         if restored:
             logger.info("PyTRIO local server: %d checkpoints of earlier processes in %s", restored, self.storage)
+        self.expire_checkpoints()  # those whose ttl_seconds passed while no server ran
         self.app = create_app(self)
         self._http: BackgroundServer | None = None
         self._pool: ThreadPoolExecutor | None = None
         self._closing = started_future()  # done once `stop` begins: long polls return, new event queues are refused
         self._closing_waiter: asyncio.Future | None = None  # `_closing` on the serving loop
-        self._reaper: threading.Thread | None = None  # reclaims idle sessions (`reclaim_idle_sessions`)
+        self._reaper: threading.Thread | None = None  # idle sessions and expired checkpoints (`_housekeeping`)
         self.started = time.time()
 
     # ---------------------------------------------------------------- lifecycle
@@ -135,9 +139,8 @@ class LocalPyTrioServer(ControlHandlers, ActorHandlers, OpenAIHandlers, Training
             max_connections_per_peer=config.max_connections_per_peer,
         )  # fmt: skip
         self._http = http.start()
-        if config.session_timeout_seconds:
-            self._reaper = threading.Thread(target=self._reap_idle_sessions, name="pytrio-sessions", daemon=True)
-            self._reaper.start()
+        self._reaper = threading.Thread(target=self._housekeeping, name="pytrio-housekeeping", daemon=True)
+        self._reaper.start()
         logger.info("PyTRIO local server on %s serving %s (%s)", self.base_url, self.model_alias, self.model_id)
         return self
 
@@ -175,7 +178,7 @@ class LocalPyTrioServer(ControlHandlers, ActorHandlers, OpenAIHandlers, Training
                 temporary = [c for c in self.registry.checkpoints.values() if c.visibility == "TEMPORARY"]
             for record in temporary:
                 self.registry.forget_checkpoint(record.uri)
-                shutil.rmtree(record.path, ignore_errors=True)
+                self._delete_files(record)
 
     def _close_inprocess_clients(self) -> None:
         """Shut down this process's pytrio runtimes bound to this server while it still answers.
@@ -224,14 +227,17 @@ class LocalPyTrioServer(ControlHandlers, ActorHandlers, OpenAIHandlers, Training
 
         pytrio.configure(api_key=self.api_key, base_url=self.base_url, **pytrio_configure_options(options))
 
-    def _reap_idle_sessions(self) -> None:
-        """`reclaim_idle_sessions` a few times per timeout, until `stop`."""
-        interval = min(30.0, self.config.session_timeout_seconds / 4)
+    def _housekeeping(self) -> None:
+        """Until `stop`: `reclaim_idle_sessions` a few times per session timeout, `expire_checkpoints` (their disk;
+        lookups already answer them as missing) at least every `HOUSEKEEPING_SECONDS`."""
+        timeout = self.config.session_timeout_seconds
+        interval = min(HOUSEKEEPING_SECONDS, timeout / 4) if timeout else HOUSEKEEPING_SECONDS
         while not wait_futures([self._closing], timeout=interval).done:
-            try:
-                self.reclaim_idle_sessions()
-            except Exception:  # noqa: BLE001 - a bug here must not stop the reclaiming
-                logger.exception("reclaiming idle sessions failed")
+            for task in (self.reclaim_idle_sessions, self.expire_checkpoints):
+                try:
+                    task()
+                except Exception:  # noqa: BLE001 - a bug here must not stop the housekeeping
+                    logger.exception("%s failed", task.__name__)
 
     # ---------------------------------------------------------------- shared helpers
     async def _in_thread(self, fn, *args):
@@ -300,6 +306,7 @@ class SamplingModel:
     engine: ModelEngine
     sampler: SamplingBatcher
     names: frozenset | set
+    alias: str = ""  # the name listings give it: its NAME=, else its folder's name (or "embedded")
 
 
 def _resolve_model(model: str) -> str:

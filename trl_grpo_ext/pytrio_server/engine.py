@@ -21,12 +21,14 @@ from trl_grpo_ext.cpu.precision import bf16_autocast, resolve_precision
 from trl_grpo_ext.cpu.threads import govern_cpu_threads
 from trl_grpo_ext.prefix import packed_unsupported_reason
 from trl_grpo_ext.pytrio_server.adapters import LoraAdapters, LoraSettings, LoraSnapshot, TrainingRun
+from trl_grpo_ext.pytrio_server.base_model import BaseModel, weights_fingerprint
 from trl_grpo_ext.pytrio_server.decoding import SampleSpec, Sampling, default_stop_ids
 from trl_grpo_ext.pytrio_server.errors import EngineError
 from trl_grpo_ext.pytrio_server.forward import MIN_SHARED_PREFIX, ForwardBackward
 from trl_grpo_ext.pytrio_server.images import ImageInputs, is_image_text, load_image_processor
 from trl_grpo_ext.pytrio_server.logprobs import LOGIT_CHUNK, TokenLogprobs, checkpointing_exact, split_head_exact
 from trl_grpo_ext.pytrio_server.memory import MemoryModel
+from trl_grpo_ext.pytrio_server.optimizer_state import state_problems
 from trl_grpo_ext.pytrio_server.sample_params import SampleLimits, check_spec
 
 
@@ -76,6 +78,8 @@ class ModelEngine(LoraAdapters, ForwardBackward, Sampling, TokenLogprobs, ImageI
             self.image_processor = load_image_processor(self.model_path, config)
         else:
             model = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=torch_dtype)
+        # what checkpoints record as their base (`base_model`): the weights as loaded, before any cast or LoRA layer
+        self.base_model = BaseModel(self.model_path, weights_fingerprint(model))
         if self.sample_bf16:
             bf16_frozen_linears(model)
             model.forward = _in_autocast(model.forward, self.device.type)
@@ -142,30 +146,35 @@ class ModelEngine(LoraAdapters, ForwardBackward, Sampling, TokenLogprobs, ImageI
                 raise EngineError("checkpoint_mismatch", f"checkpoint LoRA {source.lora} does not match {lora}")
             adapter = "run_" + run_id.replace("-", "_")
             self._add_adapter(adapter, lora)
-            if source is not None:
-                self._import(adapter, source.weights)
-            params = self._adapter_params(adapter)
-            for _, p in params:
-                p.requires_grad_(False)
-            optimizer = torch.optim.AdamW(
-                [p for _, p in params], lr=1e-4, betas=(0.9, 0.95), eps=1e-12, weight_decay=0.0
-            )
-            run = TrainingRun(run_id, adapter, lora, params, optimizer)
-            if source is not None:
-                run.step = source.step
-                if load_optimizer:
-                    if source.optimizer is None:
-                        raise EngineError("checkpoint_has_no_optimizer", "checkpoint holds no optimizer state")
-                    names = source.optimizer.get("param_names")
-                    if names != [n for n, _ in params]:
-                        raise EngineError(
-                            "checkpoint_mismatch", "optimizer state does not match the adapter parameters"
-                        )
-                    # a copy: torch keeps same-device tensors as they are, and Adam updates its moments in
-                    # place, which would otherwise rewrite the checkpoint for the next run restored from it
-                    optimizer.load_state_dict(copy.deepcopy(source.optimizer["state_dict"]))
+            try:
+                run = self._new_run(run_id, adapter, lora, source, load_optimizer)
+            except Exception:
+                self._delete_adapter(adapter)  # a refused source leaves no adapter behind
+                raise
             self.runs[run_id] = run
             return run
+
+    def _new_run(self, run_id: str, adapter: str, lora: LoraSettings, source: LoraSnapshot | None, load_optimizer):
+        """The `TrainingRun` of the new adapter `adapter`, its weights (and optimizer state) from `source`."""
+        if source is not None:
+            self._import(adapter, source.weights)
+        params = self._adapter_params(adapter)
+        for _, p in params:
+            p.requires_grad_(False)
+        optimizer = torch.optim.AdamW([p for _, p in params], lr=1e-4, betas=(0.9, 0.95), eps=1e-12, weight_decay=0.0)
+        run = TrainingRun(run_id, adapter, lora, params, optimizer)
+        if source is not None:
+            run.step = source.step
+            if load_optimizer:
+                if source.optimizer is None:
+                    raise EngineError("checkpoint_has_no_optimizer", "checkpoint holds no optimizer state")
+                problem = state_problems(source.optimizer, params)
+                if problem:
+                    raise EngineError("checkpoint_mismatch", f"optimizer state does not fit the adapter: {problem}")
+                # a copy: torch keeps same-device tensors as they are, and Adam updates its moments in
+                # place, which would otherwise rewrite the checkpoint for the next run restored from it
+                optimizer.load_state_dict(copy.deepcopy(source.optimizer["state_dict"]))
+        return run
 
     def _run(self, run_id: str) -> TrainingRun:
         run = self.runs.get(run_id)
@@ -214,9 +223,12 @@ class ModelEngine(LoraAdapters, ForwardBackward, Sampling, TokenLogprobs, ImageI
         with self.lock:
             run = self.runs.pop(run_id, None)
             if run is not None and self.peft is not None:
-                with warnings.catch_warnings():  # PEFT warns when the deleted adapter was the active one
-                    warnings.simplefilter("ignore", UserWarning)
-                    self.peft.delete_adapter(run.adapter)
+                self._delete_adapter(run.adapter)
+
+    def _delete_adapter(self, adapter: str) -> None:
+        with warnings.catch_warnings():  # PEFT warns when the deleted adapter was the active one
+            warnings.simplefilter("ignore", UserWarning)
+            self.peft.delete_adapter(adapter)
 
 
 def _in_autocast(forward, device_type: str):
