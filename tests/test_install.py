@@ -228,7 +228,7 @@ def test_the_pytrio028_cell_runs_the_client_tests_with_the_oldest_client():
     assert [s.version for s in extra.specifier if s.operator == ">="] == [pin.version]  # the extra's floor
     run = _make_dry_run("test-pytrio028").strip().splitlines()[-1]
     assert run.startswith(f"TRL_GRPO_EXT_EXPECT_PYTRIO={pin.version} .venv-pytrio028/bin/python -m pytest"), run
-    assert "tests/test_pytrio_server_conformance.py" in run
+    assert "tests/test_pytrio_server_conformance.py" in run and "tests/test_pytrio_server_checkpoints.py" in run
     assert "make test-pytrio028" in (ROOT / ".ci" / "run").read_text()
 
 

@@ -1,5 +1,6 @@
 """Local PyTRIO server checkpoints, over sockets with the real pytrio client: the base model each records (two servers
-of different bases on one storage folder), optimizer state without pickle, and ``ttl_seconds``."""
+of different bases on one storage folder), downloads (``download_checkpoint`` round trip: PEFT loads the archive on
+the base and gives the server's log-probs), optimizer state without pickle, and ``ttl_seconds``."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import io
 import json
 import logging
 import os
+import tarfile
 import time
 from pathlib import Path
 
@@ -142,6 +144,92 @@ def test_two_bases_on_one_storage_folder(tiny_model_path, other_base_path, tmp_p
         assert f"checkpoint {weights} records no base model" in caplog.text
     finally:
         c.stop()
+
+
+def _download(rest, cid, path, **kwargs):
+    return rest.download_checkpoint(cid, path, **kwargs).result()
+
+
+def _logprobs(model, tokens=TOKENS) -> np.ndarray:
+    with torch.no_grad():
+        logits = model(torch.tensor([tokens])).logits[0, :-1].float()
+    return torch.log_softmax(logits, -1).gather(-1, torch.tensor(tokens[1:])[:, None]).squeeze(-1).numpy()
+
+
+def _base(path):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+
+
+def test_download_round_trip_loads_in_peft_with_the_servers_logprobs(make_server, tiny_model_path, tmp_path):
+    server = make_server(api_key=KEY_A, api_keys=(KEY_B,), max_request_bytes=4096)
+    service = trio.ServiceClient()
+    tc = service.create_lora_training_client(base_model=server.model_alias, rank=4, seed=5)
+    _train(tc, steps=3, lr=0.1)
+    sampler_path = tc.save_weights_for_sampler("take-home").result().path
+    state_path = tc.save_state("take-home-state").result().path
+    rest = service.create_rest_client()
+    ids = {c.path: c.checkpoint_id for c in rest.list_user_checkpoints().result().checkpoints}
+
+    archive = tmp_path / "take-home.tar"
+    result = _download(rest, ids[sampler_path], archive)
+    assert result.bytes_written == result.file_size_bytes == archive.stat().st_size > 0 and not result.resumed
+    with tarfile.open(archive) as tar:
+        assert tar.getnames() == ["take-home/adapter_config.json", "take-home/adapter_model.safetensors",
+                                  "take-home/trio_checkpoint.json"]  # fmt: skip
+        tar.extractall(tmp_path / "home", filter="data")
+    from peft import PeftModel
+
+    local = _logprobs(PeftModel.from_pretrained(_base(tiny_model_path), tmp_path / "home" / "take-home"))
+    served = service.create_sampling_client(server.model_alias, model_path=sampler_path)
+    remote = np.asarray(served.compute_logprobs(trio.ModelInput.from_ints(TOKENS)).result()[1:], dtype=np.float64)
+    np.testing.assert_allclose(local, remote, rtol=0, atol=1e-5)
+    assert not np.allclose(local, _logprobs(_base(tiny_model_path)), atol=1e-3)  # the trained adapter, not the base
+    assert server.memory.peak >= 1  # the reads were admitted against the working-memory budget
+
+    # resumed: a partial file is completed with a range request; a complete one is left as it is (416)
+    whole = archive.read_bytes()
+    archive.write_bytes(whole[:1000])
+    resumed = _download(rest, ids[sampler_path], archive)
+    assert resumed.resumed and resumed.status_code == 206 and archive.read_bytes() == whole
+    done = _download(rest, ids[sampler_path], archive)
+    assert done.bytes_written == 0 and done.status_code == 416 and archive.read_bytes() == whole
+    # the archive URL serves the same bytes to anyone holding it, until it expires
+    url = rest.get_checkpoint_archive_url(ids[sampler_path]).result().url
+    assert httpx.get(url, timeout=60).content == whole
+    source = rest.get_checkpoint_download_url(ids[sampler_path]).result()
+    assert source.url.startswith(server.base_url) and source.checkpoint_status == "LOCAL"
+
+    # a state checkpoint: the adapter and its AdamW state, no pickle
+    state_archive = tmp_path / "state.tar"
+    _download(rest, ids[state_path], state_archive)
+    with tarfile.open(state_archive) as tar:
+        names = tar.getnames()
+        meta = json.load(tar.extractfile("take-home-state/optimizer.json"))
+    assert "take-home-state/optimizer.safetensors" in names and not any(n.endswith(".pt") for n in names)
+    assert meta["param_names"] and meta["state"]
+
+    # another key: its download of A's checkpoint is the answer a missing one gets
+    other = trio.ServiceClient(api_key=KEY_B).create_rest_client()
+    with pytest.raises(ControlAPIError) as theirs:
+        other.get_checkpoint_download_url(ids[sampler_path]).result()
+    with pytest.raises(ControlAPIError) as missing:
+        other.get_checkpoint_download_url("ckpt_0000000000000000").result()
+    assert (theirs.value.status_code, theirs.value.code) == (missing.value.status_code, missing.value.code)
+    assert theirs.value.code == "checkpoint_not_found" and theirs.value.message.endswith("not found")
+    # the URL's credential: a changed signature or a past expiry is refused before anything is read; so is a body
+    # above the request limit
+    forged = url.replace("signature=", "signature=0")
+    assert httpx.get(forged).status_code == 403
+    expired = url.split("?")[0] + f"?expires=1&signature={server._sign(ids[sampler_path], 1)}"
+    answer = httpx.get(expired)
+    assert answer.status_code == 403 and answer.json()["code"] == "download_url_expired"
+    big = httpx.request("GET", url, content=b"x" * 5000)
+    assert big.status_code == 413 and big.json()["code"] == "request_too_large"
+    # a deleted checkpoint's URL no longer serves it
+    rest.delete_checkpoint(run_id(tc), ids[sampler_path]).result()
+    assert httpx.get(url).status_code == 404
 
 
 class _Planted:

@@ -4,7 +4,7 @@ One Starlette app served by uvicorn (`routes`, `serving`) answers both; Control 
 every run's actor endpoint. Requests and answers follow the schemas in ``pytrio.protocol`` (the client's own models
 validate them, so the server accepts exactly what the 0.2.8 and 0.2.9 clients send). This module holds the lifecycle
 and what every handler shares; the handlers are in `control` (Control API), `actor` (events, sampling), `training`
-(``trainer.*`` events) and `checkpoints` (snapshot cache, base-model check, retention, ttl).
+(``trainer.*`` events), `checkpoints` (snapshot cache, base-model check, retention) and `downloads`.
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
+import secrets
 import shutil
 import sys
 import tempfile
@@ -31,6 +32,7 @@ from trl_grpo_ext.pytrio_server.checkpoints import CheckpointStore
 from trl_grpo_ext.pytrio_server.clients import KeyRing
 from trl_grpo_ext.pytrio_server.config import ServerConfig, default_storage_dir, split_sampling_model
 from trl_grpo_ext.pytrio_server.control import ControlHandlers
+from trl_grpo_ext.pytrio_server.downloads import CheckpointDownloads
 from trl_grpo_ext.pytrio_server.engine import ModelEngine
 from trl_grpo_ext.pytrio_server.errors import ApiError
 from trl_grpo_ext.pytrio_server.events import RunEventQueue, started_future
@@ -53,7 +55,9 @@ REQUEST_THREADS = 32
 HOUSEKEEPING_SECONDS = 30.0  # how often expired checkpoints are deleted (and idle sessions looked for, at most)
 
 
-class LocalPyTrioServer(ControlHandlers, ActorHandlers, OpenAIHandlers, TrainingHandlers, CheckpointStore):
+class LocalPyTrioServer(
+    ControlHandlers, ActorHandlers, OpenAIHandlers, TrainingHandlers, CheckpointStore, CheckpointDownloads
+):
     """A Control + actor server for the ``pytrio`` client (0.2.8, 0.2.9), backed by `ModelEngine`.
 
     Use as a context manager (or `start`/`stop`); it serves from a background thread. Point the client at it
@@ -106,6 +110,7 @@ class LocalPyTrioServer(ControlHandlers, ActorHandlers, OpenAIHandlers, Training
         self._snapshot_cache: OrderedDict[str, LoraSnapshot] = OrderedDict()
         self._cache_lock = threading.Lock()
         self._unknown_base_warned: set[str] = set()  # checkpoints without a recorded base, warned about once
+        self._download_key = secrets.token_bytes(32)  # signs this process's download URLs (`downloads`)
         self._own_storage = config.ephemeral_storage
         if config.ephemeral_storage:
             self.storage = Path(tempfile.mkdtemp(prefix="pytrio-server-"))

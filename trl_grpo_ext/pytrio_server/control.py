@@ -331,12 +331,6 @@ class ControlHandlers:
         self._delete_files(record)
         return {}
 
-    def checkpoint_download(self, _q, _b, caller: Caller, cid) -> dict:
-        record = self.registry.checkpoint_by_cuid(cid, caller)
-        raise ApiError(
-            501, "not_implemented", f"downloads are not served locally; {record.uri} stays on the server's disk"
-        )
-
     def create_sampling_run(self, _q, request: SamplingRunCreateRequest, caller: Caller, sid) -> dict:
         model = self._resolve_base_model(request.base_model)
         if model and request.source_checkpoint_uri:
