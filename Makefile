@@ -75,12 +75,12 @@ test-vllmcpu: $(VLLMCPU_VENV)/.installed
 
 # The "pytrio028" cell: the oldest pytrio client the `pytrio` extra accepts (constraints/pytrio028.txt; the newest cell
 # has 0.2.9), on the tests whose client is the installed pytrio: the chapters' conformance scripts, the server's
-# round trips, checkpoints and downloads, the OpenAI route (hence `judge`: the openai client), the teacher and the
-# recipe's client survival.
+# round trips, checkpoints and downloads, the OpenAI route (hence `judge`: the openai client), the teacher, sampling
+# beside training and the recipe's client survival.
 # test_pytrio_server_conformance.py checks the cell got the client it pins (TRL_GRPO_EXT_EXPECT_PYTRIO).
 PYTRIO_CLIENT_TESTS := $(addprefix tests/,test_pytrio_server_conformance.py test_pytrio_server.py \
 	test_pytrio_server_checkpoints.py test_pytrio_server_openai.py test_pytrio_server_teacher.py \
-	test_pytrio_client_survival.py)
+	test_pytrio_server_concurrency.py test_pytrio_client_survival.py)
 .venv-pytrio028/.installed: pyproject.toml $(CONSTRAINTS) constraints/pytrio028.txt
 	$(call install_venv,.venv-pytrio028,-c constraints/pytrio028.txt,$(comma)judge)
 

@@ -151,7 +151,7 @@ def test_idle_timeout_covers_half_sent_bodies_and_idle_keep_alive_not_slow_answe
         request = {"request_id": "r1", "prompt": {"chunks": [{"type": "encoded_text", "tokens": [1, 2, 3]}]},
                    "sampling_params": {"max_tokens": 2, "seed": 0}}  # fmt: skip
         url = f"/actor/v1/sampling-runs/{run['sampling_run_cuid']}/sample"
-        with engine.lock:  # the model stays busy for three idle timeouts while the request waits for it
+        with engine.for_sampling.lock:  # sampling stays busy for three idle timeouts while the request waits for it
             pending = pool.submit(client.post, url, json=request, headers=token)
             time.sleep(1.5)
         answer = pending.result(timeout=60)
@@ -336,9 +336,9 @@ def test_pytrio_serve_options_are_the_config_fields():
     assert config.port == 8710
     assert {spec.flag for spec in module.config_flags()} == {
         "--host", "--port", "--served-name", "--storage-dir", "--device", "--dtype", "--bf16", "--bf16-sampling",
-        "--max-batch-size", "--no-vision", "--keep-checkpoints", "--loss-normalization", "--max-request-mb",
-        "--max-num-samples", "--max-topk-logprobs", "--idle-timeout", "--session-timeout", "--memory-budget-gb",
-        "--request-timeout", "--max-connections", "--max-connections-per-peer",
+        "--max-batch-size", "--no-concurrent-sampling", "--no-vision", "--keep-checkpoints", "--loss-normalization",
+        "--max-request-mb", "--max-num-samples", "--max-topk-logprobs", "--idle-timeout", "--session-timeout",
+        "--memory-budget-gb", "--request-timeout", "--max-connections", "--max-connections-per-peer",
     }  # fmt: skip
     config, _ = module._config(_cli_args(
         "--host", "0.0.0.0", "--port", "0", "--served-name", "a", "--served-name", "b", "--storage-dir", "/tmp/s",

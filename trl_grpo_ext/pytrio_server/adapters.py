@@ -13,6 +13,7 @@ import copy
 import itertools
 import json
 import random
+import threading
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -34,6 +35,11 @@ LORA_ALPHA = 32
 _SNAPSHOT_IDS = itertools.count(1)
 ADAPTER_FILE = "adapter_model.safetensors"
 META_FILE = "trio_checkpoint.json"
+
+
+# Adapters are created on both sides of the model (training runs; sampler slots) from different threads; their
+# initialisation seeds and draws from torch's process-wide generator.
+_SEEDED_INIT = threading.Lock()
 
 
 def next_snapshot_uid() -> int:
@@ -131,9 +137,10 @@ class LoraAdapters:
         from peft import get_peft_model
 
         config = self.peft_config(lora)
-        # A seeded run gets the same LoRA A init however many runs were created before it.
+        # A seeded run gets the same LoRA A init however many runs were created before it, and whatever the other
+        # side of the model does meanwhile: the seeded draws hold the process's RNG alone.
         devices = [self.device.index] if self.device.type == "cuda" and self.device.index is not None else []
-        with torch.random.fork_rng(devices=devices):
+        with _SEEDED_INIT, torch.random.fork_rng(devices=devices):
             torch.manual_seed(lora.seed if lora.seed is not None else random.randrange(2**31))
             if self.peft is None:
                 self.peft = get_peft_model(self.base, config, adapter_name=name)

@@ -80,6 +80,7 @@ class LocalPyTrioServer(
             max_batch_tokens=config.max_batch_tokens,
             share_prefix=config.share_prefix,
             vision=config.vision,
+            concurrent_sampling=config.concurrent_sampling,
         )
         self.model_id = self.engine.model_path
         # what a client may pass as base_model: the served names (the first is reported), path, default alias
@@ -89,15 +90,16 @@ class LocalPyTrioServer(
         self.memory = MemoryGate(config.memory_budget_bytes or default_budget())
         logger.info("PyTRIO local server: working memory budget %s", gib(self.memory.budget))
         logger.info("PyTRIO local server: %s", self.engine.precision.line())
-        self.sampler = SamplingBatcher(self.engine, config.max_sampling_rows, self.memory)
+        self.sampler = SamplingBatcher(self.engine.for_sampling, config.max_sampling_rows, self.memory)
         # sampling-only base models (`ServerConfig.sampling_models`): engine and decode batcher each, one budget
         self.sampling_models: dict[str, SamplingModel] = {}
-        for entry in config.sampling_models:
+        for entry in config.sampling_models:  # each trains nothing: one model object, one lock
             requested, served_name = split_sampling_model(entry)
             engine = ModelEngine(_resolve_model(requested), device=config.device, dtype=config.dtype,
                                  bf16=config.bf16, bf16_sampling=config.bf16_sampling,
                                  max_batch_tokens=config.max_batch_tokens,
-                                 share_prefix=config.share_prefix, vision=config.vision)  # fmt: skip
+                                 share_prefix=config.share_prefix, vision=config.vision,
+                                 concurrent_sampling=False)  # fmt: skip
             names = {engine.model_path, str(requested), _default_alias(requested, engine.model_path)}
             names |= {served_name} if served_name else set()
             if names & (self.aliases | {n for m in self.sampling_models.values() for n in m.names}):
@@ -288,9 +290,9 @@ class LocalPyTrioServer(
         raise ApiError(404, "model_not_found", self.not_served_message(name))
 
     def model_for(self, key: str):
-        """(engine, decode batcher) of the served model `key` (`_resolve_base_model`)."""
+        """(engine to sample on, decode batcher) of the served model `key` (`_resolve_base_model`)."""
         if not key:
-            return self.engine, self.sampler
+            return self.engine.for_sampling, self.sampler
         model = self.sampling_models[key]
         return model.engine, model.sampler
 

@@ -94,6 +94,15 @@ class ServerConfig:
         "forward/backward: data that share a token prefix (a GRPO group's prompt) encode it once; outputs and "
         "gradients equal the unshared computation to float rounding",
     )
+    # (`model_sides`)
+    concurrent_sampling: bool = option(
+        True,
+        "sampler snapshots (sample, compute_logprobs, the OpenAI route) run beside training on a second module tree "
+        "over the same weights, each side on its share of the CPU threads; off: one lock serves both",
+        "--no-concurrent-sampling",
+        cli_help="one lock for sampling and training: a sample request waits for a running forward_backward (default: "
+        "sampling runs beside training, each on its share of the CPU threads)",
+    )
     # (`images`)
     vision: bool = option(
         True,
@@ -176,6 +185,8 @@ class ServerConfig:
             problems.append(str(error))
         if not isinstance(self.bf16_sampling, bool):
             problems.append(f"bf16_sampling must be true or false, got {self.bf16_sampling!r}")
+        if not isinstance(self.concurrent_sampling, bool):
+            problems.append(f"concurrent_sampling must be true or false, got {self.concurrent_sampling!r}")
         if not isinstance(self.vision, bool):
             problems.append(f"vision must be true or false, got {self.vision!r}")
         if any(not isinstance(m, str) or not split_sampling_model(m)[0].strip() for m in self.sampling_models):

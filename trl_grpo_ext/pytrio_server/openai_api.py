@@ -143,7 +143,7 @@ class OpenAIHandlers:
         key's, as for a missing one; 409 for one trained on another base)."""
         if model.startswith("trio://"):
             record = self.registry.checkpoint(model, caller)
-            return self.engine, self.sampler, self._snapshot(record, with_optimizer=False)
+            return self.engine.for_sampling, self.sampler, self._snapshot(record, with_optimizer=False)
         return *self.model_for(self._resolve_base_model(model)), None
 
     def _chat_prompt(self, tokenizer, chat: list[dict]) -> list[int]:
