@@ -9,7 +9,7 @@ CONSTRAINTS ?= constraints/cpu.txt
 LINT_PATHS := trl_grpo_ext recipes tests bench examples .ci/vllm_extra.py
 CELLS := vllm floor
 
-.PHONY: install install-vllmcpu test-vllmcpu train test test-precision test-cells check-vllm-extra check-stage-wheels lint bench
+.PHONY: install install-vllmcpu test-vllmcpu test-pytrio028 train test test-precision test-cells check-vllm-extra check-stage-wheels lint bench
 
 # Test cells (docs/gpu.md): the newest versions (.venv, `make test`) and, each in its own venv under the same CPU
 # torch, the versions `.[vllm]` resolves (constraints/vllm.txt) and the floors of pyproject's ranges
@@ -72,6 +72,20 @@ install-vllmcpu: $(VLLMCPU_VENV)/.installed
 # engine tests cannot skip unnoticed).
 test-vllmcpu: $(VLLMCPU_VENV)/.installed
 	TRL_GRPO_EXT_EXPECT_VLLM=1 $(VLLMCPU_VENV)/bin/python -m pytest -q $(VLLMCPU_TESTS) $(ARGS)
+
+# The "pytrio028" cell: the oldest pytrio client the `pytrio` extra accepts (constraints/pytrio028.txt; the newest cell
+# has 0.2.9), on the tests whose client is the installed pytrio: the chapters' conformance scripts, the server's
+# round trips, checkpoints and downloads, the OpenAI route (hence `judge`: the openai client), the teacher, sampling
+# beside training and the recipe's client survival.
+# test_pytrio_server_conformance.py checks the cell got the client it pins (TRL_GRPO_EXT_EXPECT_PYTRIO).
+PYTRIO_CLIENT_TESTS := $(addprefix tests/,test_pytrio_server_conformance.py test_pytrio_server.py \
+	test_pytrio_server_checkpoints.py test_pytrio_server_openai.py test_pytrio_server_teacher.py \
+	test_pytrio_server_concurrency.py test_pytrio_client_survival.py)
+.venv-pytrio028/.installed: pyproject.toml $(CONSTRAINTS) constraints/pytrio028.txt
+	$(call install_venv,.venv-pytrio028,-c constraints/pytrio028.txt,$(comma)judge)
+
+test-pytrio028: .venv-pytrio028/.installed
+	TRL_GRPO_EXT_EXPECT_PYTRIO=0.2.8 .venv-pytrio028/bin/python -m pytest -q $(PYTRIO_CLIENT_TESTS) $(ARGS)
 
 install: $(STAMP)
 

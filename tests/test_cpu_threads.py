@@ -15,6 +15,7 @@ from trl_grpo_ext.cpu.threads import (
     USER_SETTINGS,
     CpuThreadGovernor,
     apply_cpu_thread_defaults,
+    current_governor,
     govern_cpu_threads,
     governed,
     proc_reader,
@@ -286,7 +287,12 @@ def test_each_cpu_model_load_installs_it(fake_governor, tiny_model_path, monkeyp
     training_args = SimpleNamespace(gradient_checkpointing=False, use_cpu=True, trust_remote_code=False)
     assert _hooked(load_model(tiny_model_path, model_args, training_args))  # the TRL recipe
     assert _hooked(HFGenerator(tiny_model_path, max_new_tokens=2, device="cpu").model)  # evaluate
-    assert _hooked(ModelEngine(tiny_model_path, device="cpu").base)  # the PyTRIO server
+    assert _hooked(ModelEngine(tiny_model_path, device="cpu", concurrent_sampling=False).base)  # the PyTRIO server
+    # the server with sampling beside training: each side's lock sets its share of the governor's count instead
+    beside = ModelEngine(tiny_model_path, device="cpu")
+    assert not _hooked(beside.base) and not _hooked(beside.for_sampling.base)
+    monkeypatch.setattr(current_governor(), "check", lambda: 5)
+    assert (beside.for_sampling.lock.threads(), beside.lock.threads()) == (2, 3)
     monkeypatch.setenv(MODE_ENV, "fixed")
     assert not _hooked(load_model(tiny_model_path, model_args, training_args))
     assert not _hooked(HFGenerator(tiny_model_path, max_new_tokens=2, device="cpu").model)

@@ -166,9 +166,17 @@ def _pins(path):
     }
 
 
+# Floors tested by a cell of their own rather than the floor cell: the pytrio client's, on the tests whose client is the
+# installed pytrio (the floor cell's tests of version-sensitive code keep the newest client).
+FLOOR_CELLS = {"pytrio": "pytrio028"}
+
+
 def test_the_floor_cell_pins_every_ranges_lower_bound():
-    """Each range in pyproject is tested at its floor (constraints/floor.txt) and its top (the newest cell)."""
+    """Each range in pyproject is tested at its floor (constraints/floor.txt, or its own cell: `FLOOR_CELLS`) and its
+    top (the newest cell)."""
     floor = _pins(ROOT / "constraints" / "floor.txt")
+    for name, cell in FLOOR_CELLS.items():
+        floor[name] = _pins(ROOT / "constraints" / f"{cell}.txt")[name]
     extras = PYPROJECT["project"]["optional-dependencies"]
     ranges = PYPROJECT["project"]["dependencies"] + extras["pytrio"] + extras["deepspeed"]  # what the cells install
     for req in map(Requirement, ranges):
@@ -205,6 +213,23 @@ def test_make_builds_each_cell_with_its_constraints():
         assert "-c constraints/cpu.txt" in install and f"-c constraints/{cell}.txt" in install, install
         run = _make_dry_run(f"test-{cell}").strip().splitlines()[-1]
         assert run.startswith(f".venv-{cell}/bin/python -m pytest") and "tests/test_prefix.py" in run, run
+
+
+def test_the_pytrio028_cell_runs_the_client_tests_with_the_oldest_client():
+    """The pytrio028 cell installs the package with the oldest client the extra accepts (and the openai client of the
+    OpenAI route's tests), runs the client tests expecting that version, and CI calls it."""
+    out = _make_dry_run("-B", ".venv-pytrio028/.installed")
+    install = next(line for line in out.splitlines() if "-e '.[dev,deepspeed,judge]'" in line)
+    assert "-c constraints/cpu.txt" in install and "-c constraints/pytrio028.txt" in install, install
+    (pin,) = _pins(ROOT / "constraints" / "pytrio028.txt")["pytrio"].specifier
+    (extra,) = [
+        r for r in map(Requirement, PYPROJECT["project"]["optional-dependencies"]["pytrio"]) if r.name == "pytrio"
+    ]
+    assert [s.version for s in extra.specifier if s.operator == ">="] == [pin.version]  # the extra's floor
+    run = _make_dry_run("test-pytrio028").strip().splitlines()[-1]
+    assert run.startswith(f"TRL_GRPO_EXT_EXPECT_PYTRIO={pin.version} .venv-pytrio028/bin/python -m pytest"), run
+    assert "tests/test_pytrio_server_conformance.py" in run and "tests/test_pytrio_server_checkpoints.py" in run
+    assert "make test-pytrio028" in (ROOT / ".ci" / "run").read_text()
 
 
 def test_ci_runs_the_detection_dependent_tests_with_each_bf16_answer():

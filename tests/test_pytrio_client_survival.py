@@ -20,6 +20,8 @@ import pytest
 
 trio = pytest.importorskip("pytrio")
 
+from pytrio_versions import configure  # noqa: E402
+
 from trl_grpo_ext.pytrio.config import PyTrioGRPOConfig  # noqa: E402
 from trl_grpo_ext.pytrio.connection import close_service_client, service_answers  # noqa: E402
 from trl_grpo_ext.pytrio.loop import GRPOLoop  # noqa: E402
@@ -79,9 +81,9 @@ def served(tiny_model_path, tmp_path_factory):
 
 @pytest.fixture
 def client(served, tmp_path):
-    trio.configure(base_url=served.url, api_key=KEY, home=str(tmp_path / "trio-home"), retry_initial_delay_seconds=0.1)
+    configure(base_url=served.url, api_key=KEY, home=str(tmp_path / "trio-home"), retry_initial_delay_seconds=0.1)
     yield
-    trio.configure(retry_initial_delay_seconds=1.0)
+    configure(retry_initial_delay_seconds=1.0)
 
 
 def _config(tiny_model_path, out: Path, **kw) -> PyTrioGRPOConfig:
@@ -155,14 +157,14 @@ def test_a_server_that_stays_away_stops_the_recipe_with_one_line(tiny_model_path
     spec = importlib.util.spec_from_file_location("gsm8k_pytrio_survival", ROOT / "recipes" / "gsm8k_pytrio.py")
     recipe = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(recipe)
-    trio.configure(api_key=KEY, home=str(tmp_path / "trio-home"), retry_initial_delay_seconds=0.1)
+    configure(api_key=KEY, home=str(tmp_path / "trio-home"), retry_initial_delay_seconds=0.1)
     args = ["--base_model", tiny_model_path, "--lora_r", "4", "--max_completion_length", "8", "--num_train_samples",
             "8", "--output_dir", str(tmp_path / "run"), "--pytrio_base_url", dead, "--server_retry_budget_s", "4"]  # fmt: skip
     started = time.monotonic()
     try:
         assert recipe.main(args) == 1
     finally:
-        trio.configure(retry_initial_delay_seconds=1.0)
+        configure(retry_initial_delay_seconds=1.0)
     assert time.monotonic() - started < 60
     err = capsys.readouterr().err.strip().splitlines()
     assert err[-1].startswith(f"error: the PyTRIO service at {dead} did not answer for ")

@@ -15,6 +15,7 @@ import torch
 
 trio = pytest.importorskip("pytrio")
 
+import pytrio_versions  # noqa: E402
 from precision_tolerance import assert_grads_close, tolerance  # noqa: E402
 from pytrio.errors.actor import ActorEventSubmitError  # noqa: E402
 from pytrio.errors.control import ControlAPIError  # noqa: E402
@@ -26,6 +27,7 @@ from pytrio.protocol.actor.events.event import (  # noqa: E402
     generate_event_id,
 )
 from pytrio_faults import FaultInjector  # noqa: E402
+from pytrio_versions import on_client_loop, run_id  # noqa: E402
 
 from trl_grpo_ext.grpo import losses  # noqa: E402
 from trl_grpo_ext.pytrio_server import LocalPyTrioServer, ServerConfig  # noqa: E402
@@ -108,7 +110,7 @@ def _grads(server, run_id):
 
 
 def _run_loop(client):
-    return client._runtime.event_loop.run_sync
+    return lambda value: on_client_loop(client, value)
 
 
 def test_training_round_trip_every_builtin_loss(server, service):
@@ -311,11 +313,11 @@ def test_unknown_event_type_and_malformed_payload_are_client_errors(server, serv
 
     tc = service.create_lora_training_client(base_model=server.model_alias, rank=8, seed=7)
     tc.forward([_datum(_tokens(tc))], "cross_entropy").result()
-    coordinator = tc._actor_binding.coordinator
+    coordinator = pytrio_versions.coordinator(tc)
     actor = coordinator.actor_client
     run = _run_loop(service)
     metadata = {"index": 99, "step": 0, "timestamp": 0, "sdk": "pytrio", "sdk_version": "0.2.9",
-                "run_id": tc.training_run_cuid}  # fmt: skip
+                "run_id": run_id(tc)}  # fmt: skip
     raw = msgpack.packb(
         {
             "version": 1,
@@ -380,14 +382,14 @@ def test_split_batches_accumulate_like_one_event(precision_server, tiny_model_pa
             data = [_datum(tokens), _datum(tokens[:9]), _datum(tokens[3:])]
             out = one.forward_backward(data, "cross_entropy").result()
             assert len(out.loss_fn_outputs) == 3
-            split_grads = _grads(split, one.training_run_cuid)
+            split_grads = _grads(split, run_id(one))
     finally:
         server.configure_client()
     whole = trio.ServiceClient().create_lora_training_client(base_model=server.model_alias, rank=4, seed=11)
     ref = whole.forward_backward(data, "cross_entropy").result()
     tol = tolerance(server.engine.autocast_bf16)
     assert out.metrics["loss_sum"] == pytest.approx(ref.metrics["loss_sum"], rel=tol.loss_sum)
-    assert_grads_close(split_grads, _grads(server, whole.training_run_cuid), tol)
+    assert_grads_close(split_grads, _grads(server, run_id(whole)), tol)
 
 
 def test_cli_arguments():
@@ -502,24 +504,24 @@ def test_rest_client_metadata_and_checkpoint_listing(server, service):
     tc.forward_backward([datum], "cross_entropy").result()
     saved = tc.save_state("listed").result()
     rest = service.create_rest_client()
-    run = rest.get_training_run(tc.training_run_cuid).result()
-    assert run.training_run_id == tc.training_run_cuid and run.lora_rank == 4
-    assert any(r.training_run_id == tc.training_run_cuid for r in rest.list_training_runs().result().training_runs)
-    checkpoints = rest.list_checkpoints(tc.training_run_cuid).result().checkpoints
+    run = rest.get_training_run(run_id(tc)).result()
+    assert run.training_run_id == run_id(tc) and run.lora_rank == 4
+    assert any(r.training_run_id == run_id(tc) for r in rest.list_training_runs().result().training_runs)
+    checkpoints = rest.list_checkpoints(run_id(tc)).result().checkpoints
     assert [c.checkpoint_type for c in checkpoints if c.path == saved.path] == ["training"]
     session = rest.get_session(service.service_session_cuid).result()
-    assert tc.training_run_cuid in session.training_run_ids
+    assert run_id(tc) in session.training_run_ids
     assert service.get_supported_models() == [server.model_id]
     capabilities = service.get_server_capabilities().supported_models[0]
     assert capabilities.training.available and capabilities.max_context_length == server.engine.max_seq_len
-    heartbeat = _run_loop(service)(tc._actor_binding.coordinator.actor_client.heartbeat())
+    heartbeat = _run_loop(service)(pytrio_versions.coordinator(tc).actor_client.heartbeat())
     assert heartbeat["heartbeat_ms"] == server.config.heartbeat_ms
     sampler = tc.save_weights_and_get_sampling_client()
-    info = rest.get_sampler(sampler.sampling_run_cuid).result()
+    info = rest.get_sampler(run_id(sampler)).result()
     assert info.model_path.startswith("trio://") and info.base_model == server.model_id
     listed = {c.path: c for c in rest.list_user_checkpoints().result().checkpoints}
     assert listed[info.model_path].checkpoint_type == "sampler" and listed[info.model_path].expires_at is not None
-    rest.delete_checkpoint(tc.training_run_cuid, listed[saved.path].checkpoint_id).result()
+    rest.delete_checkpoint(run_id(tc), listed[saved.path].checkpoint_id).result()
     assert saved.path not in {c.path for c in rest.list_user_checkpoints().result().checkpoints}
 
 
@@ -592,8 +594,8 @@ def test_padded_batches_match_one_datum_at_a_time(precision_server):
             out = tc.forward_backward(data, "ppo").result()
         finally:
             server.engine.max_batch_tokens = 4096
-        grads = _grads(server, tc.training_run_cuid)
-        for _, p in server.engine.runs[tc.training_run_cuid].params:
+        grads = _grads(server, run_id(tc))
+        for _, p in server.engine.runs[run_id(tc)].params:
             p.grad = None
         return out, grads
 

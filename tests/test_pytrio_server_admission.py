@@ -93,7 +93,7 @@ def _good_batch(served, pool, bad: dict | None = None, joins: bool = False):
     server, client, url, headers = served
     sampler = server.sampler
     bad_answer = seconds = None
-    with server.engine.lock:  # the model is busy: the good requests are in flight, waiting in the batcher
+    with server.engine.for_sampling.lock:  # sampling is busy: the good requests are in flight, waiting in the batcher
         batches = sampler.batches
         futures = []
         for i, (prompt, params, n) in enumerate(GOOD):
@@ -156,7 +156,7 @@ def test_a_request_failing_inside_its_batch_fails_alone(served, monkeypatch):
             return decoding.SampleSpec(prompt, n, return_text=return_text, **params)
 
         monkeypatch.setattr(actor, "sample_spec", unchecked)
-        monkeypatch.setattr(server.engine, "check_sample", lambda spec: spec, raising=False)
+        monkeypatch.setattr(server.sampler.engine, "check_sample", lambda spec: spec, raising=False)
         for changes in ({"seed": 2**70}, {"temperature": 1e-300}, {"stop": [123]}):
             good, answer, _ = _good_batch(served, pool, _body([1, 2, 3], {**BASE, **changes}, 2, "bad"), joins=True)
             assert answer.status_code == 400 and answer.json()["code"] == "sampling_failed", answer.text

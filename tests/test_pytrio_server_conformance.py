@@ -6,6 +6,7 @@ tiny Qwen3.5 image-text model. Numbers are compared in fp32."""
 
 from __future__ import annotations
 
+import os
 import re
 
 import numpy as np
@@ -17,11 +18,31 @@ trio = pytest.importorskip("pytrio")
 
 from pytrio.errors.base import PyTrioError  # noqa: E402
 from pytrio.errors.event import EventFailedError  # noqa: E402
+from pytrio_versions import run_id  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
 SEQUENCES = [[1, 5, 9, 14, 3, 7, 8, 11, 4], [1, 2, 3, 6, 10, 13], [1, 7, 7, 12, 5, 9, 20, 21]]
 PROMPT_LEN = 3  # the first PROMPT_LEN tokens of each sequence are its prompt
+
+
+def test_the_client_is_one_the_server_supports():
+    """The installed client is in the `pytrio` extra's range; in a cell that pins one (``TRL_GRPO_EXT_EXPECT_PYTRIO``,
+    `make test-pytrio028`) it is that one, so the cell cannot run the newest client unnoticed."""
+    import tomllib
+    from importlib.metadata import version
+    from pathlib import Path
+
+    from packaging.requirements import Requirement
+
+    pyproject = tomllib.loads((Path(__file__).resolve().parents[1] / "pyproject.toml").read_text())
+    (extra,) = [
+        r for r in map(Requirement, pyproject["project"]["optional-dependencies"]["pytrio"]) if r.name == "pytrio"
+    ]
+    installed = version("pytrio")
+    assert extra.specifier.contains(installed), (installed, str(extra))
+    expected = os.environ.get("TRL_GRPO_EXT_EXPECT_PYTRIO")
+    assert expected is None or installed == expected, (installed, expected)
 
 
 def _client(server):
@@ -34,12 +55,12 @@ def _training_client(server, seed=3, rank=8):
 
 
 def _grads(server, tc):
-    params = server.engine.runs[tc.training_run_cuid].params
+    params = server.engine.runs[run_id(tc)].params
     return {name: p.grad.detach().clone() for name, p in params if p.grad is not None}
 
 
 def _params(server, tc):
-    return {name: p.detach().clone() for name, p in server.engine.runs[tc.training_run_cuid].params}
+    return {name: p.detach().clone() for name, p in server.engine.runs[run_id(tc)].params}
 
 
 def _close(actual, expected, rtol=1e-4):
@@ -71,6 +92,26 @@ def _rl_data(sampler_logprobs, advantages, sequences=SEQUENCES):
         }
         data.append(trio.Datum(model_input=trio.ModelInput.from_ints(seq[:-1]), loss_fn_inputs=inputs))
     return data
+
+
+def test_agentopsd_names_each_policy_snapshot_by_the_sampling_clients_task_id(make_server):
+    """09-AgentOPSD's train.py names each policy snapshot ``str(sampling_client.task_id)`` right after
+    ``save_weights_and_get_sampling_client()``: pytrio 0.2.8's name of a sampling run's id, which 0.2.9 renamed
+    ``sampling_run_cuid``. With 0.2.8 (the chapters' pin; `make test-pytrio028`) it is the server's sampling run of
+    that snapshot, which samples; with 0.2.9 the attribute is gone, so that chapter needs 0.2.8."""
+    from importlib.metadata import version
+
+    from packaging.version import Version
+
+    server = make_server(bf16=False)
+    sampler = _training_client(server).save_weights_and_get_sampling_client()
+    if Version(version("pytrio")) >= Version("0.2.9"):
+        assert not hasattr(sampler, "task_id")
+        return
+    snapshot_id = str(sampler.task_id)  # as 09-AgentOPSD/train.py reads it
+    assert server.registry.sampling_runs[snapshot_id].source_checkpoint_uri.startswith("trio://")
+    params = trio.SamplingParams(max_tokens=4, seed=0)
+    assert len(sampler.sample(trio.ModelInput.from_ints(SEQUENCES[0]), 2, params).result().sequences) == 2
 
 
 # --------------------------------------------------------------------------------------------------------------

@@ -12,6 +12,7 @@ import socket
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import fields
 
 import pytest
 
@@ -150,7 +151,7 @@ def test_idle_timeout_covers_half_sent_bodies_and_idle_keep_alive_not_slow_answe
         request = {"request_id": "r1", "prompt": {"chunks": [{"type": "encoded_text", "tokens": [1, 2, 3]}]},
                    "sampling_params": {"max_tokens": 2, "seed": 0}}  # fmt: skip
         url = f"/actor/v1/sampling-runs/{run['sampling_run_cuid']}/sample"
-        with engine.lock:  # the model stays busy for three idle timeouts while the request waits for it
+        with engine.for_sampling.lock:  # sampling stays busy for three idle timeouts while the request waits for it
             pending = pool.submit(client.post, url, json=request, headers=token)
             time.sleep(1.5)
         answer = pending.result(timeout=60)
@@ -322,7 +323,47 @@ def test_cli_key_from_file_or_environment_and_bad_options_fail_before_loading(tm
     assert module.run(args) == 2 and "line 2 has whitespace" in capsys.readouterr().err
 
 
-SERVER_THREADS = ("pytrio-local-server", "pytrio-request", "pytrio-sampling", "pytrio-events-")
+def test_pytrio_serve_options_are_the_config_fields():
+    """The options besides --model, the keys and --log-level are derived from `ServerConfig` fields: the spellings
+    are the ones users have, their defaults parse to the config's own (the port aside: 8710 on the command line),
+    and each one sets its field (units converted)."""
+    module, args = _cli_args()
+    config, _ = module._config(args)
+    defaults = ServerConfig(model="embedded")
+    assert {f.name: getattr(config, f.name) for f in fields(ServerConfig) if f.name != "port"} == {
+        f.name: getattr(defaults, f.name) for f in fields(ServerConfig) if f.name != "port"
+    }
+    assert config.port == 8710
+    assert {spec.flag for spec in module.config_flags()} == {
+        "--host", "--port", "--served-name", "--storage-dir", "--device", "--dtype", "--bf16", "--bf16-sampling",
+        "--max-batch-size", "--no-concurrent-sampling", "--no-vision", "--keep-checkpoints", "--loss-normalization",
+        "--max-request-mb", "--max-num-samples", "--max-topk-logprobs", "--idle-timeout", "--session-timeout",
+        "--memory-budget-gb", "--request-timeout", "--max-connections", "--max-connections-per-peer",
+    }  # fmt: skip
+    config, _ = module._config(_cli_args(
+        "--host", "0.0.0.0", "--port", "0", "--served-name", "a", "--served-name", "b", "--storage-dir", "/tmp/s",
+        "--device", "cpu", "--dtype", "bfloat16", "--bf16", "false", "--bf16-sampling", "--max-batch-size", "3",
+        "--no-vision", "--keep-checkpoints", "2", "--loss-normalization", "sum", "--max-request-mb", "0.5",
+        "--max-num-samples", "7", "--idle-timeout", "9", "--session-timeout", "0", "--memory-budget-gb", "2",
+    )[1])  # fmt: skip
+    assert (config.host, config.port, config.served_names, config.storage_dir) == ("0.0.0.0", 0, ("a", "b"), "/tmp/s")
+    assert (config.device, config.dtype, config.bf16, config.bf16_sampling, config.vision) == (
+        "cpu",
+        "bfloat16",
+        "false",
+        True,
+        False,
+    )
+    assert (config.max_batch_size, config.keep_checkpoints, config.loss_normalization) == (3, 2, "sum")
+    assert (config.max_request_bytes, config.max_num_samples, config.memory_budget_bytes) == (
+        512 * 1024,
+        7,
+        2 * 1024**3,
+    )
+    assert (config.idle_timeout_seconds, config.session_timeout_seconds) == (9, 0)
+
+
+SERVER_THREADS = ("pytrio-local-server", "pytrio-request", "pytrio-sampling", "pytrio-events-", "pytrio-housekeeping")
 
 
 def test_stop_leaves_no_thread_behind(engine, tiny_model_path, tmp_path):

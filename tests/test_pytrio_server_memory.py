@@ -105,7 +105,8 @@ def test_work_that_does_not_fit_now_waits_for_running_work(make_server, engine):
     with httpx.Client(base_url=server.base_url, timeout=60) as client, ThreadPoolExecutor(4) as pool:
         url, token = _sampling_run(server, client)
         alone = [client.post(url, json=_request(s), headers=token).json()["sequences"] for s in range(3)]
-        with engine.lock:  # all three arrive while the model is busy: without the budget they would share a batch
+        # all three arrive while sampling is busy: without the budget they would share a batch
+        with engine.for_sampling.lock:
             futures = [pool.submit(client.post, url, json=_request(s), headers=token) for s in range(3)]
             deadline = time.monotonic() + 30
             while len(server.sampler._pending) < 2 and time.monotonic() < deadline:

@@ -163,3 +163,22 @@ def test_the_listing_holds_the_keys_own_checkpoints_and_the_judge_reward_uses_on
     scores = asyncio.run(judge(["7", "8"], prompts=["What is 3 + 4?"] * 2, log_metric=metrics.__setitem__))
     assert len(scores) == 2  # the tiny model's replies rarely parse as a score: None is fine
     assert metrics["judge/requests"] == 2 and metrics["judge/failures"] == 0
+
+
+def test_a_sampling_only_model_is_served_and_listed(make_server, tmp_path):
+    """A model served for sampling only (`--model NAME=PATH`, a distillation teacher) answers chat completions under
+    its name, as its PyTRIO sampler samples it, and `GET models` lists it."""
+    from conftest import build_tiny_model
+
+    teacher = build_tiny_model(tmp_path / "teacher", seed=1)
+    server = make_server(api_key=KEY_A, sampling_models=(f"Qwen/Qwen3.6-27B={teacher}",))
+    listed = [m.id for m in _client(server).models.list()]
+    assert listed == [server.model_alias, "Qwen/Qwen3.6-27B"]
+    sampler = trio.ServiceClient().create_sampling_client(base_model="Qwen/Qwen3.6-27B")
+    texts, reasons, _ = _pytrio_texts(sampler, server, 2, max_tokens=8, temperature=1.0, seed=4)
+    answer = _client(server).chat.completions.create(model="Qwen/Qwen3.6-27B", messages=MESSAGES, n=2, max_tokens=8,
+                                                     temperature=1.0, seed=4)  # fmt: skip
+    assert [c.message.content for c in answer.choices] == texts and answer.model == "Qwen/Qwen3.6-27B"
+    student = _client(server).chat.completions.create(model=server.model_alias, messages=MESSAGES, n=2, max_tokens=8,
+                                                      temperature=1.0, seed=4)  # fmt: skip
+    assert [c.message.content for c in student.choices] != texts  # the teacher's own weights, not the student's

@@ -13,6 +13,7 @@ from conftest import build_tiny_model
 
 trio = pytest.importorskip("pytrio")
 
+from pytrio_versions import run_id  # noqa: E402
 from test_pytrio_server_isolation import API, Raw  # noqa: E402
 
 from trl_grpo_ext.cli import pytrio_serve  # noqa: E402
@@ -68,7 +69,7 @@ def test_teacher_log_probs_over_sockets(make_server, teacher_path, tiny_model_pa
     assert a.get_supported_models() == [server.model_id, str(Path(teacher_path).resolve())]
     # per-key isolation: another client does not see A's teacher run
     b = Raw(server, KEY_B)
-    rid = teacher.sampling_run_cuid
+    rid = run_id(teacher)
     status, body = b.call("GET", f"{API}/sampling-runs/{rid}")
     missing = b.call("GET", f"{API}/sampling-runs/sr_0000000000000000")
     assert (status, body["code"]) == (missing[0], missing[1]["code"])

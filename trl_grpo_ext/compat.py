@@ -77,6 +77,62 @@ def merge_and_unload(peft_model):
     return model
 
 
+# pytrio 0.2.9 renamed most of its settings (`pytrio.configure` keywords, fields of its `Configuration`), mostly adding a
+# unit: the 0.2.9 name and the 0.2.8 one. None: a setting 0.2.8 does not have (its Control calls retry a number of
+# attempts, not for a time window; it streams no sampling answer), left out on such a client.
+PYTRIO_SETTING_RENAMES = {
+    "request_timeout_seconds": "timeout",
+    "retry_initial_delay_seconds": "retry_initial_delay",
+    "retry_max_delay_seconds": "retry_max_delay",
+    "retry_jitter_ratio": "retry_jitter",
+    "training_retry_timeout_seconds": "training_retry_timeout",
+    "sampling_retry_timeout_seconds": "sampling_retry_timeout",
+    "control_retry_timeout_seconds": None,
+    "actor_capacity_poll_interval_seconds": "actor_capacity_poll_interval",
+    "actor_capacity_poll_jitter_ratio": "actor_capacity_poll_jitter",
+    "actor_capacity_wait_timeout_seconds": "actor_capacity_wait_timeout",
+    "sampling_timeout_seconds": "sampling_timeout",
+    "sampling_first_chunk_timeout_seconds": None,
+    "sampling_chunk_idle_timeout_seconds": None,
+    "actor_event_submit_timeout_seconds": "actor_event_submit_timeout",
+    "actor_event_polling_timeout_seconds": "actor_event_polling_timeout",
+    "training_event_max_in_flight": "training_max_in_flight",
+    "training_event_queue_capacity": "training_max_queued",
+    "sampling_request_max_in_flight": "sampling_max_in_flight",
+    "sampling_request_queue_capacity": "sampling_max_queued",
+    "actor_heartbeat_enabled": "heartbeat_enabled",
+    "actor_heartbeat_interval_seconds": "heartbeat_interval",
+    "actor_heartbeat_max_in_flight": "heartbeat_worker_threads",
+}
+
+
+def pytrio_setting(name: str) -> str | None:
+    """The name the installed pytrio gives the setting `name` (as pytrio 0.2.9 spells it; a field of its
+    `Configuration`), or None where that client has no such setting."""
+    from pytrio.config.config import Configuration
+
+    fields = Configuration.model_fields
+    if name in fields:
+        return name
+    older = PYTRIO_SETTING_RENAMES.get(name)
+    return older if older in fields else None
+
+
+def pytrio_configure_options(options: dict) -> dict:
+    """`options` for the installed ``pytrio.configure``, given as pytrio 0.2.9 names them: renamed for an older
+    client, a setting it does not have left out. A name neither client knows stays, so `configure` refuses it."""
+    import pytrio
+
+    accepted = inspect.signature(pytrio.configure).parameters
+    out = {}
+    for name, value in options.items():
+        if name in accepted or name not in PYTRIO_SETTING_RENAMES:
+            out[name] = value
+        elif PYTRIO_SETTING_RENAMES[name] in accepted:
+            out[PYTRIO_SETTING_RENAMES[name]] = value
+    return out
+
+
 # transformers 5.24 renamed `gradient_checkpointing(_kwargs)` to `activation_checkpointing(_kwargs)` (TrainingArguments
 # fields, model methods and property); the old names still work and warn (FutureWarning, removal in v6).
 _CHECKPOINTING_FIELDS = (

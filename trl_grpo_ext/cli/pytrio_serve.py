@@ -8,24 +8,15 @@ import os
 import signal
 import sys
 import threading
+import typing
+from dataclasses import Field, dataclass, fields
 
-from trl_grpo_ext.models import EMBEDDED_NAME
-from trl_grpo_ext.pytrio_server.config import API_KEY_ENV, MIB, ServerConfig, read_api_key_file
-
-# (flag, ServerConfig field, type, help) of the server's limits that map one to one onto a field
-LIMIT_FLAGS = [
-    ("--max-num-samples", "max_num_samples", int, "most sequences one sample request may ask for"),
-    ("--max-topk-logprobs", "max_topk_logprobs", int, "largest topk_prompt_logprobs a sample request may ask"),
-    ("--idle-timeout", "idle_timeout_seconds", float, "seconds a connection may stay silent before it is closed"),
-    ("--request-timeout", "request_timeout_seconds", float,
-     "seconds a request's head and body may take to arrive from its first byte; later bytes do not extend it"),
-    ("--max-connections", "max_connections", int, "open connections in all; one more is refused with 503 at once"),
-    ("--max-connections-per-peer", "max_connections_per_peer", int, "open connections from one address"),
-]  # fmt: skip
+from trl_grpo_ext.pytrio_server.config import API_KEY_ENV, ServerConfig, read_api_key_file
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    defaults = ServerConfig(model=EMBEDDED_NAME)
+    """The options: `--model` and the keys by hand (each feeds several fields, or a file), every other one derived
+    from a `ServerConfig` field that names a flag (`config.option`): its type, default and help."""
     parser.add_argument(
         "--model",
         required=True,
@@ -35,8 +26,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "teacher: create_sampling_client(base_model=<its path or folder name>) + compute_logprobs); NAME=MODEL "
         "also answers to NAME (e.g. Qwen/Qwen3-8B=outputs/teacher for a script written for the hosted service)",
     )
-    parser.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1: this machine only)")
-    parser.add_argument("--port", type=int, default=8710, help="port (0 picks a free one)")
     parser.add_argument(
         "--api-key-file",
         default=None,
@@ -56,80 +45,75 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="file of admin keys, one per line: an admin sees and may act on every client's objects",
     )
-    parser.add_argument(
-        "--session-timeout",
-        type=float,
-        default=defaults.session_timeout_seconds,
-        help="seconds without a heartbeat (or any request) after which a client's session is reclaimed: its runs "
-        f"ended, their memory freed (0: never; default {defaults.session_timeout_seconds:g})",
-    )
-    parser.add_argument(
-        "--served-name",
-        action="append",
-        default=[],
-        metavar="NAME",
-        help="a name clients may pass as base_model for this model, e.g. Qwen/Qwen3-4B-Instruct-2507 so scripts "
-        "written for the hosted service run unmodified (repeatable; the first is the reported alias)",
-    )
-    parser.add_argument("--storage-dir", default=None, help="checkpoint folder, kept across restarts (default: $TRL_GRPO_EXT_CACHE/pytrio-server or ~/.cache/trl_grpo_ext/pytrio-server)")  # fmt: skip
-    parser.add_argument(
-        "--keep-checkpoints",
-        type=int,
-        default=defaults.keep_checkpoints,
-        help="delete old checkpoints: per training run, keep the newest N save_state and N sampler checkpoints "
-        "(N >= 2; each deletion is logged). Default 0: nothing a client saved is deleted",
-    )
-    parser.add_argument(
-        "--loss-normalization",
-        choices=("client_totals", "sum"),
-        default=defaults.loss_normalization,
-        help="forward_backward: divide each micro-batch's loss by the logical batch's token total the client sends, "
-        "as the hosted service does (client_totals, default), or keep the plain sum over tokens (sum)",
-    )
-    parser.add_argument("--device", default=None, help="torch device (default cuda if available, else cpu)")
-    parser.add_argument("--dtype", default="float32", help="model dtype: float32, bfloat16, float16")
-    parser.add_argument(
-        "--bf16",
-        default="auto",
-        choices=("auto", "true", "false"),
-        help="bf16 autocast of a float32 model in forward/backward: auto (where the CPU has bf16 matrix units), "
-        "true, false; LoRA weights and optimizer state stay fp32 (default auto)",
-    )
-    parser.add_argument(
-        "--bf16-sampling",
-        action="store_true",
-        help="sample (and compute_logprobs) in bf16 too where --bf16 is on: faster on some CPUs, but a request's "
-        "tokens may then depend on the requests decoded beside it (default: fp32 sampling, batch-invariant)",
-    )
-    parser.add_argument(
-        "--no-vision",
-        dest="vision",
-        action="store_false",
-        help="load an image-text checkpoint's language model only, as a causal LM: less memory, image chunks "
-        "refused (default: with its vision tower, image chunks accepted)",
-    )
-    parser.add_argument("--max-batch-size", type=int, default=None, help="per-event batch cap advertised to clients")
-    parser.add_argument(
-        "--max-request-mb",
-        type=float,
-        default=defaults.max_request_bytes / MIB,
-        help=f"largest request body accepted, MiB (default {defaults.max_request_bytes // MIB}); larger ones get 413",
-    )
-    for flag, field, kind, what in LIMIT_FLAGS:  # each a `ServerConfig` field, its default shown
-        default = getattr(defaults, field)
-        metavar = flag[2:].upper().replace("-", "_")
-        parser.add_argument(
-            flag, type=kind, default=default, dest=field, metavar=metavar, help=f"{what} (default {default:g})"
-        )
-    parser.add_argument(
-        "--memory-budget-gb",
-        type=float,
-        default=None,
-        help="working memory admitted at once, GiB (activations, sampling caches; estimated per request from the "
-        "model's shape): larger requests get 413, others wait their turn (default: 60%% of the memory available "
-        "at start)",
-    )
+    for spec in config_flags():
+        parser.add_argument(spec.flag, **spec.argument())
     parser.add_argument("--log-level", default="INFO", help="logging level")
+
+
+@dataclass(frozen=True)
+class FlagSpec:
+    """A `ServerConfig` field as a ``pytrio-serve`` option (its ``flag`` metadata): ``args.<field name>`` holds it."""
+
+    field: Field
+    kind: type  # the value's type: int, float, str, bool, or tuple (a repeatable option)
+
+    @property
+    def flag(self) -> str:
+        return self.field.metadata["flag"]
+
+    @property
+    def unit(self) -> tuple[str, int] | None:
+        return self.field.metadata.get("unit")
+
+    def default(self):
+        """The option's default: the field's (in the option's unit), or its own ``cli_default``."""
+        meta, default = self.field.metadata, self.field.default
+        if "cli_default" in meta:
+            return meta["cli_default"]
+        if self.unit and default is not None:
+            return default / self.unit[1]
+        return list(default) if self.kind is tuple else default
+
+    def argument(self) -> dict:
+        """`argparse.ArgumentParser.add_argument`'s keywords for this option."""
+        meta, default = self.field.metadata, self.default()
+        shown = "" if default is None or self.kind in (bool, tuple) else f" (default {_shown(default)})"
+        unit = f"; in {self.unit[0]}" if self.unit else ""
+        text = meta.get("cli_help") or meta["help"]
+        # argparse formats help with %: a literal one is doubled
+        keywords = {"dest": self.field.name, "help": f"{text}{unit}{shown}".replace("%", "%%")}
+        if self.kind is bool:  # a switch: --name turns a False default on, --no-name a True default off
+            return {**keywords, "action": "store_false" if self.flag.startswith("--no-") else "store_true"}
+        if meta.get("choices"):  # argparse shows them as the metavar
+            return {**keywords, "type": self.kind, "default": default, "choices": meta["choices"]}
+        keywords["metavar"] = meta.get("metavar") or self.flag[2:].upper().replace("-", "_")
+        if self.kind is tuple:
+            return {**keywords, "action": "append", "default": default}
+        return {**keywords, "type": float if self.unit else self.kind, "default": default}
+
+    def value(self, parsed):
+        """The field's value from the parsed option."""
+        if self.unit and parsed is not None:
+            return int(parsed * self.unit[1])
+        return tuple(parsed) if self.kind is tuple else parsed
+
+
+def config_flags() -> list[FlagSpec]:
+    """Every `ServerConfig` field with a flag, in field order."""
+    hints = typing.get_type_hints(ServerConfig)
+    return [FlagSpec(f, _kind(hints[f.name])) for f in fields(ServerConfig) if f.metadata.get("flag")]
+
+
+def _kind(hint) -> type:
+    """int, float, str, bool or tuple for a field's annotation (``X | None`` is X; ``str | bool`` a choice, str)."""
+    if typing.get_origin(hint) is tuple:
+        return tuple
+    args = [a for a in typing.get_args(hint) if a is not type(None)] or [hint]
+    return str if str in args else args[0]
+
+
+def _shown(value) -> str:
+    return f"{value:g}" if isinstance(value, float) else str(value)
 
 
 def _config(args: argparse.Namespace) -> tuple[ServerConfig, bool]:
@@ -141,25 +125,10 @@ def _config(args: argparse.Namespace) -> tuple[ServerConfig, bool]:
     config = ServerConfig(
         model=args.model[0],
         sampling_models=tuple(args.model[1:]),
-        host=args.host,
-        port=args.port,
         api_key=keys[0] if keys else None,
         api_keys=tuple(keys[1:]),
         admin_keys=tuple(admin_keys),
-        session_timeout_seconds=args.session_timeout,
-        served_names=tuple(args.served_name),
-        storage_dir=args.storage_dir,
-        keep_checkpoints=args.keep_checkpoints,
-        loss_normalization=args.loss_normalization,
-        device=args.device,
-        dtype=args.dtype,
-        bf16=args.bf16,
-        bf16_sampling=args.bf16_sampling,
-        vision=args.vision,
-        max_batch_size=args.max_batch_size,
-        max_request_bytes=int(args.max_request_mb * MIB),
-        **{field: getattr(args, field) for _flag, field, _kind, _what in LIMIT_FLAGS},
-        memory_budget_bytes=None if args.memory_budget_gb is None else int(args.memory_budget_gb * 1024**3),
+        **{spec.field.name: spec.value(getattr(args, spec.field.name)) for spec in config_flags()},
     )
     return config, bool(keys)
 

@@ -16,7 +16,8 @@ loaded. So:
 - `configure_cpu_threads`: a single-process CPU run under `accelerate launch` gets every core back (accelerate
   exports ``OMP_NUM_THREADS=1`` unless told otherwise).
 - `govern_cpu_threads` (the "governor"): where a CPU model is loaded (the TRL recipe, `evaluate`'s generator, the
-  PyTRIO server's engine), a forward pre-hook on the model sets torch's thread count, at most once a second, to the
+  PyTRIO server's engine, whose sampling and training sides take shares of the count in their locks instead of the
+  hook), a forward pre-hook on the model sets torch's thread count, at most once a second, to the
   cores other processes left free: ``max(1, min(cap, cores - others))``, ``cap`` being the count in effect when it was
   installed (it never raises it). ``others`` is the cores the rest of the machine kept busy over that second
   (/proc/stat's busy time on this process's CPUs less this process's own, /proc/self/stat); a core counts once
@@ -254,11 +255,13 @@ def _pre_forward(module, args) -> None:
             torch.set_num_threads(threads)
 
 
-def govern_cpu_threads(model, on_cpu: bool | None = None) -> CpuThreadGovernor | None:
+def govern_cpu_threads(model, on_cpu: bool | None = None, hook: bool = True) -> CpuThreadGovernor | None:
     """Let `model`'s forwards on the CPU follow the machine's load (module docstring); returns the process's
     governor, or None when not installed (a GPU model, the user chose the thread count, no /proc, one thread).
 
-    `on_cpu`: where the model will run; None: where its parameters are now.
+    `on_cpu`: where the model will run; None: where its parameters are now. `hook=False` returns the governor
+    without installing its hook: the caller sets the count from `CpuThreadGovernor.check` itself (the local PyTRIO
+    server, whose sampling and training threads each take a share of it).
     """
     global _governor
     import torch
@@ -271,7 +274,7 @@ def govern_cpu_threads(model, on_cpu: bool | None = None) -> CpuThreadGovernor |
         _governor = CpuThreadGovernor.for_this_process(torch.get_num_threads())
         if _governor is None:
             return None
-    if _pre_forward not in model._forward_pre_hooks.values():
+    if hook and _pre_forward not in model._forward_pre_hooks.values():
         model.register_forward_pre_hook(_pre_forward)
     return _governor
 

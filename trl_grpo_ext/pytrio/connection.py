@@ -12,6 +12,8 @@ import logging
 import re
 import time
 
+from trl_grpo_ext.compat import pytrio_setting
+
 logger = logging.getLogger(__name__)
 
 REDACTED = "***"
@@ -115,11 +117,13 @@ def create_service_client(retry_window_s: float | None = None):
             "(and PYTRIO_BASE_URL for another server); or use pytrio_base_url: local for the offline server."
         )
     logger.info("connecting to PyTRIO at %s", base_url)
-    # the client copies pytrio's configuration when it is created: the windows are set for that moment only
-    saved = {name: getattr(configuration, name) for name in RETRY_WINDOWS}
+    # the client copies pytrio's configuration when it is created: the windows are set for that moment only (each
+    # under the installed client's name for it; pytrio 0.2.8 has no Control window)
+    windows = [name for name in map(pytrio_setting, RETRY_WINDOWS) if name]
+    saved = {name: getattr(configuration, name) for name in windows}
     try:
         if retry_window_s is not None:
-            for name in RETRY_WINDOWS:
+            for name in windows:
                 setattr(configuration, name, retry_window_s)
         return trio.ServiceClient()
     except trio.PyTrioError as error:
@@ -134,11 +138,13 @@ def create_service_client(retry_window_s: float | None = None):
 def close_service_client(service) -> None:
     """Release `service` (its session, connections and threads) without waiting on a service that is gone: its
     Control retries are cut to nothing first (the close is best effort)."""
-    runtime = getattr(service, "_runtime", None)  # pytrio 0.2.9 keeps the lifecycle there
+    runtime = getattr(service, "_runtime", None)  # pytrio 0.2.8 and 0.2.9 keep the lifecycle there
     if runtime is None:
         return
     try:
-        runtime.configuration.control_retry_timeout_seconds = 0.0
+        window = pytrio_setting("control_retry_timeout_seconds")  # None on 0.2.8: its Control retries by attempts
+        if window:
+            setattr(runtime.configuration, window, 0.0)
         runtime.shutdown(status="CANCELLED")
     except Exception:  # noqa: BLE001 - best effort: the process goes on with a new client
         logger.debug("closing a PyTRIO client failed", exc_info=True)

@@ -1,4 +1,4 @@
-"""Local server speaking the ``pytrio==0.2.9`` client protocol on a transformers + PEFT LoRA model.
+"""Local server speaking the ``pytrio`` client protocol (0.2.8, 0.2.9) on a transformers + PEFT LoRA model.
 
     from trl_grpo_ext.pytrio_server import running_server
 

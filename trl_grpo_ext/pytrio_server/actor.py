@@ -161,7 +161,7 @@ class ActorHandlers:
         request, prompt = job.request, job.prompt
         prompt_logprobs, topk = None, None
         if request.return_prompt_logprobs or request.topk_prompt_logprobs:
-            engine = job.engine or self.engine
+            engine = job.engine or self.engine.for_sampling
             positions = memory_positions(len(prompt), job.vision)
             cost = engine.memory_model.prompt_logprobs_bytes(positions, request.topk_prompt_logprobs)
             with _sampling_errors(), self.memory.reserve(cost):

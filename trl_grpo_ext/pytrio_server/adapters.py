@@ -13,6 +13,7 @@ import copy
 import itertools
 import json
 import random
+import threading
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -20,6 +21,7 @@ import torch
 
 from trl_grpo_ext.compat import set_active_adapter
 from trl_grpo_ext.pytrio_server.errors import EngineError
+from trl_grpo_ext.pytrio_server.optimizer_state import has_optimizer, load_optimizer, save_optimizer
 
 ATTN_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj")
 # The projections of linear-attention (Gated DeltaNet) layers of hybrid models, trained with the attention ones:
@@ -32,8 +34,12 @@ UNEMBED_MODULES = ("lm_head",)
 LORA_ALPHA = 32
 _SNAPSHOT_IDS = itertools.count(1)
 ADAPTER_FILE = "adapter_model.safetensors"
-OPTIMIZER_FILE = "optimizer.pt"
 META_FILE = "trio_checkpoint.json"
+
+
+# Adapters are created on both sides of the model (training runs; sampler slots) from different threads; their
+# initialisation seeds and draws from torch's process-wide generator.
+_SEEDED_INIT = threading.Lock()
 
 
 def next_snapshot_uid() -> int:
@@ -75,20 +81,22 @@ class LoraSnapshot:
         cfg.base_model_name_or_path = base_model
         cfg.save_pretrained(str(folder))
         if self.optimizer is not None:
-            torch.save(self.optimizer, folder / OPTIMIZER_FILE)
+            save_optimizer(self.optimizer, folder)
         (folder / META_FILE).write_text(json.dumps({"lora": asdict(self.lora), "step": self.step}))
         return sum(p.stat().st_size for p in folder.iterdir() if p.is_file())
 
     @classmethod
-    def load(cls, folder: Path, with_optimizer: bool) -> LoraSnapshot:
+    def load(cls, folder: Path, with_optimizer: bool, checkpoint: str = "") -> LoraSnapshot:
+        """The snapshot saved in `folder` (`checkpoint`, its URI, names it in errors); no file is unpickled."""
         from safetensors.torch import load_file
 
+        checkpoint = checkpoint or folder.name
         meta = json.loads((folder / META_FILE).read_text())
         optimizer = None
         if with_optimizer:
-            if not (folder / OPTIMIZER_FILE).is_file():
-                raise EngineError("checkpoint_has_no_optimizer", f"checkpoint {folder.name} holds no optimizer state")
-            optimizer = torch.load(folder / OPTIMIZER_FILE, weights_only=False)
+            if not has_optimizer(folder):
+                raise EngineError("checkpoint_has_no_optimizer", f"checkpoint {checkpoint} holds no optimizer state")
+            optimizer = load_optimizer(folder, checkpoint)
         return cls(LoraSettings(**meta["lora"]), load_file(str(folder / ADAPTER_FILE)), optimizer, meta.get("step", 0))
 
 
@@ -129,9 +137,10 @@ class LoraAdapters:
         from peft import get_peft_model
 
         config = self.peft_config(lora)
-        # A seeded run gets the same LoRA A init however many runs were created before it.
+        # A seeded run gets the same LoRA A init however many runs were created before it, and whatever the other
+        # side of the model does meanwhile: the seeded draws hold the process's RNG alone.
         devices = [self.device.index] if self.device.type == "cuda" and self.device.index is not None else []
-        with torch.random.fork_rng(devices=devices):
+        with _SEEDED_INIT, torch.random.fork_rng(devices=devices):
             torch.manual_seed(lora.seed if lora.seed is not None else random.randrange(2**31))
             if self.peft is None:
                 self.peft = get_peft_model(self.base, config, adapter_name=name)

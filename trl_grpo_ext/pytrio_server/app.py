@@ -2,9 +2,9 @@
 
 One Starlette app served by uvicorn (`routes`, `serving`) answers both; Control hands out ``<base_url>/actor`` as
 every run's actor endpoint. Requests and answers follow the schemas in ``pytrio.protocol`` (the client's own models
-validate them, so the server accepts exactly what the 0.2.9 client sends). This module holds the lifecycle and what
-every handler shares; the handlers are in `control` (Control API), `actor` (events, sampling), `training`
-(``trainer.*`` events) and `checkpoints` (snapshot cache, retention).
+validate them, so the server accepts exactly what the 0.2.8 and 0.2.9 clients send). This module holds the lifecycle
+and what every handler shares; the handlers are in `control` (Control API), `actor` (events, sampling), `training`
+(``trainer.*`` events), `checkpoints` (snapshot cache, base-model check, retention) and `downloads`.
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
+import secrets
 import shutil
 import sys
 import tempfile
@@ -23,6 +24,7 @@ from concurrent.futures import wait as wait_futures
 from dataclasses import dataclass
 from pathlib import Path
 
+from trl_grpo_ext.compat import pytrio_configure_options
 from trl_grpo_ext.models import EMBEDDED_NAME, is_embedded, resolve_model
 from trl_grpo_ext.pytrio_server.actor import ActorHandlers
 from trl_grpo_ext.pytrio_server.adapters import LoraSnapshot
@@ -30,6 +32,7 @@ from trl_grpo_ext.pytrio_server.checkpoints import CheckpointStore
 from trl_grpo_ext.pytrio_server.clients import KeyRing
 from trl_grpo_ext.pytrio_server.config import ServerConfig, default_storage_dir, split_sampling_model
 from trl_grpo_ext.pytrio_server.control import ControlHandlers
+from trl_grpo_ext.pytrio_server.downloads import CheckpointDownloads
 from trl_grpo_ext.pytrio_server.engine import ModelEngine
 from trl_grpo_ext.pytrio_server.errors import ApiError
 from trl_grpo_ext.pytrio_server.events import RunEventQueue, started_future
@@ -49,10 +52,13 @@ logger = logging.getLogger(__name__)
 # Threads that run the handlers' blocking work (registry, checkpoint files, model calls of a prompt-logprob answer).
 # A request holds one only while that work runs: waits for an event or a decode batch hold none.
 REQUEST_THREADS = 32
+HOUSEKEEPING_SECONDS = 30.0  # how often expired checkpoints are deleted (and idle sessions looked for, at most)
 
 
-class LocalPyTrioServer(ControlHandlers, ActorHandlers, OpenAIHandlers, TrainingHandlers, CheckpointStore):
-    """A Control + actor server for the ``pytrio==0.2.9`` client, backed by `ModelEngine`.
+class LocalPyTrioServer(
+    ControlHandlers, ActorHandlers, OpenAIHandlers, TrainingHandlers, CheckpointStore, CheckpointDownloads
+):
+    """A Control + actor server for the ``pytrio`` client (0.2.8, 0.2.9), backed by `ModelEngine`.
 
     Use as a context manager (or `start`/`stop`); it serves from a background thread. Point the client at it
     with `client_env` (environment variables, read when ``pytrio`` is imported) or `configure_client`.
@@ -74,6 +80,7 @@ class LocalPyTrioServer(ControlHandlers, ActorHandlers, OpenAIHandlers, Training
             max_batch_tokens=config.max_batch_tokens,
             share_prefix=config.share_prefix,
             vision=config.vision,
+            concurrent_sampling=config.concurrent_sampling,
         )
         self.model_id = self.engine.model_path
         # what a client may pass as base_model: the served names (the first is reported), path, default alias
@@ -83,25 +90,29 @@ class LocalPyTrioServer(ControlHandlers, ActorHandlers, OpenAIHandlers, Training
         self.memory = MemoryGate(config.memory_budget_bytes or default_budget())
         logger.info("PyTRIO local server: working memory budget %s", gib(self.memory.budget))
         logger.info("PyTRIO local server: %s", self.engine.precision.line())
-        self.sampler = SamplingBatcher(self.engine, config.max_sampling_rows, self.memory)
+        self.sampler = SamplingBatcher(self.engine.for_sampling, config.max_sampling_rows, self.memory)
         # sampling-only base models (`ServerConfig.sampling_models`): engine and decode batcher each, one budget
         self.sampling_models: dict[str, SamplingModel] = {}
-        for entry in config.sampling_models:
+        for entry in config.sampling_models:  # each trains nothing: one model object, one lock
             requested, served_name = split_sampling_model(entry)
             engine = ModelEngine(_resolve_model(requested), device=config.device, dtype=config.dtype,
                                  bf16=config.bf16, bf16_sampling=config.bf16_sampling,
                                  max_batch_tokens=config.max_batch_tokens,
-                                 share_prefix=config.share_prefix, vision=config.vision)  # fmt: skip
+                                 share_prefix=config.share_prefix, vision=config.vision,
+                                 concurrent_sampling=False)  # fmt: skip
             names = {engine.model_path, str(requested), _default_alias(requested, engine.model_path)}
             names |= {served_name} if served_name else set()
             if names & (self.aliases | {n for m in self.sampling_models.values() for n in m.names}):
                 raise ValueError(f"sampling model {requested!r} has a name another served model has: {sorted(names)}")
-            model = SamplingModel(engine, SamplingBatcher(engine, config.max_sampling_rows, self.memory), names)
+            alias = served_name or _default_alias(requested, engine.model_path)
+            model = SamplingModel(engine, SamplingBatcher(engine, config.max_sampling_rows, self.memory), names, alias)
             self.sampling_models[engine.model_path] = model
             logger.info("PyTRIO local server: also serving %s for sampling (%s)", requested, engine.model_path)
         self._queues: dict[str, RunEventQueue] = {}
         self._snapshot_cache: OrderedDict[str, LoraSnapshot] = OrderedDict()
         self._cache_lock = threading.Lock()
+        self._unknown_base_warned: set[str] = set()  # checkpoints without a recorded base, warned about once
+        self._download_key = secrets.token_bytes(32)  # signs this process's download URLs (`downloads`)
         self._own_storage = config.ephemeral_storage
         if config.ephemeral_storage:
             self.storage = Path(tempfile.mkdtemp(prefix="pytrio-server-"))
@@ -112,12 +123,13 @@ class LocalPyTrioServer(ControlHandlers, ActorHandlers, OpenAIHandlers, Training
         restored = self.registry.load_persisted()
         if restored:
             logger.info("PyTRIO local server: %d checkpoints of earlier processes in %s", restored, self.storage)
+        self.expire_checkpoints()  # those whose ttl_seconds passed while no server ran
         self.app = create_app(self)
         self._http: BackgroundServer | None = None
         self._pool: ThreadPoolExecutor | None = None
         self._closing = started_future()  # done once `stop` begins: long polls return, new event queues are refused
         self._closing_waiter: asyncio.Future | None = None  # `_closing` on the serving loop
-        self._reaper: threading.Thread | None = None  # reclaims idle sessions (`reclaim_idle_sessions`)
+        self._reaper: threading.Thread | None = None  # idle sessions and expired checkpoints (`_housekeeping`)
         self.started = time.time()
 
     # ---------------------------------------------------------------- lifecycle
@@ -134,9 +146,8 @@ class LocalPyTrioServer(ControlHandlers, ActorHandlers, OpenAIHandlers, Training
             max_connections_per_peer=config.max_connections_per_peer,
         )  # fmt: skip
         self._http = http.start()
-        if config.session_timeout_seconds:
-            self._reaper = threading.Thread(target=self._reap_idle_sessions, name="pytrio-sessions", daemon=True)
-            self._reaper.start()
+        self._reaper = threading.Thread(target=self._housekeeping, name="pytrio-housekeeping", daemon=True)
+        self._reaper.start()
         logger.info("PyTRIO local server on %s serving %s (%s)", self.base_url, self.model_alias, self.model_id)
         return self
 
@@ -174,7 +185,7 @@ class LocalPyTrioServer(ControlHandlers, ActorHandlers, OpenAIHandlers, Training
                 temporary = [c for c in self.registry.checkpoints.values() if c.visibility == "TEMPORARY"]
             for record in temporary:
                 self.registry.forget_checkpoint(record.uri)
-                shutil.rmtree(record.path, ignore_errors=True)
+                self._delete_files(record)
 
     def _close_inprocess_clients(self) -> None:
         """Shut down this process's pytrio runtimes bound to this server while it still answers.
@@ -217,19 +228,23 @@ class LocalPyTrioServer(ControlHandlers, ActorHandlers, OpenAIHandlers, Training
         return {"PYTRIO_BASE_URL": self.base_url, "PYTRIO_API_KEY": self.api_key}
 
     def configure_client(self, **options) -> None:
-        """Point the already-imported ``pytrio`` at this server; extra options go to `pytrio.configure`."""
+        """Point the already-imported ``pytrio`` at this server; extra options go to `pytrio.configure`, named as
+        pytrio 0.2.9 names them (renamed for a 0.2.8 client: `compat.pytrio_configure_options`)."""
         import pytrio
 
-        pytrio.configure(api_key=self.api_key, base_url=self.base_url, **options)
+        pytrio.configure(api_key=self.api_key, base_url=self.base_url, **pytrio_configure_options(options))
 
-    def _reap_idle_sessions(self) -> None:
-        """`reclaim_idle_sessions` a few times per timeout, until `stop`."""
-        interval = min(30.0, self.config.session_timeout_seconds / 4)
+    def _housekeeping(self) -> None:
+        """Until `stop`: `reclaim_idle_sessions` a few times per session timeout, `expire_checkpoints` (their disk;
+        lookups already answer them as missing) at least every `HOUSEKEEPING_SECONDS`."""
+        timeout = self.config.session_timeout_seconds
+        interval = min(HOUSEKEEPING_SECONDS, timeout / 4) if timeout else HOUSEKEEPING_SECONDS
         while not wait_futures([self._closing], timeout=interval).done:
-            try:
-                self.reclaim_idle_sessions()
-            except Exception:  # noqa: BLE001 - a bug here must not stop the reclaiming
-                logger.exception("reclaiming idle sessions failed")
+            for task in (self.reclaim_idle_sessions, self.expire_checkpoints):
+                try:
+                    task()
+                except Exception:  # noqa: BLE001 - a bug here must not stop the housekeeping
+                    logger.exception("%s failed", task.__name__)
 
     # ---------------------------------------------------------------- shared helpers
     async def _in_thread(self, fn, *args):
@@ -275,9 +290,9 @@ class LocalPyTrioServer(ControlHandlers, ActorHandlers, OpenAIHandlers, Training
         raise ApiError(404, "model_not_found", self.not_served_message(name))
 
     def model_for(self, key: str):
-        """(engine, decode batcher) of the served model `key` (`_resolve_base_model`)."""
+        """(engine to sample on, decode batcher) of the served model `key` (`_resolve_base_model`)."""
         if not key:
-            return self.engine, self.sampler
+            return self.engine.for_sampling, self.sampler
         model = self.sampling_models[key]
         return model.engine, model.sampler
 
@@ -298,6 +313,7 @@ class SamplingModel:
     engine: ModelEngine
     sampler: SamplingBatcher
     names: frozenset | set
+    alias: str = ""  # the name listings give it: its NAME=, else its folder's name (or "embedded")
 
 
 def _resolve_model(model: str) -> str:

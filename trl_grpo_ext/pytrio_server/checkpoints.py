@@ -10,11 +10,13 @@ import errno
 import logging
 import os
 import shutil
+import time
 from pathlib import Path
 
 import torch
 
 from trl_grpo_ext.pytrio_server.adapters import LoraSnapshot
+from trl_grpo_ext.pytrio_server.base_model import mismatch
 from trl_grpo_ext.pytrio_server.errors import ApiError, EventFailure
 from trl_grpo_ext.pytrio_server.registry import RECORD_FILE, CheckpointRecord
 from trl_grpo_ext.runs.loop_state import load_loop_state
@@ -67,8 +69,29 @@ class CheckpointStore:
             message = f"could not save {record.uri} ({reason}); nothing was kept"
             raise EventFailure("checkpoint_save_failed", message) from None
 
+    def _check_base(self, record: CheckpointRecord) -> None:
+        """409 ``base_model_mismatch`` (naming both) for a checkpoint trained on another base model than this server's;
+        a checkpoint whose base is unknown (saved before checkpoints recorded it) passes, with a warning once."""
+        problem = mismatch(record.uri, record.base, self.engine.base_model)
+        if problem:
+            raise ApiError(409, "base_model_mismatch", problem)
+        if not record.base.fingerprint and record.uri not in self._unknown_base_warned:
+            self._unknown_base_warned.add(record.uri)
+            logger.warning(
+                "checkpoint %s records no base model (saved before checkpoints recorded theirs): used on %s "
+                "unchecked; an adapter of another base would give wrong results without an error",
+                record.uri, self.model_id,
+            )  # fmt: skip
+
+    def _base_differs(self, record: CheckpointRecord) -> bool:
+        """Whether `record` was trained on other weights than this server's (False when its base is unknown)."""
+        return mismatch(record.uri, record.base, self.engine.base_model) is not None
+
     def _snapshot(self, record: CheckpointRecord, with_optimizer: bool) -> LoraSnapshot:
-        """The checkpoint's weights, from the in-memory cache of recent snapshots or from disk."""
+        """The checkpoint's weights, from the in-memory cache of recent snapshots or from disk, once its base model is
+        this server's (`_check_base`): every path that loads, samples from, resumes or teaches with a checkpoint
+        comes through here."""
+        self._check_base(record)
         with self._cache_lock:
             cached = self._snapshot_cache.get(record.uri)
             if cached is not None and cached.uid == record.snapshot_uid:
@@ -77,7 +100,7 @@ class CheckpointStore:
                     return cached
         if not record.path.is_dir():
             raise ApiError(410, "checkpoint_gone", f"checkpoint files of {record.uri} are gone")
-        snapshot = LoraSnapshot.load(record.path, with_optimizer)
+        snapshot = LoraSnapshot.load(record.path, with_optimizer, record.uri)
         snapshot.uid = record.snapshot_uid  # same weights: a sampler slot holding them needs no reload
         self._remember(record.uri, snapshot)
         return snapshot
@@ -88,6 +111,24 @@ class CheckpointStore:
             self._snapshot_cache.move_to_end(uri)
             while len(self._snapshot_cache) > self.config.snapshot_cache_size:
                 self._snapshot_cache.popitem(last=False)
+
+    def expire_checkpoints(self) -> int:
+        """Delete every checkpoint past its ``ttl_seconds`` (its record and files); returns how many. Lookups answer
+        an expired checkpoint as a missing one already (`CheckpointRecord.expired`); this reclaims its disk."""
+        now = time.time()
+        with self.registry.lock:
+            expired = [c for c in self.registry.checkpoints.values() if c.expired(now)]
+            for record in expired:
+                self.registry.forget_checkpoint(record.uri)
+        for record in expired:
+            self._delete_files(record)
+            logger.info("ttl: deleted checkpoint %s (%d bytes; its ttl_seconds passed)", record.uri, record.size)
+        return len(expired)
+
+    def _delete_files(self, record: CheckpointRecord) -> None:
+        with self._cache_lock:
+            self._snapshot_cache.pop(record.uri, None)
+        shutil.rmtree(record.path, ignore_errors=True)
 
     def _prune_temporary(self, run: str) -> None:
         """Keep the newest `max_temporary_checkpoints` TEMPORARY checkpoints of `run` (sampler hand-offs).
@@ -127,9 +168,7 @@ class CheckpointStore:
             for record in stale:
                 self.registry.forget_checkpoint(record.uri)
         for record in stale:
-            with self._cache_lock:
-                self._snapshot_cache.pop(record.uri, None)
-            shutil.rmtree(record.path, ignore_errors=True)
+            self._delete_files(record)
             logger.info(
                 "retention: deleted checkpoint %s (%d bytes; keeps the newest %d)", record.uri, record.size, keep
             )

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import MISSING, dataclass, field
 from pathlib import Path
 
 from trl_grpo_ext.cpu.precision import parse_bf16_setting
 from trl_grpo_ext.models import cache_dir
+from trl_grpo_ext.pytrio_server.memory import GIB
 from trl_grpo_ext.pytrio_server.normalization import NORMALIZATIONS
 from trl_grpo_ext.runs import PYTRIO_SERVER_DIRNAME
 
@@ -15,87 +16,161 @@ API_KEY_ENV = "TRL_GRPO_EXT_PYTRIO_API_KEY"  # read by `trl-grpo-ext pytrio-serv
 MIB = 1024 * 1024
 
 
+def option(default=MISSING, help: str = "", flag: str | None = None, **cli):
+    """A `ServerConfig` field: its default and `help`; with `flag`, also a ``pytrio-serve`` option, whose type, default
+    and help come from the field (`trl_grpo_ext.cli.pytrio_serve` derives them). `cli` keys: ``cli_default`` (the
+    option's default where it differs from the field's), ``unit`` ((name, bytes): the option counts in that unit, the
+    field in bytes), ``choices``, ``metavar``, ``cli_help`` (the option's help where it differs, as a ``--no-`` switch's
+    does)."""
+    return field(default=default, metadata={"help": help, "flag": flag, **cli})
+
+
 @dataclass
 class ServerConfig:
     """How to start a `LocalPyTrioServer`; every field has a safe default except ``model``.
 
-    Invalid values raise `ValueError` with one line naming the field, before any model loads.
+    Invalid values raise `ValueError` with one line naming the field, before any model loads. A field with a ``flag``
+    is also a ``pytrio-serve`` option (`option`): a new setting is one field here.
     """
 
-    model: str
-    host: str = "127.0.0.1"
-    port: int = 0  # 0: a free port chosen by the OS
-    api_key: str | None = None  # None (and no api_keys): a random key, read it from `server.api_key`
+    model: str = option(help="model folder, hub id, or 'embedded' (SmolLM2-135M-Instruct): the one training runs use")
+    host: str = option("127.0.0.1", "bind address; 127.0.0.1 is this machine only", "--host")
+    port: int = option(0, "port (0 picks a free one)", "--port", cli_default=8710)
+    api_key: str | None = option(None, "the client key `server.api_key` reports; None (and no api_keys): a random key")
     # More clients: every key is one client, owning its sessions, runs and checkpoints (`clients`); an admin key
     # sees every client's. `api_key` (else the first of `api_keys`) is the one `server.api_key` reports.
-    api_keys: tuple[str, ...] = ()
-    admin_keys: tuple[str, ...] = ()
-    # Names a client may pass as ``base_model`` for the served model, besides its path and default alias
-    # (e.g. "Qwen/Qwen3-4B-Instruct-2507", so a script written for the hosted service runs unmodified).
+    api_keys: tuple[str, ...] = option((), "more client keys, one client each")
+    admin_keys: tuple[str, ...] = option((), "admin keys: an admin sees and may act on every client's objects")
     # The first one is the alias the server reports (`models`, run views).
-    served_names: tuple[str, ...] = ()
-    # More base models, served for sampling and log-probs only (e.g. a distillation teacher): each a model folder,
-    # hub id or 'embedded', passed as ``base_model`` by its path, the name given here or its folder name; written
-    # ``NAME=MODEL`` it answers to NAME too (a hosted model's id, for scripts written for the hosted service).
-    # Training runs use `model`. They share the working-memory budget.
-    sampling_models: tuple[str, ...] = ()
-    # Checkpoints and their records; None: `default_storage_dir()`, a stable folder, so a restarted server can
-    # load_state from an earlier process's checkpoints. ephemeral_storage: a temporary folder removed on stop.
-    storage_dir: str | None = None
-    ephemeral_storage: bool = False
-    device: str | None = None
-    dtype: str = "float32"
-    # bf16 autocast of an fp32 model in forward/backward: auto (where the CPU has bf16 matrix units), true, false
-    # (`trl_grpo_ext.cpu.precision`); the LoRA weights and their optimizer state stay fp32
-    bf16: str | bool = "auto"
-    # sampling and compute_logprobs in bf16 too (where `bf16` is on). Off by default: in fp32 a request's tokens do
-    # not depend on its batch-mates; in bf16 the rounding of a shared decode step can change them
-    bf16_sampling: bool = False
-    max_batch_size: int | None = None  # advertised to the client, which then splits batches into events
-    max_tokens_per_request: int | None = None
-    max_batch_tokens: int = 4096  # forward/backward: padded tokens per model call (memory of the logits)
-    # forward/backward: data that share a token prefix (a GRPO group's prompt) encode it once; outputs and
-    # gradients equal the unshared computation to float rounding
-    share_prefix: bool = True
-    # an image-text checkpoint (Qwen-VL style) is loaded with its vision tower and takes image chunks (`images`);
-    # false loads its language model only, as a causal LM (less memory, image chunks refused)
-    vision: bool = True
-    long_poll_seconds: float = 20.0  # below the client's 65 s read timeout for event polls
-    snapshot_cache_size: int = 8  # adapter snapshots kept in memory; older ones reload from disk
-    max_temporary_checkpoints: int = 8  # per run: save_weights_and_get_sampling_client hand-offs kept
-    # 0 (default): nothing a client saved is deleted, as on the hosted service. N >= 2, only when the operator
-    # asks: per training run, the newest N durable checkpoints of each kind (save_state,
-    # save_weights_for_sampler) are kept and older ones deleted (logged). At least 2, so the checkpoint a loop's
-    # state file names survives until the loop has recorded the next one.
-    keep_checkpoints: int = 0
-    # forward_backward: "client_totals" divides each micro-batch's summed loss by the logical batch's denominator
-    # the client sends (`normalization`), as the hosted service does; "sum" keeps the plain sum (Tinker's
-    # documented semantics) for clients that normalise themselves.
-    loss_normalization: str = "client_totals"
-    heartbeat_ms: int = 60_000
-    # Hardening: a request body above `max_request_bytes` answers 413 unread; a sample request asks for at most
-    # `max_num_samples` sequences; a connection that sends nothing for `idle_timeout_seconds` is closed.
-    max_request_bytes: int = 64 * MIB
-    max_num_samples: int = 128
-    # top-k prompt log-probs per position: the answer holds k (token, logprob) pairs per prompt token
-    max_topk_logprobs: int = 20
-    # Concurrent sample requests on the same weights share decode steps, up to this many rows in one batch.
-    max_sampling_rows: int = 64
-    idle_timeout_seconds: float = 300.0  # above a slow CPU step (forward_backward measured up to ~100 s loaded)
-    # A session none of whose runs was heard of (heartbeat, event, sample, Control call) for this long is reclaimed:
-    # closed as EXPIRED, its training runs ended and their adapters freed. 0 keeps sessions forever. The client
-    # heartbeats every `heartbeat_ms` (at least 1 s), so the timeout must allow two missed beats.
-    session_timeout_seconds: float = 900.0
-    # Working memory admitted at once (forward/backward activations, sampling KV caches, prompt log-probs), estimated
-    # per request from the model's shape; None: 60% of the memory available when the server starts. A request that
-    # can never fit is refused (413); one that does not fit now waits for running work to finish.
-    memory_budget_bytes: int | None = None
-    # A request's head and body must arrive within this of its first byte (a deadline later bytes do not move);
+    served_names: tuple[str, ...] = option(
+        (),
+        "a name clients may pass as base_model for the served model, besides its path and default alias, e.g. "
+        "Qwen/Qwen3-4B-Instruct-2507 so scripts written for the hosted service run unmodified (repeatable; the first "
+        "is the reported alias)",
+        "--served-name",
+        metavar="NAME",
+    )
+    # Training runs use `model`; these share the working-memory budget. (pytrio-serve: `--model` repeated.)
+    sampling_models: tuple[str, ...] = option(
+        (),
+        "more base models, served for sampling and log-probs only (e.g. a distillation teacher): each a model folder, "
+        "hub id or 'embedded', passed as base_model by its path, the name given here or its folder name; written "
+        "NAME=MODEL it answers to NAME too (a hosted model's id, for scripts written for the hosted service)",
+    )
+    # None: `default_storage_dir()`, a stable folder, so a restarted server can load_state from an earlier process's
+    # checkpoints.
+    storage_dir: str | None = option(
+        None,
+        "checkpoint folder, kept across restarts (default: $TRL_GRPO_EXT_CACHE/pytrio-server or "
+        "~/.cache/trl_grpo_ext/pytrio-server)",
+        "--storage-dir",
+    )
+    ephemeral_storage: bool = option(False, "checkpoints in a temporary folder removed on stop (tests)")
+    device: str | None = option(None, "torch device (default cuda if available, else cpu)", "--device")
+    dtype: str = option("float32", "model dtype: float32, bfloat16, float16", "--dtype")
+    # (`trl_grpo_ext.cpu.precision`)
+    bf16: str | bool = option(
+        "auto",
+        "bf16 autocast of a float32 model in forward/backward: auto (where the CPU has bf16 matrix units), true, "
+        "false; LoRA weights and optimizer state stay fp32",
+        "--bf16",
+        choices=("auto", "true", "false"),
+    )
+    # Off by default: in fp32 a request's tokens do not depend on its batch-mates; in bf16 the rounding of a shared
+    # decode step can change them.
+    bf16_sampling: bool = option(
+        False,
+        "sample (and compute_logprobs) in bf16 too where bf16 is on: faster on some CPUs, but a request's tokens may "
+        "then depend on the requests decoded beside it (default: fp32 sampling, batch-invariant)",
+        "--bf16-sampling",
+    )
+    max_batch_size: int | None = option(
+        None, "per-event batch cap advertised to clients (they then split batches into events)", "--max-batch-size"
+    )
+    max_tokens_per_request: int | None = option(None, "per-event token cap advertised to clients")
+    max_batch_tokens: int = option(4096, "forward/backward: padded tokens per model call (memory of the logits)")
+    share_prefix: bool = option(
+        True,
+        "forward/backward: data that share a token prefix (a GRPO group's prompt) encode it once; outputs and "
+        "gradients equal the unshared computation to float rounding",
+    )
+    # (`model_sides`)
+    concurrent_sampling: bool = option(
+        True,
+        "sampler snapshots (sample, compute_logprobs, the OpenAI route) run beside training on a second module tree "
+        "over the same weights, each side on its share of the CPU threads; off: one lock serves both",
+        "--no-concurrent-sampling",
+        cli_help="one lock for sampling and training: a sample request waits for a running forward_backward (default: "
+        "sampling runs beside training, each on its share of the CPU threads)",
+    )
+    # (`images`)
+    vision: bool = option(
+        True,
+        "load an image-text checkpoint with its vision tower, image chunks accepted; off: its language model only, "
+        "as a causal LM (less memory, image chunks refused)",
+        "--no-vision",
+        cli_help="load an image-text checkpoint's language model only, as a causal LM: less memory, image chunks "
+        "refused (default: with its vision tower, image chunks accepted)",
+    )
+    long_poll_seconds: float = option(20.0, "longest wait of an event status read (below the client's 65 s timeout)")
+    snapshot_cache_size: int = option(8, "adapter snapshots kept in memory; older ones reload from disk")
+    max_temporary_checkpoints: int = option(8, "per run: save_weights_and_get_sampling_client hand-offs kept")
+    # At least 2, so the checkpoint a loop's state file names survives until the loop has recorded the next one.
+    keep_checkpoints: int = option(
+        0,
+        "delete old checkpoints: per training run, keep the newest N save_state and N sampler checkpoints (N >= 2; "
+        "each deletion is logged). 0: nothing a client saved is deleted, as on the hosted service",
+        "--keep-checkpoints",
+    )
+    # (`normalization`)
+    loss_normalization: str = option(
+        "client_totals",
+        "forward_backward: divide each micro-batch's loss by the logical batch's token total the client sends, as "
+        "the hosted service does (client_totals), or keep the plain sum over tokens (sum, Tinker's documented "
+        "semantics, for clients that normalise themselves)",
+        "--loss-normalization",
+        choices=NORMALIZATIONS,
+    )
+    heartbeat_ms: int = option(60_000, "the heartbeat interval the server asks clients for")
+    max_request_bytes: int = option(
+        64 * MIB, "largest request body accepted; larger ones get 413 unread", "--max-request-mb", unit=("MiB", MIB)
+    )
+    max_num_samples: int = option(128, "most sequences one sample request may ask for", "--max-num-samples")
+    max_topk_logprobs: int = option(
+        20, "largest topk_prompt_logprobs a sample request may ask (k pairs per prompt token)", "--max-topk-logprobs"
+    )
+    max_sampling_rows: int = option(64, "rows of concurrent sample requests on the same weights in one decode batch")
+    # Above a slow CPU step (forward_backward measured up to ~100 s loaded).
+    idle_timeout_seconds: float = option(
+        300.0, "seconds a connection may stay silent before it is closed", "--idle-timeout"
+    )
+    # Its runs ended and their adapters freed. The client heartbeats every `heartbeat_ms` (at least 1 s), so the
+    # timeout must allow two missed beats.
+    session_timeout_seconds: float = option(
+        900.0,
+        "seconds without a heartbeat (or any request) after which a client's session is reclaimed: its runs ended, "
+        "their memory freed (0: never)",
+        "--session-timeout",
+    )
+    # Estimated per request from the model's shape; a request that can never fit is refused (413), one that does not
+    # fit now waits for running work to finish.
+    memory_budget_bytes: int | None = option(
+        None,
+        "working memory admitted at once (activations, sampling caches; estimated per request from the model's "
+        "shape): larger requests get 413, others wait their turn (default: 60% of the memory available at start)",
+        "--memory-budget-gb",
+        unit=("GiB", GIB),
+    )
     # 64 MiB in 120 s is 0.5 MB/s, far below any local link.
-    request_timeout_seconds: float = 120.0
-    # Open connections, in all and from one address; one more is answered 503 and closed before anything is read.
-    max_connections: int = 1024
-    max_connections_per_peer: int = 256
+    request_timeout_seconds: float = option(
+        120.0,
+        "seconds a request's head and body may take to arrive from its first byte; later bytes do not extend it",
+        "--request-timeout",
+    )
+    max_connections: int = option(
+        1024, "open connections in all; one more is refused with 503 at once", "--max-connections"
+    )
+    max_connections_per_peer: int = option(256, "open connections from one address", "--max-connections-per-peer")
 
     def __post_init__(self):
         for name in ("served_names", "api_keys", "admin_keys", "sampling_models"):
@@ -110,6 +185,8 @@ class ServerConfig:
             problems.append(str(error))
         if not isinstance(self.bf16_sampling, bool):
             problems.append(f"bf16_sampling must be true or false, got {self.bf16_sampling!r}")
+        if not isinstance(self.concurrent_sampling, bool):
+            problems.append(f"concurrent_sampling must be true or false, got {self.concurrent_sampling!r}")
         if not isinstance(self.vision, bool):
             problems.append(f"vision must be true or false, got {self.vision!r}")
         if any(not isinstance(m, str) or not split_sampling_model(m)[0].strip() for m in self.sampling_models):

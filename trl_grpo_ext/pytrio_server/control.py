@@ -11,7 +11,6 @@ another client's sessions, runs and checkpoints answer 404 like missing ones, an
 from __future__ import annotations
 
 import logging
-import shutil
 import time
 
 from pytrio.protocol.control.sampling_run.create import SamplingRunCreateRequest
@@ -167,6 +166,7 @@ class ControlHandlers:
         )
         if request.source_checkpoint_uri:
             source = self.registry.checkpoint(request.source_checkpoint_uri, caller)
+            self._check_base(source)  # before the name: a checkpoint of another base names a model not served here
             lora = source.lora if not request.base_model else lora
         elif not request.base_model:
             raise ApiError(400, "invalid_request", "base_model is required without source_checkpoint_uri")
@@ -217,6 +217,7 @@ class ControlHandlers:
         if rid in self.engine.runs:
             raise ApiError(409, "run_already_initialized", "the trainer is initialized; load state before training")
         source = self.registry.checkpoint(request.source_checkpoint_uri, caller)
+        self._check_base(source)
         if source.lora.shape_key != run.lora.shape_key:
             raise ApiError(409, "checkpoint_mismatch", f"checkpoint LoRA {source.lora} does not match {run.lora}")
         run.source_checkpoint_uri, run.restore_optimizer = request.source_checkpoint_uri, request.restore_optimizer
@@ -277,7 +278,9 @@ class ControlHandlers:
         uri = (query.get("checkpoint_uri") or [""])[0]
         record = self.registry.checkpoint(uri, caller)
         lora = record.lora
-        return {"base_model": self.model_id, "lora_rank": lora.rank, "seed": lora.seed, "train_mlp": lora.train_mlp,
+        # the name a resume passes back as base_model: this server's where the weights are the same (or unknown)
+        base = record.base.name if self._base_differs(record) else self.model_id
+        return {"base_model": base, "lora_rank": lora.rank, "seed": lora.seed, "train_mlp": lora.train_mlp,
                 "train_attn": lora.train_attn, "train_unembed": lora.train_unembed}  # fmt: skip
 
     def _checkpoint_view(self, c: CheckpointRecord) -> dict:
@@ -291,8 +294,11 @@ class ControlHandlers:
             "checkpoint_type": "TRAINING" if c.kind == "state" else "SAMPLER",
             "status": "READY",
             "checkpoint_uri": c.uri,
-            "model": self.model_alias,
-            "base_model": self.model_id,
+            # the base model it was trained on ("" when it was saved before checkpoints recorded theirs)
+            "model": c.base.name if self._base_differs(c) else self.model_alias,
+            "base_model": c.base.name,
+            "base_model_fingerprint": c.base.fingerprint or None,
+            "base_model_served": not self._base_differs(c),  # whether this server can load it
             "model_spec_cuid": "model_local",
             "task_id": c.run,
             "task_created_at": iso(run.created if run else c.created),
@@ -309,29 +315,21 @@ class ControlHandlers:
 
     def list_run_checkpoints(self, query, _b, caller: Caller, rid) -> dict:
         with self.registry.lock:
-            records = [c for c in self.registry.checkpoints.values() if c.run == rid and caller.may_see(c.owner)]
-            items = [self._checkpoint_view(c) for c in records]
+            items = [self._checkpoint_view(c) for c in self.registry.visible_checkpoints(caller, rid)]
         if not items:  # a run of an earlier process is known through its checkpoints only
             self.registry.training_run(rid, caller)
         return page(items, query, "checkpoints")
 
     def list_checkpoints(self, query, _b, caller: Caller) -> dict:
         with self.registry.lock:
-            records = [c for c in self.registry.checkpoints.values() if caller.may_see(c.owner)]
-            items = [self._checkpoint_view(c) for c in records]
+            items = [self._checkpoint_view(c) for c in self.registry.visible_checkpoints(caller)]
         return page(items, query, "checkpoints")
 
     def delete_checkpoint(self, _q, _b, caller: Caller, cid) -> dict:
         record = self.registry.checkpoint_by_cuid(cid, caller)
         self.registry.forget_checkpoint(record.uri)
-        shutil.rmtree(record.path, ignore_errors=True)
+        self._delete_files(record)
         return {}
-
-    def checkpoint_download(self, _q, _b, caller: Caller, cid) -> dict:
-        record = self.registry.checkpoint_by_cuid(cid, caller)
-        raise ApiError(
-            501, "not_implemented", f"downloads are not served locally; {record.uri} stays on the server's disk"
-        )
 
     def create_sampling_run(self, _q, request: SamplingRunCreateRequest, caller: Caller, sid) -> dict:
         model = self._resolve_base_model(request.base_model)

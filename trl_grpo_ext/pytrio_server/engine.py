@@ -3,15 +3,17 @@
 `ModelEngine` loads the model once and serves every training run and sampler on it. Its parts, one module each:
 `adapters` (LoRA adapters per run and sampler slots, `LoraSnapshot`), `forward` (forward / forward_backward on
 right-padded batches, prefix-shared through `trl_grpo_ext.prefix`) and `decoding` (sampling, decode batches). This
-module holds what ties them: the model, the lock, the training runs and their optimizer steps.
-A single re-entrant lock serialises every use of the model: PEFT's active adapter is global state.
+module holds what ties them: the model, the locks, the training runs and their optimizer steps.
+PEFT's active adapter is state of the model object, so each use of a model object holds its lock. Sampling has a
+model object of its own over the same weights (`for_sampling`, `model_sides`), so it runs while training holds the
+other; with ``concurrent_sampling=False`` one object and one lock serve both.
 """
 
 from __future__ import annotations
 
 import copy
 import functools
-import threading
+import logging
 import warnings
 
 import torch
@@ -21,13 +23,18 @@ from trl_grpo_ext.cpu.precision import bf16_autocast, resolve_precision
 from trl_grpo_ext.cpu.threads import govern_cpu_threads
 from trl_grpo_ext.prefix import packed_unsupported_reason
 from trl_grpo_ext.pytrio_server.adapters import LoraAdapters, LoraSettings, LoraSnapshot, TrainingRun
+from trl_grpo_ext.pytrio_server.base_model import BaseModel, weights_fingerprint
 from trl_grpo_ext.pytrio_server.decoding import SampleSpec, Sampling, default_stop_ids
 from trl_grpo_ext.pytrio_server.errors import EngineError
 from trl_grpo_ext.pytrio_server.forward import MIN_SHARED_PREFIX, ForwardBackward
 from trl_grpo_ext.pytrio_server.images import ImageInputs, is_image_text, load_image_processor
 from trl_grpo_ext.pytrio_server.logprobs import LOGIT_CHUNK, TokenLogprobs, checkpointing_exact, split_head_exact
 from trl_grpo_ext.pytrio_server.memory import MemoryModel
+from trl_grpo_ext.pytrio_server.model_sides import ModelLock, shared_weights_copy, thread_shares
+from trl_grpo_ext.pytrio_server.optimizer_state import state_problems
 from trl_grpo_ext.pytrio_server.sample_params import SampleLimits, check_spec
+
+logger = logging.getLogger(__name__)
 
 
 class ModelEngine(LoraAdapters, ForwardBackward, Sampling, TokenLogprobs, ImageInputs):
@@ -50,6 +57,7 @@ class ModelEngine(LoraAdapters, ForwardBackward, Sampling, TokenLogprobs, ImageI
         bf16: str | bool | None = "auto",
         bf16_sampling: bool = False,
         vision: bool = True,
+        concurrent_sampling: bool = True,
     ):
         from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText, AutoTokenizer
 
@@ -76,19 +84,25 @@ class ModelEngine(LoraAdapters, ForwardBackward, Sampling, TokenLogprobs, ImageI
             self.image_processor = load_image_processor(self.model_path, config)
         else:
             model = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=torch_dtype)
+        # what checkpoints record as their base (`base_model`): the weights as loaded, before any cast or LoRA layer
+        self.base_model = BaseModel(self.model_path, weights_fingerprint(model))
         if self.sample_bf16:
             bf16_frozen_linears(model)
-            model.forward = _in_autocast(model.forward, self.device.type)
         model.to(self.device)
         model.eval()  # no dropout: forward and forward_backward must see the same function
         for p in model.parameters():
             p.requires_grad_(False)
-        govern_cpu_threads(model)  # on the CPU: fewer threads while other processes are busy
+        sampling_tree = shared_weights_copy(model) if concurrent_sampling else None  # before any PEFT layer
+        for tree in (model, sampling_tree):
+            if tree is not None and self.sample_bf16:
+                tree.forward = _in_autocast(tree.forward, self.device.type)
+        # on the CPU: fewer threads while other processes are busy (with two sides, their locks share the count)
+        governor = govern_cpu_threads(model, hook=sampling_tree is None)
         self.base = model
         # read before PEFT wraps the layers: LoRA-wrapped linears are no longer nn.Linear
         self._linear_names = {n.rsplit(".", 1)[-1] for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
         self.peft = None
-        self.lock = threading.RLock()
+        self.lock = ModelLock()
         self.runs: dict[str, TrainingRun] = {}
         self._slots: dict[str, str] = {}  # LoRA shape key -> sampler adapter name
         self._slot_content: dict[str, int] = {}  # sampler adapter -> uid of the snapshot loaded in it
@@ -109,6 +123,30 @@ class ModelEngine(LoraAdapters, ForwardBackward, Sampling, TokenLogprobs, ImageI
         self.can_checkpoint = checkpointing_exact(model)
         self.checkpoint_tokens = max(1, int(checkpoint_tokens))
         self.memory_model = MemoryModel.from_model(model, LOGIT_CHUNK)  # bytes of a request, for admission
+        # what sampler snapshots run on: this engine, or its sampling side (`model_sides`)
+        self.for_sampling = self if sampling_tree is None else self._sampling_side(sampling_tree, governor)
+
+    def _sampling_side(self, tree: torch.nn.Module, governor) -> ModelEngine:
+        """This engine's sampling side: its attributes over `tree` (the same weights), with a lock, PEFT wrapper and
+        sampler slots of its own; it trains nothing. On a CPU each side takes its share of the threads
+        (`model_sides.thread_shares` of the count at start, or of the governor's while it follows the load)."""
+        side = copy.copy(self)
+        side.base, side.peft, side.runs, side._slots, side._slot_content = tree, None, {}, {}, {}
+        side.for_sampling = side
+        if self.device.type != "cpu":
+            side.lock = ModelLock()
+            logger.info("PyTRIO local server: sampling runs beside training (a lock each; one %s)", self.device)
+            return side
+        start = torch.get_num_threads()
+        total = (lambda: governor.check()) if governor is not None else (lambda: start)
+        side.lock = ModelLock(lambda: thread_shares(total())[0])
+        self.lock = ModelLock(lambda: thread_shares(total())[1])
+        sampling, training = thread_shares(start)
+        logger.info(
+            "PyTRIO local server: sampling runs beside training, on %d and %d of %d CPU threads%s", sampling,
+            training, start, " (fewer while other processes keep cores busy)" if governor is not None else "",
+        )  # fmt: skip
+        return side
 
     def _autocast(self):
         return bf16_autocast(self.autocast_bf16, self.device.type)
@@ -142,30 +180,35 @@ class ModelEngine(LoraAdapters, ForwardBackward, Sampling, TokenLogprobs, ImageI
                 raise EngineError("checkpoint_mismatch", f"checkpoint LoRA {source.lora} does not match {lora}")
             adapter = "run_" + run_id.replace("-", "_")
             self._add_adapter(adapter, lora)
-            if source is not None:
-                self._import(adapter, source.weights)
-            params = self._adapter_params(adapter)
-            for _, p in params:
-                p.requires_grad_(False)
-            optimizer = torch.optim.AdamW(
-                [p for _, p in params], lr=1e-4, betas=(0.9, 0.95), eps=1e-12, weight_decay=0.0
-            )
-            run = TrainingRun(run_id, adapter, lora, params, optimizer)
-            if source is not None:
-                run.step = source.step
-                if load_optimizer:
-                    if source.optimizer is None:
-                        raise EngineError("checkpoint_has_no_optimizer", "checkpoint holds no optimizer state")
-                    names = source.optimizer.get("param_names")
-                    if names != [n for n, _ in params]:
-                        raise EngineError(
-                            "checkpoint_mismatch", "optimizer state does not match the adapter parameters"
-                        )
-                    # a copy: torch keeps same-device tensors as they are, and Adam updates its moments in
-                    # place, which would otherwise rewrite the checkpoint for the next run restored from it
-                    optimizer.load_state_dict(copy.deepcopy(source.optimizer["state_dict"]))
+            try:
+                run = self._new_run(run_id, adapter, lora, source, load_optimizer)
+            except Exception:
+                self._delete_adapter(adapter)  # a refused source leaves no adapter behind
+                raise
             self.runs[run_id] = run
             return run
+
+    def _new_run(self, run_id: str, adapter: str, lora: LoraSettings, source: LoraSnapshot | None, load_optimizer):
+        """The `TrainingRun` of the new adapter `adapter`, its weights (and optimizer state) from `source`."""
+        if source is not None:
+            self._import(adapter, source.weights)
+        params = self._adapter_params(adapter)
+        for _, p in params:
+            p.requires_grad_(False)
+        optimizer = torch.optim.AdamW([p for _, p in params], lr=1e-4, betas=(0.9, 0.95), eps=1e-12, weight_decay=0.0)
+        run = TrainingRun(run_id, adapter, lora, params, optimizer)
+        if source is not None:
+            run.step = source.step
+            if load_optimizer:
+                if source.optimizer is None:
+                    raise EngineError("checkpoint_has_no_optimizer", "checkpoint holds no optimizer state")
+                problem = state_problems(source.optimizer, params)
+                if problem:
+                    raise EngineError("checkpoint_mismatch", f"optimizer state does not fit the adapter: {problem}")
+                # a copy: torch keeps same-device tensors as they are, and Adam updates its moments in
+                # place, which would otherwise rewrite the checkpoint for the next run restored from it
+                optimizer.load_state_dict(copy.deepcopy(source.optimizer["state_dict"]))
+        return run
 
     def _run(self, run_id: str) -> TrainingRun:
         run = self.runs.get(run_id)
@@ -214,9 +257,12 @@ class ModelEngine(LoraAdapters, ForwardBackward, Sampling, TokenLogprobs, ImageI
         with self.lock:
             run = self.runs.pop(run_id, None)
             if run is not None and self.peft is not None:
-                with warnings.catch_warnings():  # PEFT warns when the deleted adapter was the active one
-                    warnings.simplefilter("ignore", UserWarning)
-                    self.peft.delete_adapter(run.adapter)
+                self._delete_adapter(run.adapter)
+
+    def _delete_adapter(self, adapter: str) -> None:
+        with warnings.catch_warnings():  # PEFT warns when the deleted adapter was the active one
+            warnings.simplefilter("ignore", UserWarning)
+            self.peft.delete_adapter(adapter)
 
 
 def _in_autocast(forward, device_type: str):

@@ -1,6 +1,6 @@
 """Loss normalisation from the client's ``gradient_accumulation`` totals (the pytrio v2 protocol).
 
-pytrio 0.2.9 splits one logical ``forward_backward`` into micro-batches (events) and sends with each the same
+pytrio (0.2.8, 0.2.9) splits one logical ``forward_backward`` into micro-batches (events) and sends with each the same
 totals of the whole logical batch (`pytrio.client.training_batch.plan_training_batch`): ``total_samples``,
 ``total_active_tokens`` (valid targets after ``auto_shift``; for ``cross_entropy`` those with a non-zero weight) and
 ``total_advantage_tokens`` (valid targets with a non-zero advantage, "the denominator of DRO-like normalisation").

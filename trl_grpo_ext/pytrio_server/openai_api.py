@@ -1,7 +1,8 @@
 """OpenAI-compatible chat completions on the local server (``/api/openai/v1/...``), as the hosted service serves them.
 
-A mixin of `LocalPyTrioServer`. ``model`` is a served base name (the base model) or a ``trio://`` checkpoint URI the
-caller's key owns (its LoRA weights); anything else, another key's checkpoint included, is the same ``404``. The
+A mixin of `LocalPyTrioServer`. ``model`` is a name of a served model (the training model without an adapter, or a
+sampling-only model such as a distillation teacher) or a ``trio://`` checkpoint URI the caller's key owns (its LoRA
+weights on the training model); anything else, another key's checkpoint included, is the same ``404``. The
 request's messages go through the model's chat template, and the prompt joins the server's decode batches
 (`SamplingBatcher`) with the same checks as a PyTRIO ``sample`` request (`sample_params.sample_spec`), so its
 completion is what ``sample`` with the same parameters returns (``text`` as there: special tokens, the stop token
@@ -57,18 +58,23 @@ def _message_text(index: int, message: object) -> dict:
 
 class OpenAIHandlers:
     def openai_models(self, caller) -> dict:
-        """The served names, then the caller's own sampler checkpoints (``trio://`` URIs, oldest first): every
-        ``model`` this key may ask for, so a client that checks the listing (an LLM judge) takes a checkpoint too."""
+        """The training model's served names, the sampling-only models (each under the name it was served as), then
+        the caller's own sampler checkpoints on this server's base (``trio://`` URIs, oldest first): every ``model``
+        this key may ask for, so a client that checks the listing (an LLM judge) finds each."""
         created = int(self.started)
+        names = [self.model_alias, *self.served_names, *(m.alias for m in self.sampling_models.values())]
         data = [
             {"id": name, "object": "model", "created": created, "owned_by": "trl-grpo-ext"}
-            for name in dict.fromkeys([self.model_alias, *self.served_names])
+            for name in dict.fromkeys(names)
         ]
-        with self.registry.lock:
-            records = sorted(
-                (c for c in self.registry.checkpoints.values() if c.kind == "sampler" and caller.may_see(c.owner)),
-                key=lambda c: c.created,
-            )
+        records = sorted(
+            (
+                c
+                for c in self.registry.visible_checkpoints(caller)
+                if c.kind == "sampler" and not self._base_differs(c)
+            ),
+            key=lambda c: c.created,
+        )
         data += [{"id": c.uri, "object": "model", "created": int(c.created), "owned_by": c.run} for c in records]
         return {"object": "list", "data": data}
 
@@ -101,9 +107,9 @@ class OpenAIHandlers:
         if not isinstance(messages, list) or not messages or len(messages) > MAX_MESSAGES:
             raise _bad(f"messages must be a list of 1 to {MAX_MESSAGES} messages")
         chat = [_message_text(i, m) for i, m in enumerate(messages)]
-        snapshot = self._chat_weights(model, caller)
-        prompt = self._chat_prompt(chat)
-        limits = self.engine.sample_limits(self.config.max_num_samples)
+        engine, sampler, snapshot = self._chat_weights(model, caller)
+        prompt = self._chat_prompt(engine.tokenizer, chat)
+        limits = engine.sample_limits(self.config.max_num_samples)
         n = body.get("n", 1)
         if body.get("max_tokens") is not None and body.get("max_completion_tokens") is not None:
             raise _bad("give max_tokens or max_completion_tokens, not both")
@@ -121,10 +127,10 @@ class OpenAIHandlers:
             spec = sample_spec(prompt, n, params, limits)
         except EngineError as error:
             raise ApiError(400, error.code, error.message) from None
-        cost = self.engine.memory_model.sample_bytes(len(prompt), spec.num_samples, spec.max_tokens)
+        cost = engine.memory_model.sample_bytes(len(prompt), spec.num_samples, spec.max_tokens)
         self.memory.refuse_beyond(cost, f"this chat completion ({spec.num_samples} x {spec.max_tokens} tokens)")
         try:
-            future = self.sampler.submit(snapshot, spec, cost)
+            future = sampler.submit(snapshot, spec, cost)
         except EngineError as error:
             raise ApiError(400, error.code, error.message) from None
         options = body.get("stream_options")
@@ -132,16 +138,15 @@ class OpenAIHandlers:
         return {"model": model, "prompt": prompt, "stream": stream, "usage_chunk": usage, "future": future}
 
     def _chat_weights(self, model: str, caller):
-        """None for a served base name, the checkpoint's LoRA snapshot for a ``trio://`` URI the caller may see."""
-        if model in self.aliases:
-            return None
+        """(engine, decode batcher, LoRA snapshot) of `model`: a name of the training model or of a sampling-only one
+        (no snapshot), or a ``trio://`` URI the caller may see (the training model with its weights; 404 for another
+        key's, as for a missing one; 409 for one trained on another base)."""
         if model.startswith("trio://"):
-            record = self.registry.checkpoint(model, caller)  # another key's: the 404 of a missing one
-            return self._snapshot(record, with_optimizer=False)
-        raise ApiError(404, "model_not_found", self.not_served_message(model))
+            record = self.registry.checkpoint(model, caller)
+            return self.engine.for_sampling, self.sampler, self._snapshot(record, with_optimizer=False)
+        return *self.model_for(self._resolve_base_model(model)), None
 
-    def _chat_prompt(self, chat: list[dict]) -> list[int]:
-        tokenizer = self.engine.tokenizer
+    def _chat_prompt(self, tokenizer, chat: list[dict]) -> list[int]:
         if not getattr(tokenizer, "chat_template", None):
             raise _bad("this model's tokenizer has no chat template: use the PyTRIO sample API with token ids")
         try:

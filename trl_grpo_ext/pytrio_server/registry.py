@@ -22,6 +22,7 @@ from datetime import datetime, timedelta, timezone
 from pathlib import Path
 
 from trl_grpo_ext.pytrio_server.adapters import LoraSettings, next_snapshot_uid
+from trl_grpo_ext.pytrio_server.base_model import UNKNOWN_BASE, BaseModel
 from trl_grpo_ext.pytrio_server.clients import INTERNAL, LOCAL_OWNER, Caller
 from trl_grpo_ext.pytrio_server.errors import ApiError
 from trl_grpo_ext.runs import atomic_write_text
@@ -103,9 +104,13 @@ class CheckpointRecord:
     visibility: str
     step: int
     snapshot_uid: int = 0  # identifies the weights (the in-memory snapshot cache and sampler slots key on it)
-    expires: float | None = None  # reported from ttl_seconds; not enforced (see max_temporary_checkpoints)
+    expires: float | None = None  # from ttl_seconds: past it the checkpoint is gone (`expired`, `expire_checkpoints`)
     created: float = field(default_factory=time.time)
     owner: str = LOCAL_OWNER
+    base: BaseModel = UNKNOWN_BASE  # the base model it was trained on; unknown for records written before
+
+    def expired(self, now: float | None = None) -> bool:
+        return self.expires is not None and self.expires <= (time.time() if now is None else now)
 
 
 @dataclass
@@ -161,7 +166,7 @@ class Registry:
             record = self.checkpoints.get(uri)
         if record is None:
             record = self._load_persisted(uri)  # saved by an earlier (or another) server process on this root
-        if record is None or not caller.may_see(record.owner):
+        if record is None or not caller.may_see(record.owner) or record.expired():  # expired: gone, files or not
             raise ApiError(404, "checkpoint_not_found", f"checkpoint {uri!r} not found on this server")
         return record
 
@@ -184,6 +189,15 @@ class Registry:
     def forget_checkpoint(self, uri: str) -> None:
         with self.lock:
             self.checkpoints.pop(uri, None)
+
+    def visible_checkpoints(self, caller: Caller, run: str | None = None) -> list[CheckpointRecord]:
+        """The checkpoints `caller` may see (of `run`, or all), expired ones left out: what listings hold."""
+        now = time.time()
+        with self.lock:
+            return [
+                c for c in self.checkpoints.values()
+                if caller.may_see(c.owner) and not c.expired(now) and (run is None or c.run == run)
+            ]  # fmt: skip
 
     def load_persisted(self) -> int:
         """Register every complete checkpoint record under the storage root; returns how many were new."""
@@ -216,7 +230,7 @@ class Registry:
         with self.lock:
             records = list(self.checkpoints.values())
         for record in records:
-            if record.cuid == cuid and caller.may_see(record.owner):
+            if record.cuid == cuid and caller.may_see(record.owner) and not record.expired():
                 return record
         raise ApiError(404, "checkpoint_not_found", f"checkpoint {cuid} not found")
 
@@ -258,14 +272,15 @@ def write_record(record: CheckpointRecord, storage: Path) -> None:
         "cuid": record.cuid, "uri": record.uri, "run": record.run, "name": record.name, "kind": record.kind,
         "path": os.path.relpath(record.path, storage), "lora": asdict(record.lora), "size": record.size,
         "visibility": record.visibility, "step": record.step, "expires": record.expires, "created": record.created,
-        "owner": record.owner,
+        "owner": record.owner, "base_model": record.base.name, "base_model_fingerprint": record.base.fingerprint,
     }  # fmt: skip
     atomic_write_text(Path(record.path) / RECORD_FILE, json.dumps(data, indent=1))
 
 
 def read_record(path: Path, storage: Path, legacy_owner: str = LOCAL_OWNER) -> CheckpointRecord | None:
     """The record persisted at `path`, or None (logged) when it is unreadable or points outside `storage`.
-    A record without an owner (written before records had one) is `legacy_owner`'s."""
+    A record without an owner (written before records had one) is `legacy_owner`'s; one without a base model has
+    `UNKNOWN_BASE`."""
     try:
         data = json.loads(path.read_text())
         folder = (storage / data["path"]).resolve()
@@ -276,6 +291,7 @@ def read_record(path: Path, storage: Path, legacy_owner: str = LOCAL_OWNER) -> C
             LoraSettings(**data["lora"]), int(data["size"]), str(data["visibility"]), int(data["step"]),
             snapshot_uid=next_snapshot_uid(), expires=data.get("expires"), created=float(data["created"]),
             owner=str(data.get("owner") or legacy_owner),
+            base=BaseModel(str(data.get("base_model") or ""), str(data.get("base_model_fingerprint") or "")),
         )  # fmt: skip
     except (OSError, ValueError, KeyError, TypeError) as error:
         logger.warning("ignoring unreadable checkpoint record %s: %s", path, error)

@@ -50,11 +50,13 @@ from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
 from starlette.middleware.body_limit import RequestBodyLimitMiddleware
 from starlette.requests import ClientDisconnect, Request
-from starlette.responses import Response
+from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from trl_grpo_ext.pytrio_server.control import ControlHandlers as C
+from trl_grpo_ext.pytrio_server.downloads import FILES_PREFIX, byte_range
+from trl_grpo_ext.pytrio_server.downloads import CheckpointDownloads as D
 from trl_grpo_ext.pytrio_server.errors import ApiError
 from trl_grpo_ext.pytrio_server.openai_api import sse_events
 from trl_grpo_ext.pytrio_server.wire import require_finite, validate, validation_message
@@ -110,7 +112,7 @@ CONTROL_ROUTES = [
     ControlRoute("POST", "/openapi/v1/sampling-runs/{rid}/renew", C.renew_sampling_run,
                  reply=SamplingRunRenewResponse),
     ControlRoute("GET", "/openapi/v1/checkpoints", C.list_checkpoints, reply=CheckpointListResponse),
-    ControlRoute("GET", "/openapi/v1/checkpoints/{cid}/download-url", C.checkpoint_download,
+    ControlRoute("GET", "/openapi/v1/checkpoints/{cid}/download-url", D.checkpoint_download,
                  reply=CheckpointDownloadResponse),
     ControlRoute("DELETE", "/openapi/v1/checkpoints/{cid}", C.delete_checkpoint),
     ControlRoute("POST", "/telemetry/event", C.telemetry, json_body=False),
@@ -200,6 +202,9 @@ class RequestGuard:
             token = self.server.registry.check_token(_bearer(headers))
             self.server.registry.touch(token.run)
             scope.setdefault("state", {})["actor_token"] = token
+        elif path.startswith(FILES_PREFIX):  # a download URL carries its own signed credential
+            record = self.server.download_record(path, scope.get("query_string", b"").decode("latin-1"))
+            scope.setdefault("state", {})["download"] = record
         length = headers.get("content-length", "").strip()
         limit = self.server.config.max_request_bytes
         if length.isdigit() and int(length) > limit:  # h11 has already refused a malformed Content-Length
@@ -311,6 +316,28 @@ async def sample(request: Request) -> Response:
     return respond(200, await server.sample(request.state.actor_token, request.path_params["rid"], body))
 
 
+@answers_errors
+async def checkpoint_archive(request: Request) -> Response:
+    """A checkpoint's archive (`downloads`), whole or from a ``Range: bytes=N-`` on (206; 416 past its end)."""
+    server = request.app.state.server
+    record = request.state.download
+    archive = await server._in_thread(server.open_archive, record)
+    try:
+        span = byte_range(request.headers.get("range"), archive.size)
+    except ApiError:  # the client's sign that its file is already complete
+        archive.close()
+        return Response(status_code=416, headers={"Content-Range": f"bytes */{archive.size}"})
+    start, end = span or (0, archive.size - 1)
+    headers = {"Accept-Ranges": "bytes", "Content-Length": str(end - start + 1),
+               "Content-Disposition": f'attachment; filename="{record.name}.tar"'}  # fmt: skip
+    if span is not None:
+        headers["Content-Range"] = f"bytes {start}-{end}/{archive.size}"
+    body = server.stream_archive(archive, start, end)
+    return StreamingResponse(body, 206 if span else 200, headers, media_type="application/x-tar")
+
+
+FILE_ROUTES = [Route(FILES_PREFIX + "{cid}/archive.tar", checkpoint_archive, methods=["GET"])]
+
 ACTOR_ROUTES = [
     Route("/actor/v1/events", submit_event, methods=["POST"]),
     Route("/actor/v1/events/{event_id}", event_status, methods=["GET"]),
@@ -385,7 +412,7 @@ def create_app(server) -> Starlette:
     """
     control = [Route(f"/api{r.path}", _control_endpoint(r), methods=[r.method]) for r in CONTROL_ROUTES]
     app = Starlette(
-        routes=[*control, *ACTOR_ROUTES, *OPENAI_ROUTES],
+        routes=[*control, *ACTOR_ROUTES, *OPENAI_ROUTES, *FILE_ROUTES],
         middleware=[
             Middleware(RequestGuard, server=server),
             Middleware(RequestBodyLimitMiddleware, max_body_size=server.config.max_request_bytes),

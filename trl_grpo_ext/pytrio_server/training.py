@@ -29,6 +29,8 @@ from trl_grpo_ext.pytrio_server.wire import prompt_input, validation_message, wi
 
 logger = logging.getLogger(__name__)
 
+MAX_TTL_SECONDS = 10 * 365 * 24 * 3600  # a checkpoint's ttl_seconds: ten years at most (dates stay representable)
+
 
 class TrainingHandlers:
     def _handle_event(self, record: EventRecord) -> dict:
@@ -174,6 +176,9 @@ class TrainingHandlers:
             raise EventFailure(
                 "invalid_checkpoint_name", f"checkpoint name {payload.name!r}: use letters, digits, '_', '-', '.'"
             )
+        ttl = payload.ttl_seconds
+        if ttl is not None and not 1 <= ttl <= MAX_TTL_SECONDS:
+            raise EventFailure("invalid_payload", f"ttl_seconds must be None or in [1, {MAX_TTL_SECONDS}], got {ttl}")
         uri = checkpoint_uri(record.run, kind, payload.name)
         with self.registry.lock:
             existing = self.registry.checkpoints.get(uri)
@@ -183,9 +188,8 @@ class TrainingHandlers:
         folder = self.storage / record.run / KIND_FOLDERS[kind] / payload.name
         checkpoint = CheckpointRecord(
             new_id("ckpt"), uri, record.run, payload.name, kind, folder, snapshot.lora, 0, payload.visibility,
-            snapshot.step, snapshot_uid=snapshot.uid,
-            expires=time.time() + payload.ttl_seconds if payload.ttl_seconds else None,
-            owner=self.registry.training_run(record.run).owner,
+            snapshot.step, snapshot_uid=snapshot.uid, expires=time.time() + ttl if ttl else None,
+            owner=self.registry.training_run(record.run).owner, base=self.engine.base_model,
         )  # fmt: skip
         self._write_checkpoint(checkpoint, snapshot)  # EventFailure (insufficient_storage, ...): nothing left behind
         self._remember(uri, snapshot)
