@@ -61,8 +61,8 @@ class ServerConfig:
     # checkpoints.
     storage_dir: str | None = option(
         None,
-        "checkpoint folder, kept across restarts (default: $TRL_GRPO_EXT_CACHE/pytrio-server or "
-        "~/.cache/trl_grpo_ext/pytrio-server)",
+        f"checkpoint folder, kept across restarts (default: $TRL_GRPO_EXT_CACHE/{PYTRIO_SERVER_DIRNAME} or "
+        f"~/.cache/trl_grpo_ext/{PYTRIO_SERVER_DIRNAME})",
         "--storage-dir",
     )
     ephemeral_storage: bool = option(False, "checkpoints in a temporary folder removed on stop (tests)")

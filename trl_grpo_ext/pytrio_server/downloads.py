@@ -38,6 +38,7 @@ from trl_grpo_ext.pytrio_server.optimizer_state import (
     load_optimizer,
 )
 from trl_grpo_ext.pytrio_server.registry import CheckpointRecord, iso
+from trl_grpo_ext.runs import ADAPTER_CONFIG_FILENAME
 
 FILES_PREFIX = "/files/v1/checkpoints/"
 _ARCHIVE_PATH = re.compile(rf"^{FILES_PREFIX}([A-Za-z0-9_\-]{{1,80}})/archive\.tar$")
@@ -45,7 +46,7 @@ URL_LIFETIME_SECONDS = 3600  # the client asks for a new URL within 60 s of its 
 CHUNK = 1024 * 1024
 # In this order, those that exist; an optimizer pickle of a checkpoint saved before (`LEGACY_OPTIMIZER`) is
 # converted before its first download and never served.
-ARCHIVE_FILES = ("adapter_config.json", ADAPTER_FILE, OPTIMIZER_META, OPTIMIZER_TENSORS, META_FILE)
+ARCHIVE_FILES = (ADAPTER_CONFIG_FILENAME, ADAPTER_FILE, OPTIMIZER_META, OPTIMIZER_TENSORS, META_FILE)
 
 
 @dataclass
