@@ -50,16 +50,31 @@ def _config(tmp_path, name, **overrides):
 
 
 def _train(path, tmp_path, name, resume=None, **overrides):
-    trainer = GRPOTrainer(
-        path,
-        [length_reward],
-        args=_config(tmp_path, name, **overrides),
-        train_dataset=Dataset.from_dict({"prompt": PROMPTS}),
-    )
+    trainer = _trainer(path, tmp_path, name, **overrides)
     first = trainer.state.global_step
     trainer.train(resume_from_checkpoint=resume)
     start = int(str(resume).rsplit("-", 1)[1]) if resume else first  # a resumed run's history holds the earlier rows
     return trainer, [row for row in trainer.state.log_history if "loss" in row and row["step"] > start]
+
+
+def _wrap_sampler(monkeypatch, wrap):
+    """Every sampler thread built from now on draws through ``wrap(generate)`` (a slow, dying or hung sampler)."""
+    original = rollout_worker.RolloutWorker.__init__
+
+    def init(self, generate, *args, **kwargs):
+        original(self, wrap(generate), *args, **kwargs)
+
+    monkeypatch.setattr(rollout_worker.RolloutWorker, "__init__", init)
+
+
+def _trainer(path, tmp_path, name, rewards=(length_reward,), tools=None, **overrides):
+    return GRPOTrainer(
+        path,
+        list(rewards),
+        args=_config(tmp_path, name, **overrides),
+        train_dataset=Dataset.from_dict({"prompt": PROMPTS}),
+        tools=tools,
+    )
 
 
 def _trained(rows):
@@ -83,18 +98,15 @@ def test_batches_are_drawn_k_steps_ahead_and_trained_against_the_samplers_log_pr
 def test_a_slow_sampler_or_a_slow_trainer_trains_the_same_batches_the_same_way(tiny_model_path, tmp_path, monkeypatch):
     _, baseline = _train(tiny_model_path, tmp_path, "base")
 
-    slow = rollout_worker.RolloutWorker.__init__
-
-    def slow_sampler(self, generate, *args, **kwargs):
-        def late(request):
+    def late(generate):
+        def drawn(request):
             time.sleep(0.3)
             return generate(request)
 
-        slow(self, late, *args, **kwargs)
+        return drawn
 
     with monkeypatch.context() as patch:
-        patch.setattr(rollout_worker.RolloutWorker, "__init__", slow_sampler)
-        patch.setattr(async_sampling, "RolloutWorker", rollout_worker.RolloutWorker)
+        _wrap_sampler(patch, late)
         _, slow_sampled = _train(tiny_model_path, tmp_path, "slow-sampler")
     assert sum(row["perf/rollout_wait_s"] for row in slow_sampled[1:]) > 0.3  # the trainer did wait
 
@@ -154,23 +166,16 @@ def test_an_unreadable_saved_batch_file_is_one_line_before_training(tiny_model_p
 
 
 def test_a_sampler_that_dies_stops_the_run_with_its_reason(tiny_model_path, tmp_path, monkeypatch):
-    original = async_sampling.RolloutWorker.__init__
-
-    def dying(self, generate, *args, **kwargs):
-        def broken(request):
+    def dying(generate):
+        def drawn(request):
             if request.step == 2:
                 raise RuntimeError("sampler crashed")
             return generate(request)
 
-        original(self, broken, *args, **kwargs)
+        return drawn
 
-    monkeypatch.setattr(async_sampling.RolloutWorker, "__init__", dying)
-    trainer = GRPOTrainer(
-        tiny_model_path,
-        [length_reward],
-        args=_config(tmp_path, "dies"),
-        train_dataset=Dataset.from_dict({"prompt": PROMPTS}),
-    )
+    _wrap_sampler(monkeypatch, dying)
+    trainer = _trainer(tiny_model_path, tmp_path, "dies")
     with pytest.raises(AsyncSamplerError, match=r"the batch of step 3 .*RuntimeError: sampler crashed"):
         trainer.train()
     assert trainer._worker is None  # stopped: no thread outlives the run
@@ -178,23 +183,16 @@ def test_a_sampler_that_dies_stops_the_run_with_its_reason(tiny_model_path, tmp_
 
 
 def test_a_hung_sampler_stops_the_run_after_async_timeout_s(tiny_model_path, tmp_path, monkeypatch):
-    original = async_sampling.RolloutWorker.__init__
-
-    def hanging(self, generate, *args, **kwargs):
-        def hung(request):
+    def hanging(generate):
+        def drawn(request):
             if request.step == 1:
                 time.sleep(30)
             return generate(request)
 
-        original(self, hung, *args, **kwargs)
+        return drawn
 
-    monkeypatch.setattr(async_sampling.RolloutWorker, "__init__", hanging)
-    trainer = GRPOTrainer(
-        tiny_model_path,
-        [length_reward],
-        args=_config(tmp_path, "hangs", async_timeout_s=2.0),
-        train_dataset=Dataset.from_dict({"prompt": PROMPTS}),
-    )
+    _wrap_sampler(monkeypatch, hanging)
+    trainer = _trainer(tiny_model_path, tmp_path, "hangs", async_timeout_s=2.0)
     start = time.monotonic()
     with pytest.raises(AsyncSamplerError, match=r"no batch from the sampler in 2 s .*the batch of step 2"):
         trainer.train()
@@ -211,13 +209,7 @@ def test_what_async_sampling_cannot_run_with_is_refused_in_one_line(tiny_model_p
         return expression
 
     with pytest.raises(ValueError, match="async_sampling does not sample multi-turn tool calls"):
-        GRPOTrainer(
-            tiny_model_path,
-            [length_reward],
-            args=_config(tmp_path, "tools"),
-            train_dataset=Dataset.from_dict({"prompt": PROMPTS}),
-            tools=[calculator],
-        )
+        _trainer(tiny_model_path, tmp_path, "tools", tools=[calculator])
 
 
 def half_flat_reward(completions, prompts, **kwargs):
@@ -227,12 +219,8 @@ def half_flat_reward(completions, prompts, **kwargs):
 
 
 def test_dynamic_samplings_extra_batches_are_drawn_on_demand_with_the_current_weights(tiny_model_path, tmp_path):
-    trainer = GRPOTrainer(
-        tiny_model_path,
-        [half_flat_reward],
-        args=_config(tmp_path, "dynamic", dynamic_sampling=True, max_generation_batches=3, max_steps=3),
-        train_dataset=Dataset.from_dict({"prompt": PROMPTS}),
-    )
+    options = dict(dynamic_sampling=True, max_generation_batches=3, max_steps=3)
+    trainer = _trainer(tiny_model_path, tmp_path, "dynamic", rewards=(half_flat_reward,), **options)
     trainer.train()
     rows = [row for row in trainer.state.log_history if "loss" in row]
     assert any(row["generation_batches"] > 1 for row in rows)
@@ -287,9 +275,4 @@ def test_ctrl_c_stops_after_the_step_with_a_checkpoint_that_resumes(tiny_model_p
 
 def test_a_colocated_vllm_engine_is_refused_before_trl_loads_it(tiny_model_path, tmp_path):
     with pytest.raises(ValueError, match="async_sampling samples with vLLM's server"):
-        GRPOTrainer(
-            tiny_model_path,
-            [length_reward],
-            args=_config(tmp_path, "colocate", use_vllm=True, vllm_mode="colocate"),
-            train_dataset=Dataset.from_dict({"prompt": PROMPTS}),
-        )
+        _trainer(tiny_model_path, tmp_path, "colocate", use_vllm=True, vllm_mode="colocate")

@@ -231,6 +231,15 @@ class ControlHandlers:
 
     def _run_view(self, run: TrainingRunRecord) -> dict:
         lora = run.lora
+        # the protocol's run view carries the training parameters twice: at the top and as `training_params`
+        params = {
+            "restore_optimizer": run.restore_optimizer,
+            "lora_rank": lora.rank,
+            "seed": lora.seed,
+            "train_mlp": lora.train_mlp,
+            "train_attn": lora.train_attn,
+            "train_unembed": lora.train_unembed,
+        }
         return {
             "training_run_cuid": run.cuid,
             "base_model": self.model_id,
@@ -241,21 +250,9 @@ class ControlHandlers:
             "model_spec_cuid": "model_local",
             "is_lora": True,
             "source_checkpoint_uri": run.source_checkpoint_uri or None,
-            "restore_optimizer": run.restore_optimizer,
-            "lora_rank": lora.rank,
-            "seed": lora.seed,
-            "train_mlp": lora.train_mlp,
-            "train_attn": lora.train_attn,
-            "train_unembed": lora.train_unembed,
+            **params,
             "corrupted": False,
-            "training_params": {
-                "restore_optimizer": run.restore_optimizer,
-                "lora_rank": lora.rank,
-                "seed": lora.seed,
-                "train_mlp": lora.train_mlp,
-                "train_attn": lora.train_attn,
-                "train_unembed": lora.train_unembed,
-            },
+            "training_params": dict(params),
             "created_at": iso(run.created),
             "started_at": iso(run.started),
             "updated_at": iso(run.updated),
