@@ -114,12 +114,16 @@ TRAIN_SAMPLER := as $(RECIPE) sets it
 TRAIN_SAMPLER_REASON :=
 endif
 
+# `make train CPU_THREADS=fixed`: every core throughout, whatever the load (slower beside other busy processes; the
+# run repeats bit for bit: docs/recipes.md#cpu-threads). auto: fewer threads while other processes keep cores busy.
+CPU_THREADS ?= auto
+
 train: $(TRAIN_VENV)/.installed
 	@echo "make train: sampler: $(TRAIN_SAMPLER); recipe $(RECIPE)"
 	# every core while the machine is idle, fewer while other processes keep some busy (trl_grpo_ext/cpu/threads.py)
 	# the sampler's reason, printed at start and kept in run_summary.json (trl_grpo_ext/trl/recipe.py, sampler_choice)
 	TRL_GRPO_EXT_SAMPLER_REASON="$(TRAIN_SAMPLER_REASON)" \
-	TRL_GRPO_EXT_CPU_THREADS=auto $(TRAIN_VENV)/bin/accelerate launch --config_file accelerate_configs/cpu.yaml \
+	TRL_GRPO_EXT_CPU_THREADS=$(CPU_THREADS) $(TRAIN_VENV)/bin/accelerate launch --config_file accelerate_configs/cpu.yaml \
 		--num_cpu_threads_per_process $$(nproc) recipes/gsm8k_grpo.py --config $(RECIPE) $(ARGS)
 
 test: $(STAMP)

@@ -327,9 +327,16 @@ def test_the_run_summary_says_when_the_count_followed_the_load(fake_governor, tm
     trainer = SimpleNamespace(is_world_process_zero=lambda: True)
     args = SimpleNamespace(output_dir=str(tmp_path))
     assert "torch_threads_governor" in report_run(trainer, args)
-    assert "2 torch threads)" in capsys.readouterr().out  # idle: no change, nothing more said
+    idle = capsys.readouterr().out
+    assert "2 torch threads)" in idle  # idle: no change, nothing more said
+    assert "last digits" not in idle and "bit for bit" not in idle
     fake_governor.advance(1.0, own_cores=1.3, other_cores=0.7)
     current_governor().check()
     summary = report_run(trainer, args)
     assert summary["torch_threads"] == 2 and summary["torch_threads_governor"] == {"changes": 1, "lowest": 1}
-    assert "2 torch threads, down to 1 while other processes were busy)" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "2 torch threads, down to 1 while other processes were busy)" in out
+    # its last lines: the figures may differ from an idle run's, and how to repeat a run bit for bit
+    changed, repeat = out.rstrip("\n").splitlines()[-2:]
+    assert "changed 1 time(s)" in changed and "may differ in the last digits from an idle run's (2 threads" in changed
+    assert "bit for bit" in repeat and f"{MODE_ENV}=fixed OMP_NUM_THREADS=2" in repeat

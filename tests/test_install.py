@@ -303,6 +303,19 @@ def test_make_train_samples_with_generate_and_with_vllm_when_asked(tmp_path):
     assert bad.returncode != 0 and "SAMPLER=vLLM: must be generate or vllm" in bad.stderr
 
 
+def test_make_train_follows_the_load_unless_asked_to_keep_every_core():
+    """`make train` lets the thread count follow the load; CPU_THREADS=fixed keeps every core throughout, the count
+    a run repeats bit for bit at (trl_grpo_ext/cpu/threads.py)."""
+
+    def launch(*args):
+        out = _make_dry_run("train", *args).replace("\\\n", " ")  # the launch command's continued lines, joined
+        return next(line for line in out.splitlines() if "accelerate launch" in line)
+
+    assert " TRL_GRPO_EXT_CPU_THREADS=auto " in launch()
+    fixed = launch("CPU_THREADS=fixed")
+    assert " TRL_GRPO_EXT_CPU_THREADS=fixed " in fixed and "--num_cpu_threads_per_process $(nproc)" in fixed
+
+
 def _vllm_extra():
     import importlib.util
 

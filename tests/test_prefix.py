@@ -316,6 +316,50 @@ def test_nothing_shared_is_left_to_the_plain_forward(tiny_model_path):
     assert shared_prefix_logps_and_entropies(model, ids, mask, keep) is None
 
 
+@pytest.fixture(scope="module")
+def wide_model_path(tmp_path_factory):
+    """The tiny model with three 64-wide key heads: gathered keys then hold enough numbers (32,768 or more) for
+    torch to split an advanced-indexing backward over threads, and an odd head count splits a head between two."""
+    from conftest import build_tiny_model
+
+    path = tmp_path_factory.mktemp("wide-model")
+    return build_tiny_model(path, hidden_size=192, num_attention_heads=3, num_key_value_heads=3)
+
+
+def test_shared_gradients_do_not_depend_on_the_thread_count(wide_model_path):
+    """A shared key's gradient sums what every segment that reads it sends back: the engine adds them in index
+    order (`attention.take`) whatever torch's thread count, packed and from a stored context, so under sdpa the
+    log-probs, entropies and gradients are the same bits at 1 and 2 threads. (Not under eager: torch's softmax
+    backward itself rounds differently at another thread count.)"""
+    model = load(wide_model_path, "sdpa")
+    prompts, completions, lengths = batch(model.config.vocab_size, common=180, rows=(0, 1, 0, 2, 1, 0) * 2)
+    ids, mask, keep = trl_layout(prompts, completions, lengths)
+    weights = torch.randn(ids.size(0), keep, generator=torch.Generator().manual_seed(3))
+
+    def packed():
+        return shared_prefix_logps_and_entropies(model, ids, mask, keep, True, layout="packed")
+
+    def from_context():
+        context = encode_prompt_context(model, prompts_from_left_padded(ids, mask, ids.size(1) - keep))
+        return context_logps_and_entropies(model, context, ids, mask, keep, True)
+
+    before = torch.get_num_threads()
+    try:
+        for forward in (packed, from_context):
+            runs = []
+            for threads in (1, 2):
+                torch.set_num_threads(threads)
+                logps, entropies = forward()
+                runs.append((logps, entropies, grads_of(model, (logps * weights).sum() + entropies.sum())))
+            (logps_1, entropies_1, grads_1), (logps_2, entropies_2, grads_2) = runs
+            assert torch.equal(logps_1, logps_2) and torch.equal(entropies_1, entropies_2), forward.__name__
+            assert grads_1.keys() == grads_2.keys() and grads_1
+            differ = [name for name in grads_1 if not torch.equal(grads_1[name], grads_2[name])]
+            assert not differ, (forward.__name__, differ)
+    finally:
+        torch.set_num_threads(before)
+
+
 @pytest.mark.parametrize("attn", ["sdpa", "eager"])
 def test_row_reads_give_every_position_of_every_row(tiny_model_path, attn):
     """The local PyTRIO server's use of the engine: rows known only as token sequences, grouped by `plan_token_rows`,
@@ -757,6 +801,32 @@ def test_cycle_without_the_context_backward_fails(tiny_model_path, tmp_path, pla
     assert shared[0].prefix_sharing_stats["cycle_contexts"] == CYCLE["max_steps"]
     with pytest.raises(AssertionError):
         assert_grads_close(shared[1][0], plain_dapo_run[1][0])
+
+
+def test_a_run_repeats_bit_for_bit_at_a_fixed_count_and_across_counts(wide_model_path, tmp_path):
+    """fp32 under sdpa, the shared prefix on (its cycle context): two runs at a fixed 2 threads log the same figures
+    and end with the same weights, and so does a run at 1 thread (what the thread governor may switch to)."""
+
+    def run(threads, name):
+        torch.set_num_threads(threads)
+        trainer, grads, params, _ = train_run(wide_model_path, tmp_path / name, share=True, loss_type="dapo")
+        assert trainer.prefix_sharing_stats["cycle_contexts"] == CYCLE["max_steps"]
+        logged = [{k: v for k, v in row.items() if "time" not in k and "per_second" not in k} for row in
+                  trainer.state.log_history]  # fmt: skip
+        return logged, grads, params
+
+    before = torch.get_num_threads()
+    try:
+        runs = [run(2, "a"), run(2, "b"), run(1, "c")]
+    finally:
+        torch.set_num_threads(before)
+    logged, grads, params = runs[0]
+    assert len(grads) == CYCLE["max_steps"] and any("loss" in row for row in logged)
+    for other_logged, other_grads, other_params in runs[1:]:
+        assert other_logged == logged
+        for got, want in zip(other_grads, grads, strict=True):
+            assert got.keys() == want.keys() and all(torch.equal(got[n], want[n]) for n in want)
+        assert all(torch.equal(other_params[n], params[n]) for n in params)
 
 
 @pytest.mark.usefixtures("packed_layout")  # at the tiny model's shapes the cost model would pick TRL's padded rows

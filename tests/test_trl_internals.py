@@ -106,8 +106,9 @@ def test_trl_private_state_is_touched_only_in_internals():
     names = "|".join(re.escape(name) for name in PRIVATE_STATE)
     pattern = re.compile(rf"(\.|getattr\([^,]+,\s*[\"'])({names})\b")
     offenders = []
-    for path in sorted((ROOT / "trl_grpo_ext" / "trl").glob("*.py")):
-        if path.name == "internals.py":
+    trl_path = ROOT / "trl_grpo_ext" / "trl"
+    for path in sorted(trl_path.rglob("*.py")):
+        if path.relative_to(trl_path).parts[0] == "internals":
             continue
         for number, line in enumerate(path.read_text().splitlines(), 1):
             if pattern.search(line):
@@ -163,7 +164,9 @@ def test_a_built_trainer_has_the_private_state_internals_reads(tiny_model_path, 
     data = Dataset.from_dict({"prompt": [[{"role": "user", "content": "1 + 1?"}]] * 2})
     trainer = GRPOTrainer(tiny_model_path, [reward], args=args, train_dataset=data)
     missing = [name for name in PRIVATE_STATE if not hasattr(trainer, name)]
-    assert not missing, f"TRL no longer has {missing}: re-check their accessors in trl_grpo_ext/trl/internals.py"
+    assert not missing, (
+        f"TRL no longer has {missing}: re-check their accessors in trl_grpo_ext/trl/internals/private_state.py"
+    )
     assert internals.pad_token_id(trainer) == trainer.processing_class.pad_token_id
     assert internals.buffered_inputs(trainer) == [] and internals.is_vlm(trainer) is False
     assert isinstance(trainer.mixin_state, internals.MixinState)

@@ -26,15 +26,22 @@ loaded. So:
   optimizer step run on that thread too). Linux only (/proc); elsewhere, and where the count is 1, nothing is
   installed.
 
-The governor decides speed only, and the decision never feeds into results: the thread count changes how fast a
-step runs, not what it computes here (a 2-layer model of SmolLM2-135M's width gave bitwise the same loss, gradients,
-logits and greedy tokens with 1 and 2 threads). torch does not promise that for every op and count, though: a run
-that must repeat bit for bit on a loaded machine sets ``TRL_GRPO_EXT_CPU_THREADS=fixed``. It is installed unless
-the user chose the thread count: ``TRL_GRPO_EXT_CPU_THREADS=fixed`` keeps whatever count is set, ``=auto`` governs
-even so; with neither, an ``OMP_NUM_THREADS`` the user exported (to the script, or to `accelerate launch`, or its
-``--num_cpu_threads_per_process``) is kept as their choice, as TRL users expect, while the 1 that `accelerate
-launch` picks by itself is not (`make train` passes ``--num_cpu_threads_per_process $(nproc)`` and
-``TRL_GRPO_EXT_CPU_THREADS=auto``).
+Results: the count changes how fast a step runs and, for most of what a run computes, nothing else. On the CPU
+torch's fp32 matrix products and sdpa attention (forward and backward) gave the same bits at 1 and 2 threads, and so
+do the shared-prefix engine's gathers (`trl_grpo_ext.prefix.attention.take`), so an fp32 run with sdpa attention
+gives the same figures whether or not the count moved (the embedded recipe, 3 steps at a fixed 1 and 2 threads:
+every logged figure equal to the last digit, on a 2-core AVX2 machine; MKL picks its kernels per CPU). Where an op
+splits its work by thread count, a changed count moves figures in the last digits, and sampled completions can then
+part ways: torch's softmax backward (eager attention) and its whole-tensor sums of 32,768 or more elements do, and
+bf16's oneDNN kernels were not checked at different counts. A run that must repeat bit for bit sets
+``TRL_GRPO_EXT_CPU_THREADS=fixed`` with a fixed ``OMP_NUM_THREADS``: the same inputs at the same count give the same
+figures whatever the load. When the count changed, the run summary says so and how (`summary_lines`).
+
+The governor is installed unless the user chose the thread count: ``TRL_GRPO_EXT_CPU_THREADS=fixed`` keeps whatever
+count is set, ``=auto`` governs even so; with neither, an ``OMP_NUM_THREADS`` the user exported (to the script, or to
+`accelerate launch`, or its ``--num_cpu_threads_per_process``) is kept as their choice, as TRL users expect, while
+the 1 that `accelerate launch` picks by itself is not (`make train` passes ``--num_cpu_threads_per_process $(nproc)``
+and ``TRL_GRPO_EXT_CPU_THREADS=auto``, ``=fixed`` with ``make train CPU_THREADS=fixed``).
 """
 
 from __future__ import annotations
@@ -215,6 +222,18 @@ class CpuThreadGovernor:
         """Threads for `others` busy cores: a core is taken once others use more than `margin` of it."""
         taken = max(0, math.ceil(others - self.margin))
         return max(1, min(self.cap, self.cores - taken))
+
+    def summary_lines(self) -> list[str]:
+        """What a run summary says when the count changed (nothing when it did not): which figures may then
+        differ, and how to repeat a run bit for bit (module docstring, "Results")."""
+        if not self.changes:
+            return []
+        return [
+            f"  the torch thread count changed {self.changes} time(s) while other processes were busy (lowest "
+            f"{self.lowest}): figures may differ in the last digits from an idle run's ({self.cap} threads throughout)",
+            f"  to repeat a run bit for bit, fix the count: {MODE_ENV}=fixed OMP_NUM_THREADS={self.cap} (make train "
+            "CPU_THREADS=fixed); when figures depend on the count: docs/recipes.md#cpu-threads",
+        ]
 
     def check(self) -> int:
         """The count to run at now: re-chosen when `interval_s` has passed since the last reading."""

@@ -48,6 +48,15 @@ FUSED_ATTENTION = SDPA_ATTENTION + FLASH_ATTENTION + FLEX_ATTENTION
 BUCKET_OVERHEAD_PAIRS = 32768
 
 
+def take(tensor: torch.Tensor, dim: int, index: torch.Tensor) -> torch.Tensor:
+    """``tensor`` indexed by `index` along `dim` (``tensor[:, index]`` for dim 1), through ``index_select``. The same
+    values; the difference is the backward, where a slot read several times (a shared key, by every segment that
+    sees it) sums its gradients: ``index_select``'s backward adds them in index order whatever torch's thread count,
+    while advanced indexing's (``index_put_`` with accumulate) splits them over the threads on the CPU, so its
+    rounding, and a run's gradients in the last bits, would follow the thread count."""
+    return tensor.index_select(dim, index.reshape(-1)).unflatten(dim, index.shape)
+
+
 def kind_of(attn_implementation: str | None) -> str | None:
     """``"sdpa"``, ``"flash"``, ``"flex"`` or ``"eager"`` (dense mask) for an attention implementation, else None."""
     if attn_implementation in SDPA_ATTENTION:
@@ -348,8 +357,8 @@ class SegmentAttention:
         keys, values = self.key_source(module, key, value)
         if self.kind == "flash":
             t = self._flash_tensors()
-            k = keys[:, t["keys"]].unsqueeze(0)
-            v = values[:, t["keys"]].unsqueeze(0)
+            k = take(keys, 1, t["keys"]).unsqueeze(0)
+            v = take(values, 1, t["keys"]).unsqueeze(0)
             varlen = {name: t[name] for name in ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")}
             return original(module, query, k, v, None, dropout=dropout, scaling=scaling, is_causal=True, **varlen)
         if self.kind == "flex":
@@ -361,14 +370,14 @@ class SegmentAttention:
         outputs = []
         for t in buckets:
             n = t["n"]
-            q = q_all[:, t["queries"]].unflatten(1, (n, -1)).transpose(0, 1)
-            k = keys[:, t["keys"]].unflatten(1, (n, -1)).transpose(0, 1)
-            v = values[:, t["keys"]].unflatten(1, (n, -1)).transpose(0, 1)
+            q = take(q_all, 1, t["queries"]).unflatten(1, (n, -1)).transpose(0, 1)
+            k = take(keys, 1, t["keys"]).unflatten(1, (n, -1)).transpose(0, 1)
+            v = take(values, 1, t["keys"]).unflatten(1, (n, -1)).transpose(0, 1)
             out, _ = original(
                 module, q, k, v, t["mask"], dropout=dropout, scaling=scaling, is_causal=t["mask"] is None
             )
             outputs.append(out.flatten(0, 1))  # (n * query slots, heads, dim)
-        return torch.cat(outputs)[back].unsqueeze(0), None
+        return take(torch.cat(outputs), 0, back).unsqueeze(0), None
 
 
 # ------------------------------------------------------------------------------------------------- dispatch

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import torch
 
 from trl_grpo_ext.compat import cache_kwargs
-from trl_grpo_ext.prefix.attention import kind_of
+from trl_grpo_ext.prefix.attention import kind_of, take
 from trl_grpo_ext.prefix.layout import DEFAULT_MAX_PACKED_TOKENS, SegmentSpec, place
 from trl_grpo_ext.prefix.packing import (
     PackedBatch,
@@ -254,10 +254,11 @@ def _binned_cache(context: PromptContext, stored: list[list[tuple[int, int]]], n
         flat = torch.cat([torch.arange(start, start + n) for start, n in ranges])
         slot[b, : flat.numel()] = flat
     slot = slot.to(device)
-    # (heads, slots, dim)[:, (bins, n_stored)] -> (bins, heads, n_stored, dim); autograd scatters gradients
+    # (heads, slots, dim)[:, (bins, n_stored)] -> (bins, heads, n_stored, dim); autograd sums a slot's gradients
+    # over the bins that read it (in bin order: `take`)
     return DynamicCache(
         ddp_cache_data=[
-            (k[:, slot].transpose(0, 1), v[:, slot].transpose(0, 1))
+            (take(k, 1, slot).transpose(0, 1), take(v, 1, slot).transpose(0, 1))
             for k, v in zip(context.keys, context.values, strict=True)
         ]
     )

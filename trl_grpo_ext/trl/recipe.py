@@ -345,5 +345,7 @@ def report_run(trainer, training_args) -> dict:
         f"  wall time {summary['wall_time_s']} s (CPU time {summary['cpu_time_s']} s, {threads}), "
         f"peak RSS {summary['peak_rss_gb']} GB"
     )
+    if governor:  # the count changed: which figures may differ, how to repeat a run bit for bit
+        lines += governor.summary_lines()
     print("\n".join(lines), file=sys.stdout, flush=True)
     return summary
