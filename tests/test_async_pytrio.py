@@ -139,3 +139,20 @@ def test_ctrl_c_stops_after_the_step_with_a_checkpoint_that_resumes(tiny_model_p
     resumed, _ = _run(tmp_path, "run", base_model=tiny_model_path, max_staleness=2, resume=True)
     assert [r["step"] for r in resumed] == [1, 2, 3, 4]
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # the handler was given back
+
+
+def test_an_on_policy_resume_of_an_asynchronous_checkpoint_draws_its_kept_prompts_again(tiny_model_path, tmp_path):
+    """Resumed without async_sampling, the batches the checkpoint kept are too old for on-policy: their prompts are
+    drawn again with the current weights (no prompt skipped, none twice), so every step trains on-policy."""
+    from stopping_loop import StoppingLoop
+
+    _run(tmp_path, "run", loop_cls=lambda c, rows: StoppingLoop(c, rows=rows, stop_after=2),
+         base_model=tiny_model_path, save_every=2, max_staleness=1)  # fmt: skip
+    kept = load_loop_state(tmp_path / "run" / "run").ahead
+    assert [(b["step"], b["version"]) for b in kept] == [(2, 1)]  # one step old: within max_staleness 1, not 0
+    resumed, config = _run(
+        tmp_path, "run", base_model=tiny_model_path, save_every=2, async_sampling=False, resume=True
+    )
+    assert [r["step"] for r in resumed] == [1, 2, 3, 4]
+    assert all(r["ratio_mean"] == pytest.approx(1.0, abs=2e-3) for r in resumed[2:])  # on-policy again
+    assert load_loop_state(config.output_dir).data_position == 4 * config.prompts_per_step  # nothing skipped

@@ -20,9 +20,9 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-from trl_grpo_ext.grpo.async_sampling import AsyncStepStats, steps_to_request
+from trl_grpo_ext.grpo.async_sampling import AsyncStepStats, busy_within, steps_to_request, too_stale
 from trl_grpo_ext.pytrio.calls import PyTrioLoopError
-from trl_grpo_ext.pytrio.config import PyTrioGRPOConfig
+from trl_grpo_ext.pytrio.config import PyTrioGRPOConfig, asynchronous
 from trl_grpo_ext.pytrio.sampling import PendingSamples, collect_samples, submit_samples
 from trl_grpo_ext.pytrio.types import Rollout
 
@@ -80,7 +80,9 @@ class SampleAhead:
         batch = self.batches.pop(step, None)
         if batch is None:
             raise PyTrioLoopError(f"async sampling: no batch was requested for step {step + 1}")
-        if version - batch.version > self.config.max_staleness:
+        # on-policy (a run resumed without async_sampling from an asynchronous checkpoint): every kept batch is too old
+        bound = self.config.max_staleness if asynchronous(self.config) else 0
+        if too_stale(batch.version, version, bound):
             self.stats.dropped += len(batch.rows) * self.config.num_generations
             batch = self._submit(sampler, version, step, batch.rows)
         t0 = time.monotonic()
@@ -104,7 +106,7 @@ class SampleAhead:
             if batch.pending is not None and batch.answered and len(batch.answered) == len(batch.pending.futures):
                 self._busy.append((batch.submitted, max(batch.answered)))
                 batch.submitted = max(batch.answered)  # counted once
-        stats.sampler_busy_s = sum(max(0.0, min(b, now) - max(a, step_started)) for a, b in self._busy)
+        stats.sampler_busy_s = busy_within(self._busy, step_started, now)
         self._busy = [(a, b) for a, b in self._busy if b > now]
         stats.weight_sync_s = weight_sync_s
         stats.sampler_wait_s = max(0.0, now - step_started - stats.sampler_busy_s)

@@ -50,7 +50,7 @@ from trl_grpo_ext.cpu.precision import bf16_autocast
 from trl_grpo_ext.cpu.threads import CoreSplit, pin_this_thread, split_cores
 from trl_grpo_ext.cpu.token_draws import fast_token_draws
 from trl_grpo_ext.errors import raise_problems
-from trl_grpo_ext.grpo.async_sampling import AsyncStepStats, busy_within, last_step_to_request, too_stale
+from trl_grpo_ext.grpo.async_sampling import AsyncStepStats, last_step_to_request, too_stale
 from trl_grpo_ext.grpo.losses import ratio_by_staleness
 from trl_grpo_ext.prefix.attention import install as install_attention
 from trl_grpo_ext.runs import ASYNC_ROLLOUTS_FILENAME, atomic_write_json, checkpoint_dir
@@ -369,8 +369,7 @@ class AsyncSamplingMixin:
         now = time.monotonic()
         stats, self._stats = self._stats, AsyncStepStats()
         if self._worker is not None:
-            stats.sampler_busy_s = busy_within(self._worker.busy, self._step_started, now)
-            self._worker.busy = [b for b in self._worker.busy if b[1] > now]  # what later steps may still overlap
+            stats.sampler_busy_s = self._worker.busy_since(self._step_started, now)
             # the schedule requests a batch only once its weights exist: a sampler with nothing to draw is waiting
             # for the trainer's next version
             idle = now - self._step_started - stats.sampler_busy_s - stats.weight_sync_s
