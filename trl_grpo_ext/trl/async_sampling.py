@@ -25,10 +25,12 @@ The weights reach the sampler copy-on-write (`trl_grpo_ext.trl.weight_transfer.I
 copies each version on its own cores; the trainer copies one aside only when an optimizer step would overwrite a
 version the sampler still has to take (``before_update``).
 
-Supported: transformers' generation of text (prefix sharing, the bf16 sampler, token draws and packed decode
-attention as on-policy), one process. Refused with one line at construction: vLLM, tools and environments, a
-``rollout_func``, DeepSpeed/FSDP and several processes (the sampler's copy of the policy needs the whole weights in
-this process), vision-language models.
+Samplers: transformers' generation of text on the sampler's copy (prefix sharing, the bf16 sampler, token draws and
+packed decode attention as on-policy), or TRL's vLLM server (``vllm_mode: server``; the trainer hands each version
+over between two of its batches, `trl_grpo_ext.trl.weight_transfer.ServerWeights`). One training process. Refused
+with one line at construction, before TRL loads anything it can: a colocated vLLM engine, tools and environments, a
+``rollout_func``, several processes, DeepSpeed/FSDP without vLLM's server (the sampler's copy of the policy needs the
+whole weights in this process), vision-language models.
 """
 
 from __future__ import annotations
