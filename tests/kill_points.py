@@ -51,6 +51,8 @@ def install(spec: str | None = None, patch=setattr) -> tuple[str, int] | None:
     if not spec:
         return None
     point, step = parse(spec)
+    if point == "interrupt":  # as in a terminal, whatever the test runner's SIGINT (a background job ignores it)
+        signal.signal(signal.SIGINT, signal.default_int_handler)
     if point in ("step", "interrupt"):
         from transformers.trainer_callback import CallbackHandler
 

@@ -132,13 +132,18 @@ def test_ctrl_c_stops_after_the_step_with_a_checkpoint_that_resumes(tiny_model_p
                 os.kill(os.getpid(), signal.SIGINT)  # Ctrl-C while step 2 trains
             return super().train_step(training_client, stream, step)
 
-    rows, config = _run(tmp_path, "run", loop_cls=InterruptedLoop, base_model=tiny_model_path, max_staleness=2)
+    # as in a terminal: Python's own handler (a background job, as a CI runner may be, starts with SIGINT ignored)
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        rows, config = _run(tmp_path, "run", loop_cls=InterruptedLoop, base_model=tiny_model_path, max_staleness=2)
+        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # the handler was given back
+    finally:
+        signal.signal(signal.SIGINT, previous)
     assert [r["step"] for r in rows] == [1, 2]
     state = load_loop_state(config.output_dir)
     assert state.step == 2 and [b["step"] for b in state.ahead] == [2, 3]
     resumed, _ = _run(tmp_path, "run", base_model=tiny_model_path, max_staleness=2, resume=True)
     assert [r["step"] for r in resumed] == [1, 2, 3, 4]
-    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # the handler was given back
 
 
 def test_an_on_policy_resume_of_an_asynchronous_checkpoint_draws_its_kept_prompts_again(tiny_model_path, tmp_path):

@@ -3,7 +3,7 @@
 `GracefulStop` replaces SIGINT's handler while a loop trains: the first Ctrl-C sets ``requested`` and says what
 happens next (the loop finishes the step it is in, saves a checkpoint a resume continues from, and stops); a second
 one stops at once, as Python would (KeyboardInterrupt). Signals reach Python's main thread only: elsewhere it does
-nothing.
+nothing; an ignored SIGINT (``nohup``, a background job) stays ignored.
 """
 
 from __future__ import annotations
@@ -26,7 +26,11 @@ class GracefulStop:
         print(f"\nCtrl-C: {self.message}; Ctrl-C again to stop at once", flush=True)
 
     def install(self) -> GracefulStop:
-        if threading.current_thread() is threading.main_thread() and self._previous is None:
+        """Take over SIGINT, unless it is ignored (a run started with ``nohup`` or in the background keeps ignoring
+        it) or this is not the main thread."""
+        if threading.current_thread() is not threading.main_thread() or self._previous is not None:
+            return self
+        if signal.getsignal(signal.SIGINT) is not signal.SIG_IGN:
             self._previous = signal.signal(signal.SIGINT, self._handle)
         return self
 
