@@ -19,7 +19,8 @@ Learning (``--sweep DIR``, the output of ``trl-grpo-ext sweep recipes/sweeps/emb
 setting the mean held-out format-independent gain over seeds with its 95% interval, the training phase's wall time
 (as each run measured it), and each asynchronous setting against on-policy with the same loss: the difference of
 held-out accuracy after training (paired over the eval problems, seeds resampled,
-`trl_grpo_ext.experiments.seed_comparison.pair_difference`).
+`trl_grpo_ext.experiments.seed_comparison.pair_difference`). Only finished runs count. On-policy the three losses
+take one gradient, so a loss without on-policy runs of its own is compared with another loss's (marked so).
 
 Last line: ``async: step async/sync X (K=1), Y (K=2); held-out gain difference D [lo, hi]`` with D the loss
 ``--loss`` (default cispo) at K=2 against on-policy. Targets: X <= 0.8, Y <= 0.7; D's interval includes 0 or lies
@@ -152,12 +153,15 @@ def timing_lines(t: dict[str, dict]) -> tuple[list[str], dict[str, float]]:
 
 
 # ------------------------------------------------------------------------------------------ the sweep's learning
-def learning(sweep_dir: Path, loss: str) -> tuple[list[str], tuple | None]:
+def learning(sweep_dir: Path, loss: str) -> tuple[list[str], str | None]:
     from trl_grpo_ext.experiments.compare import load_runs, summarize
     from trl_grpo_ext.experiments.seed_comparison import group_by_seed, group_interval, pair_difference
+    from trl_grpo_ext.report.text import interval_text
     from trl_grpo_ext.runs import RUN_SUMMARY_FILENAME
 
-    runs = load_runs([sweep_dir])
+    # A run counts once it has finished: its held-out evaluation after training is in (a sweep in progress, or
+    # one stopped part way, leaves folders with only their config).
+    runs = [r for r in load_runs([sweep_dir]) if r.heldout_problems.get("after")]
     summaries = [summarize(r) for r in runs]
     groups = group_by_seed(runs, summaries, {"output_dir", "run_name", "logging_dir"})
 
@@ -176,6 +180,9 @@ def learning(sweep_dir: Path, loss: str) -> tuple[list[str], tuple | None]:
         return statistics.mean(values) if values else None
 
     by = {setting(g): g for g in groups}
+    # On-policy, cispo, importance_sampling and ppo take one gradient (every ratio is 1, inside every clip:
+    # tests/test_losses.py), so a loss without on-policy runs of its own is compared with another loss's.
+    on_policy = {name: g for (name, mode), g in by.items() if mode == "sync"}
     lines = [
         "| loss | setting | seeds | held-out gain (format-independent) | after − on-policy after | training phase (s) |",
         "|---|---|---|---|---|---|",
@@ -184,13 +191,16 @@ def learning(sweep_dir: Path, loss: str) -> tuple[list[str], tuple | None]:
     for (name, mode), group in sorted(by.items(), key=lambda item: (item[0][0], item[0][1] != "sync", item[0][1])):
         gain = group_interval(group, "heldout_gain_any_format")
         diff = "-"
-        if mode != "sync" and (name, "sync") in by:
-            iv, _how = pair_difference(group, by[(name, "sync")], "heldout_after_any_format")
+        reference = on_policy.get(name, on_policy.get(loss, next(iter(on_policy.values()), None)))
+        if mode != "sync" and reference is not None:
+            iv, _how = pair_difference(group, reference, "heldout_after_any_format")
             if iv is not None:
-                diff = f"{iv.estimate:+.3f} [{iv.low:+.3f}, {iv.high:+.3f}]"
+                diff = interval_text(iv.estimate, iv.low, iv.high, 3)
+                if reference is not on_policy.get(name):
+                    diff += f" (vs {setting(reference)[0]}'s on-policy runs)"
                 if name == loss and mode == "async K=2":
-                    headline = (iv.estimate, iv.low, iv.high)
-        gain_text = "-" if gain is None else f"{gain.estimate:+.3f} [{gain.low:+.3f}, {gain.high:+.3f}]"
+                    headline = interval_text(iv.estimate, iv.low, iv.high, 3)
+        gain_text = "-" if gain is None else interval_text(gain.estimate, gain.low, gain.high, 3, missing=" (1 seed)")
         seconds = phase_seconds(group)
         lines.append(
             f"| {name} | {mode} | {len(group.runs)} | {gain_text} | {diff} | "
@@ -233,8 +243,10 @@ def main() -> None:
     step = "n/a (K=1), n/a (K=2)" if ratios is None else f"{ratios[1]:.2f} (K=1), {ratios[2]:.2f} (K=2)"
     diff = (
         "n/a (run with --sweep)"
+        if args.sweep is None
+        else f"n/a (no finished {args.loss} runs at K=2 and on-policy)"
         if headline is None
-        else f"{headline[0]:+.3f} [{headline[1]:+.3f}, {headline[2]:+.3f}]"
+        else headline
     )
     print(f"async: step async/sync {step}; held-out gain difference {diff}")
 

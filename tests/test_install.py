@@ -268,9 +268,10 @@ def test_make_builds_the_vllmcpu_cell_beside_the_cpu_torch():
 
 
 def test_make_train_samples_with_generate_and_with_vllm_when_asked(tmp_path):
-    """`make train` samples the embedded recipe with generate in .venv (the faster here, by measurement) whether or
-    not vLLM's CPU build is installed; SAMPLER=vllm runs the vLLM recipe in the vllmcpu venv; each says which at start
-    and hands the recipe why; a recipe the user names runs in .venv as it is; a bad SAMPLER stops make at once."""
+    """`make train` samples the embedded recipe asynchronously with generate in .venv (each the faster here, by
+    measurement) whether or not vLLM's CPU build is installed; SAMPLER=vllm runs the vLLM recipe, on-policy, in the
+    vllmcpu venv; each says which at start and hands the recipe why; a recipe the user names runs in .venv as it is;
+    a bad SAMPLER stops make at once."""
     installed = tmp_path / "vllmcpu"
     installed.mkdir()
     (installed / ".installed").touch()
@@ -288,15 +289,18 @@ def test_make_train_samples_with_generate_and_with_vllm_when_asked(tmp_path):
     for venv in (installed, tmp_path / "absent"):
         said, launch, out = train(f"VLLMCPU_VENV={venv}")
         assert "sampler: transformers generate" in said and " .venv/bin/accelerate" in launch
-        assert "--config recipes/gsm8k/embedded.yaml" in out
+        assert said.startswith('echo "make train: sampling: asynchronous, max_staleness 1 (faster here')
+        assert "--config recipes/gsm8k/embedded_async.yaml" in out
         assert reason(out).startswith("generate: make train's default, the faster sampler here by measurement")
     said, launch, out = train(f"VLLMCPU_VENV={installed}", "SAMPLER=vllm")
     assert "sampler: vLLM" in said and launch.startswith(f"TRL_GRPO_EXT_CPU_THREADS=auto {installed}/bin/accelerate")
+    assert "sampling: on-policy" in said
     assert "--config recipes/gsm8k/embedded_vllm.yaml" in out
     assert reason(out) == "vllm: SAMPLER=vllm given to make train"
     said, launch, out = train(f"VLLMCPU_VENV={installed}", "SAMPLER=vllm", "RECIPE=recipes/gsm8k/cispo.yaml")
     assert " .venv/bin/accelerate" in launch and "--config recipes/gsm8k/cispo.yaml" in out
     assert "sampler: as recipes/gsm8k/cispo.yaml sets it" in said
+    assert "sampling: as recipes/gsm8k/cispo.yaml sets it" in said
     assert reason(out) == ""  # the recipe's own config says why
     env = {k: v for k, v in os.environ.items() if k not in ("MAKELEVEL", "MAKEFLAGS", "MFLAGS")}
     bad = subprocess.run(["make", "-n", "train", "SAMPLER=vLLM"], cwd=ROOT, capture_output=True, text=True, env=env)

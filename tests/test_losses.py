@@ -121,6 +121,19 @@ def test_cispo_defaults_do_not_scale_on_policy_gradient():
     assert metrics["clip_high_frac"] == 0 and metrics["clip_low_frac"] == 0
 
 
+def test_on_policy_the_ratio_losses_take_one_gradient():
+    # With the sampler's own log-probs as the old ones (on-policy, ratio 1 inside every clip), importance_sampling,
+    # ppo and cispo all take -A * grad(logp): their runs differ only in the loss's value. The async sweep compares
+    # every loss's asynchronous runs with one set of on-policy runs for this reason (docs/async.md).
+    logp, _, adv, mask = _batch(spread=1.0)
+    grads = {name: _grad(name, logp, logp.detach(), adv, mask)[2] for name in ("importance_sampling", "ppo", "cispo")}
+    for name, grad in grads.items():
+        torch.testing.assert_close(grad, -adv[:, None].expand_as(grad) * mask, rtol=0, atol=0, msg=name)
+    # off-policy they part
+    old = logp.detach() - 0.7
+    assert not torch.equal(_grad("ppo", logp, old, adv, mask)[2], _grad("cispo", logp, old, adv, mask)[2])
+
+
 def test_ppo_zero_gradient_where_clipped():
     logp, old, adv, mask = _batch(spread=0.5)
     adv = torch.tensor([1.0, -1.0, 0.5, -2.0])
