@@ -14,6 +14,7 @@ from trl_grpo_ext.grpo.async_sampling import (
     AsyncStepStats,
     async_problems,
     busy_within,
+    close_step,
     steps_to_request,
     too_stale,
 )
@@ -62,6 +63,11 @@ def test_step_stats_give_the_metrics_row():
 
 def test_busy_time_is_clipped_to_the_window():
     assert busy_within([(0.0, 2.0), (3.0, 5.0), (9.0, 10.0)], 1.0, 4.0) == pytest.approx(2.0)
+    # a step's end keeps what is still running for the next step, forgets the rest
+    assert close_step([(0.0, 2.0), (3.0, 5.0), (9.0, 10.0)], 1.0, 4.0) == (
+        pytest.approx(2.0),
+        [(3.0, 5.0), (9.0, 10.0)],
+    )
 
 
 def test_the_ratio_by_staleness_averages_each_stalenesss_tokens():

@@ -58,6 +58,12 @@ def busy_within(intervals: Iterable[tuple[float, float]], start: float, end: flo
     return sum(max(0.0, min(b, end) - max(a, start)) for a, b in intervals)
 
 
+def close_step(intervals: list[tuple[float, float]], start: float, end: float) -> tuple[float, list]:
+    """A step's end on either path: (`busy_within` the step, the intervals still running at `end`, which later steps
+    may still overlap; the rest are forgotten)."""
+    return busy_within(intervals, start, end), [(a, b) for a, b in intervals if b > end]
+
+
 @dataclass
 class AsyncStepStats:
     """One optimizer step's asynchronous bookkeeping; `metrics` turns it into the `ASYNC_METRIC_KEYS` row."""

@@ -20,7 +20,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-from trl_grpo_ext.grpo.async_sampling import AsyncStepStats, busy_within, steps_to_request, too_stale
+from trl_grpo_ext.grpo.async_sampling import AsyncStepStats, close_step, steps_to_request, too_stale
 from trl_grpo_ext.pytrio.calls import PyTrioLoopError
 from trl_grpo_ext.pytrio.config import PyTrioGRPOConfig, asynchronous
 from trl_grpo_ext.pytrio.sampling import PendingSamples, collect_samples, submit_samples
@@ -106,8 +106,7 @@ class SampleAhead:
             if batch.pending is not None and batch.answered and len(batch.answered) == len(batch.pending.futures):
                 self._busy.append((batch.submitted, max(batch.answered)))
                 batch.submitted = max(batch.answered)  # counted once
-        stats.sampler_busy_s = busy_within(self._busy, step_started, now)
-        self._busy = [(a, b) for a, b in self._busy if b > now]
+        stats.sampler_busy_s, self._busy = close_step(self._busy, step_started, now)
         stats.weight_sync_s = weight_sync_s
         stats.sampler_wait_s = max(0.0, now - step_started - stats.sampler_busy_s)
         return stats.metrics(now - step_started)

@@ -22,7 +22,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from trl_grpo_ext.cpu.threads import pin_this_thread
-from trl_grpo_ext.grpo.async_sampling import busy_within
+from trl_grpo_ext.grpo.async_sampling import close_step
 from trl_grpo_ext.trl.weight_transfer import WeightTransfer
 
 logger = logging.getLogger(__name__)
@@ -143,8 +143,7 @@ class RolloutWorker:
     def busy_since(self, start: float, now: float) -> float:
         """Seconds the sampler spent drawing between `start` and `now`; forgets what ended before `now`."""
         with self._done:
-            seconds = busy_within(self.busy, start, now)
-            self.busy = [b for b in self.busy if b[1] > now]  # what later steps may still overlap
+            seconds, self.busy = close_step(self.busy, start, now)
         return seconds
 
     def raise_if_failed(self) -> None:
