@@ -97,6 +97,17 @@ class AsyncStepStats:
         }
 
 
+def asynchronous(config) -> bool:
+    """Whether `config` (either path's) samples asynchronously: ``async_sampling`` with ``max_staleness`` >= 1 (0 is
+    on-policy)."""
+    return bool(getattr(config, "async_sampling", False)) and getattr(config, "max_staleness", 0) > 0
+
+
+def sampling_mode(config) -> str:
+    """``on-policy`` or ``asynchronous, max_staleness K``: what both paths say at start and run_summary.json keeps."""
+    return f"asynchronous, max_staleness {config.max_staleness}" if asynchronous(config) else "on-policy"
+
+
 def async_problems(config) -> list[str]:
     """Problems with the asynchronous-sampling settings of `config` (both paths), each starting with its key."""
     problems = []

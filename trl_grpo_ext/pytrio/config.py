@@ -227,8 +227,3 @@ class PyTrioGRPOConfig(GRPOSpec, DataSpec):
 
     def to_dict(self) -> dict:
         return asdict(self)
-
-
-def asynchronous(config) -> bool:
-    """Whether `config` samples asynchronously (``async_sampling`` with ``max_staleness`` >= 1; 0 is on-policy)."""
-    return bool(config.async_sampling) and config.max_staleness > 0

@@ -20,9 +20,9 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-from trl_grpo_ext.grpo.async_sampling import AsyncStepStats, close_step, steps_to_request, too_stale
+from trl_grpo_ext.grpo.async_sampling import AsyncStepStats, asynchronous, close_step, steps_to_request, too_stale
 from trl_grpo_ext.pytrio.calls import PyTrioLoopError
-from trl_grpo_ext.pytrio.config import PyTrioGRPOConfig, asynchronous
+from trl_grpo_ext.pytrio.config import PyTrioGRPOConfig
 from trl_grpo_ext.pytrio.sampling import PendingSamples, collect_samples, submit_samples
 from trl_grpo_ext.pytrio.types import Rollout
 

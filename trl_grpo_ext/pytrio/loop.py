@@ -30,6 +30,7 @@ import time
 from pathlib import Path
 
 from trl_grpo_ext.environments.chat import use_tool_chat_template
+from trl_grpo_ext.grpo.async_sampling import asynchronous, sampling_mode
 from trl_grpo_ext.grpo.curriculum import CurriculumPromptStream, curriculum_from_tasks
 from trl_grpo_ext.grpo.distillation import distillation_of
 from trl_grpo_ext.grpo.dynamic_sampling import GroupFilter
@@ -40,7 +41,7 @@ from trl_grpo_ext.pytrio import connection
 from trl_grpo_ext.pytrio.batch import build_train_batch
 from trl_grpo_ext.pytrio.calls import PyTrioLoopError
 from trl_grpo_ext.pytrio.checkpoints import save_checkpoint, save_final_weights, start_training_client
-from trl_grpo_ext.pytrio.config import PyTrioGRPOConfig, asynchronous
+from trl_grpo_ext.pytrio.config import PyTrioGRPOConfig
 from trl_grpo_ext.pytrio.connection import LOCAL_SERVER_NAME, ServiceLost, ServiceOutage, install_log_redaction, redact
 from trl_grpo_ext.pytrio.lookahead import SampleAhead
 from trl_grpo_ext.pytrio.metrics import averaged, round_metrics, step_metrics
@@ -307,6 +308,7 @@ class GRPOLoop:
         self.ahead = None
         if asynchronous(c) or state.ahead:
             self.ahead = SampleAhead(c, self.prompts, self.tool_turns, start=state.step, saved=state.ahead)
+        logger.info("sampling: %s", sampling_mode(c))  # as the TRL recipe's startup line
         with GracefulStop("stopping after this step with a checkpoint (resume: true continues it)") as stop:
             return self._steps(training_client, stream, state, sink, outage, stop)
 
@@ -346,6 +348,7 @@ class GRPOLoop:
             "steps": state.step,
             "state_path": state.state_path,
             "sampler_path": state.sampler_path,
+            "sampling_mode": sampling_mode(c),
             "output_dir": str(out),
         }
 

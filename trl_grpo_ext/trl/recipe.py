@@ -21,6 +21,7 @@ from trl_grpo_ext.environments.chat import use_tool_chat_template
 from trl_grpo_ext.environments.data import with_environments
 from trl_grpo_ext.errors import raise_problems
 from trl_grpo_ext.evaluation import HELDOUT_SEED, heldout_lines, problems_from_rows
+from trl_grpo_ext.grpo.async_sampling import asynchronous, sampling_mode
 from trl_grpo_ext.grpo.distillation import distillation_of
 from trl_grpo_ext.grpo.loss_table import print_loss_type_notice
 from trl_grpo_ext.grpo.reward_aggregation import reward_func_name
@@ -138,11 +139,6 @@ def load_model(path: str, model_args, training_args):
     return model
 
 
-def asynchronous(training_args) -> bool:
-    """Whether the run samples asynchronously (``async_sampling`` with ``max_staleness`` >= 1; 0 is on-policy)."""
-    return bool(getattr(training_args, "async_sampling", False)) and getattr(training_args, "max_staleness", 0) > 0
-
-
 def run_precision(training_args) -> dict | None:
     """The run's precision choice and its reason (`trl_grpo_ext.cpu.precision.Precision`), as run_summary.json keeps it;
     None for a plain `trl.GRPOConfig`, which has no `auto`."""
@@ -182,13 +178,6 @@ def sampler_line(training_args) -> str:
     choice = sampler_choice(training_args)
     name = f"vLLM, {choice['vllm_mode']} mode" if choice["name"] == "vllm" else "transformers generate"
     return f"sampler: {name} ({choice['reason']})"
-
-
-def sampling_mode(training_args) -> str:
-    """``on-policy`` or ``asynchronous, max_staleness K`` (``async_sampling``; `trl_grpo_ext.trl.async_sampling`)."""
-    if asynchronous(training_args):
-        return f"asynchronous, max_staleness {training_args.max_staleness}"
-    return "on-policy"
 
 
 def run_sampler(trainer, training_args) -> dict:
