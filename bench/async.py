@@ -179,13 +179,29 @@ def learning(sweep_dir: Path, loss: str) -> tuple[list[str], str | None]:
         values = [v for v in values if isinstance(v, (int, float))]
         return statistics.mean(values) if values else None
 
+    def correction(group) -> str:
+        """What the loss's ratio met, over the group's steps: the sampler-trainer KL a step, the largest token
+        ratio, the share of tokens its clip bound (PPO's low and high, CISPO's bounds)."""
+        rows = [row for run in group.runs for row in run.rows]
+
+        def mean(key: str) -> float:
+            values = [float(row[key]) for row in rows if isinstance(row.get(key), (int, float))]
+            return statistics.mean(values) if values else 0.0
+
+        largest = max(
+            (float(r["sampling/is_ratio_raw/max"]) for r in rows if "sampling/is_ratio_raw/max" in r), default=1.0
+        )
+        clipped = mean("clip_low_frac") + mean("clip_high_frac")
+        return f"{mean('sampling/sampler_kl'):.4f} / {largest:.2f} / {100 * clipped:.2f}%"
+
     by = {setting(g): g for g in groups}
     # On-policy, cispo, importance_sampling and ppo take one gradient (every ratio is 1, inside every clip:
     # tests/test_losses.py), so a loss without on-policy runs of its own is compared with another loss's.
     on_policy = {name: g for (name, mode), g in by.items() if mode == "sync"}
     lines = [
-        "| loss | setting | seeds | held-out gain (format-independent) | after − on-policy after | training phase (s) |",
-        "|---|---|---|---|---|---|",
+        "| loss | setting | seeds | held-out gain (format-independent) | after − on-policy after | training phase (s) "
+        "| sampler KL / largest ratio / clipped |",
+        "|---|---|---|---|---|---|---|",
     ]
     headline = None
     for (name, mode), group in sorted(by.items(), key=lambda item: (item[0][0], item[0][1] != "sync", item[0][1])):
@@ -204,7 +220,7 @@ def learning(sweep_dir: Path, loss: str) -> tuple[list[str], str | None]:
         seconds = phase_seconds(group)
         lines.append(
             f"| {name} | {mode} | {len(group.runs)} | {gain_text} | {diff} | "
-            f"{'-' if seconds is None else f'{seconds:.0f}'} |"
+            f"{'-' if seconds is None else f'{seconds:.0f}'} | {correction(group)} |"
         )
     return lines, headline
 
