@@ -131,6 +131,24 @@ def test_a_version_still_wanted_is_copied_aside_before_the_optimizer_overwrites_
     assert weights.staged_copies == 1
 
 
+def test_a_sampler_several_versions_behind_gets_each_version_it_owes():
+    """At max_staleness 4 the sampler may still owe batches of versions 1 and 2 when the trainer reaches version 3:
+    both are kept aside until taken (one slot for them deadlocked the K = 4 runs: version 1 was lost)."""
+    trainer, sampler = _params(0), _params(0)
+    weights = InProcessWeights(trainer, sampler, version=0)
+    for version in (1, 2, 3):  # the trainer steps while the sampler is busy with version 0's batches
+        weights.expect(version)
+        weights.before_update()
+        trainer[0].fill_(float(version))
+        weights.publish(version)
+    taken = []
+    for version in (1, 2, 3):
+        weights.acquire(version, 0.5)
+        taken.append(float(sampler[0][0]))
+    assert taken == [1.0, 2.0, 3.0]  # each batch drawn with the weights its request named
+    assert weights.staged_copies == 2 and weights._staged == {}  # version 3 was live; nothing is held afterwards
+
+
 def test_a_version_never_published_times_out_and_a_closed_transfer_stops_the_wait():
     weights = InProcessWeights(_params(0), _params(0), version=0)
     weights.expect(3)

@@ -95,18 +95,24 @@ def test_batches_are_drawn_k_steps_ahead_and_trained_against_the_samplers_log_pr
             assert all(key in row for row in rows[1:]), key
 
 
-def test_a_slow_sampler_or_a_slow_trainer_trains_the_same_batches_the_same_way(tiny_model_path, tmp_path, monkeypatch):
-    _, baseline = _train(tiny_model_path, tmp_path, "base")
+def _late(seconds):
+    """A sampler that takes `seconds` longer for each batch (a wrap for `_wrap_sampler`)."""
 
-    def late(generate):
+    def wrap(generate):
         def drawn(request):
-            time.sleep(0.3)
+            time.sleep(seconds)
             return generate(request)
 
         return drawn
 
+    return wrap
+
+
+def test_a_slow_sampler_or_a_slow_trainer_trains_the_same_batches_the_same_way(tiny_model_path, tmp_path, monkeypatch):
+    _, baseline = _train(tiny_model_path, tmp_path, "base")
+
     with monkeypatch.context() as patch:
-        _wrap_sampler(patch, late)
+        _wrap_sampler(patch, _late(0.3))
         _, slow_sampled = _train(tiny_model_path, tmp_path, "slow-sampler")
     assert sum(row["perf/rollout_wait_s"] for row in slow_sampled[1:]) > 0.3  # the trainer did wait
 
@@ -120,6 +126,21 @@ def test_a_slow_sampler_or_a_slow_trainer_trains_the_same_batches_the_same_way(t
         patch.setattr(async_sampling._AsyncSamplingCallback, "on_step_end", slow_trainer)
         _, slow_trained = _train(tiny_model_path, tmp_path, "slow-trainer")
     assert _trained(slow_sampled) == _trained(baseline) == _trained(slow_trained)
+
+
+def test_a_sampler_several_versions_behind_draws_each_batch_with_the_version_it_was_requested_with(
+    tiny_model_path, tmp_path, monkeypatch
+):
+    """max_staleness 3 with a sampler slower than the trainer: when it reaches step 4's batch (version 1) the trainer
+    is already at version 3, so versions 1 and 2 must have been kept aside; the run trains what a run with a fast
+    sampler trains."""
+    settings = dict(max_staleness=3, max_steps=6, async_timeout_s=30)
+    _, fast = _train(tiny_model_path, tmp_path, "fast", **settings)
+    with monkeypatch.context() as patch:
+        _wrap_sampler(patch, _late(1.0))
+        _, slow = _train(tiny_model_path, tmp_path, "slow", **settings)
+    assert [row["sample/staleness_max"] for row in slow] == [0, 1, 2, 3, 3, 3]
+    assert _trained(slow) == _trained(fast)
 
 
 def test_max_staleness_0_is_the_synchronous_path(tiny_model_path, tmp_path):

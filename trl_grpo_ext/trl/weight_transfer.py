@@ -11,7 +11,10 @@ with (``acquire``), which may be older than the trainer's by up to ``max_stalene
 trainable parameters itself, on its own cores, while the trainer's forward and backward only read them; the trainer
 copies them aside (``before_update``) only when the optimizer is about to overwrite a version the sampler has been
 asked for and not yet taken. At ``max_staleness: 1`` the sampler is always idle when a version appears (the batch
-it drew last is the one the trainer is training on), so the trainer never copies.
+it drew last is the one the trainer is training on), so the trainer never copies. With a larger bound a sampler
+behind the trainer may still owe batches of several older versions (at K = 4 the first five batches are drawn with
+version 0, the next with 1, 2, ... while the trainer moves on): each such version is kept aside until the sampler
+has taken it, at most K - 1 copies of the trainable parameters.
 
 A vLLM server's weights are handed over by the trainer itself between two of the sampler's requests
 (`ServerWeights`: TRL's own sync, NCCL on GPUs, a /dev/shm file that the CPU server reloads otherwise,
@@ -67,7 +70,7 @@ class InProcessWeights:
         self._sampler = sampler_params
         self._cond = threading.Condition()
         self._live: int | None = version  # the version the trainer's parameters hold now (None: being updated)
-        self._staged: tuple[int, list[torch.Tensor]] | None = None  # a version copied aside before an update
+        self._staged: dict[int, list[torch.Tensor]] = {}  # versions copied aside before an update, until taken
         self._loaded = version  # the sampler's copy starts as the trainer's weights
         self._wanted: Counter[int] = Counter()  # versions of requests the sampler has not taken yet
         self._closed = False
@@ -85,8 +88,8 @@ class InProcessWeights:
     def before_update(self) -> None:
         with self._cond:  # the sampler copies under this lock: an update cannot start in the middle of its copy
             live = self._live
-            if live is not None and self._wanted[live] and self._loaded != live:
-                self._staged = (live, [p.detach().clone() for p in self._trainer])
+            if live is not None and self._wanted[live] and self._loaded != live and live not in self._staged:
+                self._staged[live] = [p.detach().clone() for p in self._trainer]
                 self.staged_copies += 1
             self._live = None
 
@@ -105,25 +108,26 @@ class InProcessWeights:
             waited = time.monotonic() - t0
             t1 = time.monotonic()
             if self._loaded != version:
-                source = self._trainer if self._live == version else self._staged[1]
+                source = self._trainer if self._live == version else self._staged[version]
                 with torch.no_grad():
                     for dst, src in zip(self._sampler, source, strict=True):
                         dst.copy_(src)
                 self._loaded = version
             if self._wanted[version]:
                 self._wanted[version] -= 1
-            if self._staged is not None and self._staged[0] != version and not self._wanted[self._staged[0]]:
-                self._staged = None
+            # Requests are drawn in order of version: what is no longer wanted will not be asked for again.
+            for taken in [v for v in self._staged if not self._wanted[v]]:
+                del self._staged[taken]
             return waited, time.monotonic() - t1
 
     def _sources(self) -> set[int]:
         versions = {self._live} if self._live is not None else set()
-        return versions | ({self._staged[0]} if self._staged is not None else set())
+        return versions | set(self._staged)
 
     def close(self) -> None:
         with self._cond:
             self._closed = True
-            self._staged = None
+            self._staged.clear()
             self._cond.notify_all()
 
 
