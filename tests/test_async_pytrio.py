@@ -53,6 +53,14 @@ def test_the_next_steps_are_drawn_while_a_step_trains_k_behind(tiny_model_path, 
         assert load_loop_state(config.output_dir).data_position == 4 * config.prompts_per_step
 
 
+def test_several_steps_behind_each_batch_is_drawn_by_the_weights_of_its_request(tiny_model_path, tmp_path):
+    """max_staleness 3: the first four batches are drawn by version 0's sampler, then one by each later version while
+    the sampler still owes older ones (the server loads a request's weights when it queues it)."""
+    rows, _ = _run(tmp_path, "k3", base_model=tiny_model_path, max_staleness=3, max_steps=6)
+    assert [r["sample/staleness_max"] for r in rows] == [0, 1, 2, 3, 3, 3]
+    assert all(r["sample/dropped_stale_total"] == 0 for r in rows)
+
+
 def test_a_slow_sampler_changes_the_waits_not_the_batches(tiny_model_path, tmp_path, monkeypatch):
     baseline, _ = _run(tmp_path, "base", base_model=tiny_model_path)
     collect = lookahead.collect_samples
