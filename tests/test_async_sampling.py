@@ -234,6 +234,9 @@ def test_the_sampler_waits_for_its_version_and_a_version_never_published_fails_t
     weights = InProcessWeights(_params(0), _params(0), version=0)
     worker = RolloutWorker(_echo(), weights, timeout_s=0.3)
     worker.submit(_request(0, version=1))  # version 1 does not exist yet
+    deadline = time.monotonic() + 30
+    while worker.alive and time.monotonic() < deadline:  # the sampler gives up after 0.3 s (the trainer would
+        time.sleep(0.05)  # too, at the same time: this test is about the sampler's reason)
     with pytest.raises(AsyncSamplerError, match="version 1 of the weights was not published"):
         worker.result(0)
 
