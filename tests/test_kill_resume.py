@@ -41,7 +41,7 @@ def _run(cmd, kill: str | None, log: Path):
         cmd = [*cmd[:script], str(KILL_POINTS), *cmd[script:]]
     with open(log, "w") as handle:
         proc = subprocess.run(cmd, stdout=handle, stderr=subprocess.STDOUT, env=env, timeout=300)
-    return proc.returncode, log.read_text()
+    return proc.returncode, log.read_text(errors="replace")
 
 
 def _steps(out):

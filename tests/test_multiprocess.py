@@ -27,6 +27,8 @@ sys.path.insert(0, str(WORKER.parent))
 
 import multiprocess_grpo as worker  # noqa: E402
 
+from trl_grpo_ext.experiments.launch.commands import log_tail  # noqa: E402
+
 # Metrics that must agree step by step. Per-micro-batch means (entropy, ratio_mean, clip fractions) are averaged
 # over micro-batches whose composition TRL shuffles, so they are compared where a step is one micro-batch.
 STEP_KEYS = ("loss", "grad_norm", "reward", "reward_std", "frac_reward_zero_std", "frac_degenerate", "train_tokens")
@@ -182,7 +184,7 @@ def test_two_machines_train_as_one_process(one_process, tiny_model_path, tmp_pat
             if proc.poll() is None:
                 proc.kill()
             log.close()
-    logs = "\n".join((folder / "launch.log").read_text()[-3000:] for folder in machines)
+    logs = "\n".join(log_tail(folder / "launch.log") for folder in machines)
     assert codes == [0, 0], logs
     assert_trained_as_one(machines, one_process, logs)
 
@@ -217,7 +219,7 @@ def test_srun_on_two_nodes_trains_as_one_process(one_process, tiny_model_path, t
                               capture_output=True, text=True, timeout=600)  # fmt: skip
     finally:
         subprocess.run(["scancel", f"--name={name}"], capture_output=True)
-    logs = "\n".join(p.read_text()[-3000:] for p in tmp_path.glob("slurm-*.log"))
+    logs = "\n".join(log_tail(p) for p in tmp_path.glob("slurm-*.log"))
     assert done.returncode == 0, done.stdout + done.stderr + logs
     machines = [tmp_path / f"machine-{rank}" for rank in (0, 1)]
     assert_trained_as_one(machines, one_process, logs)

@@ -22,6 +22,7 @@ trio = pytest.importorskip("pytrio")
 
 from pytrio_versions import configure  # noqa: E402
 
+from trl_grpo_ext.experiments.launch.commands import log_tail  # noqa: E402
 from trl_grpo_ext.pytrio.config import PyTrioGRPOConfig  # noqa: E402
 from trl_grpo_ext.pytrio.connection import close_service_client, service_answers  # noqa: E402
 from trl_grpo_ext.pytrio.loop import GRPOLoop  # noqa: E402
@@ -68,7 +69,7 @@ class Served:
             self.proc.wait()
 
     def log(self) -> str:
-        return (self.folder / f"server-{self.starts}.log").read_text()[-3000:]
+        return log_tail(self.folder / f"server-{self.starts}.log")
 
 
 @pytest.fixture(scope="module")

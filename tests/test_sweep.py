@@ -11,7 +11,7 @@ import pytest
 import yaml
 from sweep_fakes import FAKE_RECIPE, TINY_RUN
 
-from trl_grpo_ext.experiments.launch.commands import build_command, describe_runs, eval_command, run_status
+from trl_grpo_ext.experiments.launch.commands import build_command, describe_runs, eval_command, log_tail, run_status
 from trl_grpo_ext.experiments.launch.runner import run_sweep
 from trl_grpo_ext.experiments.sweep import (
     expand,
@@ -132,7 +132,7 @@ def test_run_skip_fail_and_summary(fake_sweep, capsys):
     assert (ok_dir / DONE_MARKER).is_file() and not (bad_dir / DONE_MARKER).exists()
     marker = json.loads((ok_dir / DONE_MARKER).read_text())
     assert marker["config"]["loss_type"] == "ppo" and marker["config"]["fail_always"] is False
-    assert "training ppo" in (ok_dir / TRAIN_LOG).read_text()
+    assert "training ppo" in (ok_dir / TRAIN_LOG).read_text(errors="replace")
     assert [json.loads(x)["step"] for x in (ok_dir / "metrics.jsonl").read_text().splitlines()] == [1, 2]
     inv = invocations(ok_dir)[0]
     assert inv["group"] == "fake" and inv["exp"] == results[0].name and inv["run_name"] == results[0].name
@@ -385,7 +385,7 @@ def test_real_tiny_trl_run_resume_eval_and_compare(tiny_model_path, tmp_path):
     assert validate_runs(spec, expand(spec)) == []
     (result,), _ = run_sweep(spec, progress=False)
     run_dir = Path(result.run_dir)
-    assert result.status == "finished", (run_dir / TRAIN_LOG).read_text()[-3000:]
+    assert result.status == "finished", log_tail(run_dir / TRAIN_LOG)
     assert [json.loads(x)["step"] for x in (run_dir / "metrics.jsonl").read_text().splitlines()] == [1, 2]
 
     # as if killed after the first checkpoint: no marker, no checkpoint-2
@@ -394,7 +394,7 @@ def test_real_tiny_trl_run_resume_eval_and_compare(tiny_model_path, tmp_path):
     sweep["evaluate"] = {"data": "embedded", "limit": 2, "max_new_tokens": 4, "k": 2, "tasks": "chain_sum_easy"}
     path.write_text(yaml.safe_dump(sweep))
     (result,), _ = run_sweep(load_sweep(path), progress=False)
-    assert result.status == "finished", (run_dir / TRAIN_LOG).read_text()[-3000:] + str(result.eval)
+    assert result.status == "finished", log_tail(run_dir / TRAIN_LOG) + str(result.eval)
     assert result.resumed_from == str(run_dir / "checkpoint-1")
     assert "--resume_from_checkpoint" in result.command
     rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]

@@ -17,6 +17,7 @@ from slurm_cluster import require_cluster
 from sweep_fakes import FAKE_RECIPE, TINY_RUN
 
 from trl_grpo_ext.experiments.launch import LauncherError
+from trl_grpo_ext.experiments.launch.commands import log_tail
 from trl_grpo_ext.experiments.launch.job import prepare_job
 from trl_grpo_ext.experiments.launch.records import read_attempt
 from trl_grpo_ext.experiments.launch.runner import cancel_sweep, format_status, run_sweep, sweep_status
@@ -70,9 +71,7 @@ def wait_until(condition, what: str, spec, deadline_s: float = DEADLINE_S):
         if value:
             return value
         if time.monotonic() > deadline:
-            logs = "\n".join(
-                p.read_text()[-2000:] for p in sorted((spec.output_root / SLURM_JOBS_DIRNAME).glob("*.out"))
-            )
+            logs = "\n".join(log_tail(p) for p in sorted((spec.output_root / SLURM_JOBS_DIRNAME).glob("*.out")))
             pytest.fail(f"timed out waiting for {what}:\n{format_status(spec, sweep_status(spec))}\n{logs}")
         time.sleep(1.0)
 

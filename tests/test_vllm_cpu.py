@@ -22,6 +22,7 @@ import pytest
 import torch
 from conftest import build_tiny_model
 
+from trl_grpo_ext.experiments.launch.commands import log_tail
 from trl_grpo_ext.trl.sampler_precision import SamplerPrecisionMixin
 from trl_grpo_ext.trl.vllm_cpu import CPU_ENV_DEFAULTS, apply_cpu_env, colocated_vllm, lacks_weight_loaders
 
@@ -306,14 +307,14 @@ def vllm_server(vllm_model, tmp_path_factory):
     try:
         deadline = time.monotonic() + 900
         while True:
-            assert server.poll() is None, log.read_text()[-6000:]
+            assert server.poll() is None, log_tail(log, 80)
             try:
                 with urllib.request.urlopen(f"{url}/health", timeout=5) as response:
                     if response.status == 200:
                         break
             except OSError:
                 pass
-            assert time.monotonic() < deadline, log.read_text()[-6000:]
+            assert time.monotonic() < deadline, log_tail(log, 80)
             time.sleep(2)
         yield url
     finally:
