@@ -311,7 +311,7 @@ def test_two_processes_take_the_same_decision(tiny_model_path, tmp_path):
            "--main_process_ip", "127.0.0.1", "--main_process_port", str(port),
            str(root / "tests" / "multiprocess_dynamic_sampling.py"), "--model", tiny_model_path,
            "--out", str(tmp_path)]  # fmt: skip
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300, cwd=root)
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, errors="replace", timeout=300, cwd=root)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
     assert [r["world_size"] for r in ranks] == [2, 2]

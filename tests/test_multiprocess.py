@@ -53,7 +53,7 @@ def runs(tiny_model_path, tmp_path_factory):
            "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
            "--main_process_ip", "127.0.0.1", "--main_process_port", str(_free_port()),
            str(WORKER), "--model", tiny_model_path, "--out", str(out / "two")]  # fmt: skip
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300, cwd=ROOT)
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, errors="replace", timeout=300, cwd=ROOT)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
     worker.run(tiny_model_path, str(out / "one"))
     names = [f"{s}-{loss}" for s in worker.SCHEDULES for loss in worker.LOSS_TYPES]

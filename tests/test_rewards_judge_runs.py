@@ -212,7 +212,7 @@ def test_a_judge_down_for_one_process_stops_every_process_at_once(tiny_model_pat
            "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
            "--main_process_ip", "127.0.0.1", "--main_process_port", str(free_port()),
            str(ROOT / "tests" / "multiprocess_judge.py"), "--model", tiny_model_path, "--out", str(tmp_path / "run")]  # fmt: skip
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300, cwd=ROOT)
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, errors="replace", timeout=300, cwd=ROOT)
     log = proc.stdout + proc.stderr
     assert proc.returncode != 0, log[-3000:]
     assert "process 0 stopped: judge at http://127.0.0.1:" in log and "of 1 step(s) in a row" in log, log[-3000:]
