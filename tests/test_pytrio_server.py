@@ -362,6 +362,42 @@ def test_unknown_event_type_and_malformed_payload_are_client_errors(server, serv
     assert error.value.code == "invalid_payload" and "data" in str(error.value)
 
 
+def test_a_client_collected_on_the_servers_event_loop_closes_without_stalling_it(server):
+    """A `ServiceClient` that only the cyclic collector frees, collected on the server's own event-loop thread (any
+    allocation there may run a collection): its session close, a request to this same server, runs on a thread of
+    its own (`inprocess.defer_client_closes`). Run on the loop, it would wait on itself, the server answering nothing,
+    until the client's request timeout: the collection would return only then."""
+    import asyncio
+    import gc
+    import time
+
+    timeout = 10  # the client's; a close that waits on the loop holds it this long at least
+    with pytrio_versions.settings(
+        request_timeout_seconds=timeout, retry_max_attempts=1, control_retry_timeout_seconds=timeout
+    ):
+        client = trio.ServiceClient()
+    session = client.service_session_cuid
+    client.itself = client  # a reference cycle: refcounting alone never frees it
+    del client
+
+    async def collect() -> float:
+        started = time.monotonic()
+        gc.collect()
+        return time.monotonic() - started
+
+    loop = server._http._server.servers[0].get_loop()
+    gc.disable()  # no collection on another thread first
+    try:
+        held = asyncio.run_coroutine_threadsafe(collect(), loop).result(timeout=10 * timeout)
+    finally:
+        gc.enable()
+    assert held < timeout
+    deadline = time.monotonic() + 30
+    while server.registry.sessions[session].status == "ACTIVE" and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert server.registry.sessions[session].status == "ENDED"  # the close, made from elsewhere, reached the server
+
+
 def test_wrong_api_key_is_an_auth_error(server):
     with pytest.raises(ControlAPIError) as error:
         trio.ServiceClient(api_key="not-the-key")

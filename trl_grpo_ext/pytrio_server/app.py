@@ -14,7 +14,6 @@ import functools
 import logging
 import secrets
 import shutil
-import sys
 import tempfile
 import threading
 import time
@@ -36,6 +35,12 @@ from trl_grpo_ext.pytrio_server.downloads import CheckpointDownloads
 from trl_grpo_ext.pytrio_server.engine import ModelEngine
 from trl_grpo_ext.pytrio_server.errors import ApiError
 from trl_grpo_ext.pytrio_server.events import RunEventQueue, started_future
+from trl_grpo_ext.pytrio_server.inprocess import (
+    close_clients_of,
+    defer_client_closes,
+    mark_server_thread,
+    server_thread,
+)
 from trl_grpo_ext.pytrio_server.memory import MemoryGate, default_budget, gib, tune_allocator
 from trl_grpo_ext.pytrio_server.openai_api import OpenAIHandlers
 from trl_grpo_ext.pytrio_server.registry import Registry
@@ -138,7 +143,10 @@ class LocalPyTrioServer(
             return self
         if self._closing.done():
             raise RuntimeError("a stopped local PyTRIO server cannot start again; create a new one")
-        self._pool = ThreadPoolExecutor(REQUEST_THREADS, thread_name_prefix="pytrio-request")
+        defer_client_closes()  # before any client can know this server's address
+        self._pool = ThreadPoolExecutor(
+            REQUEST_THREADS, thread_name_prefix="pytrio-request", initializer=mark_server_thread
+        )
         config = self.config
         http = BackgroundServer(
             self.app, host=config.host, port=config.port, idle_timeout=config.idle_timeout_seconds,
@@ -146,7 +154,7 @@ class LocalPyTrioServer(
             max_connections_per_peer=config.max_connections_per_peer,
         )  # fmt: skip
         self._http = http.start()
-        self._reaper = threading.Thread(target=self._housekeeping, name="pytrio-housekeeping", daemon=True)
+        self._reaper = server_thread(self._housekeeping, "pytrio-housekeeping")
         self._reaper.start()
         logger.info("PyTRIO local server on %s serving %s (%s)", self.base_url, self.model_alias, self.model_id)
         return self
@@ -158,7 +166,8 @@ class LocalPyTrioServer(
         fail at once, so in-flight requests end before uvicorn stops. An event a run's worker is executing finishes
         in the background (that thread then exits).
         """
-        self._close_inprocess_clients()
+        if self._http is not None:  # this process's clients of this server, while it still answers (`inprocess`)
+            close_clients_of(self.base_url)
         if not self._closing.done():
             self._closing.set_result(None)
         self.sampler.stop()
@@ -186,26 +195,6 @@ class LocalPyTrioServer(
             for record in temporary:
                 self.registry.forget_checkpoint(record.uri)
                 self._delete_files(record)
-
-    def _close_inprocess_clients(self) -> None:
-        """Shut down this process's pytrio runtimes bound to this server while it still answers.
-
-        A `ServiceClient` closes its session when garbage-collected or at interpreter exit; against a stopped
-        server that close would retry connection errors for ``control_retry_timeout_seconds`` (15 min).
-        """
-        if self._http is None:
-            return
-        runtime_module = sys.modules.get("pytrio.runtime.service")
-        if runtime_module is None:  # pytrio never imported here: no in-process clients (and no slow import)
-            return
-        with runtime_module._active_service_runtimes_lock:
-            runtimes = list(runtime_module._active_service_runtimes)
-        for runtime in runtimes:
-            if getattr(runtime.configuration, "base_url", None) == self.base_url:
-                try:
-                    runtime.shutdown()
-                except Exception:  # noqa: BLE001 - best effort; the server stops regardless
-                    logger.debug("could not shut down a pytrio runtime", exc_info=True)
 
     def __enter__(self) -> LocalPyTrioServer:
         return self.start()

@@ -15,6 +15,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 from trl_grpo_ext.pytrio_server.errors import EventFailure
+from trl_grpo_ext.pytrio_server.inprocess import server_thread
 
 logger = logging.getLogger(__name__)
 
@@ -74,7 +75,7 @@ class RunEventQueue:
         self._queue: queue.Queue[EventRecord | None] = queue.Queue()
         self.events: dict[str, EventRecord] = {}
         self._lock = threading.Lock()
-        self._thread = threading.Thread(target=self._work, name=f"pytrio-events-{run}", daemon=True)
+        self._thread = server_thread(self._work, f"pytrio-events-{run}")
         self._thread.start()
 
     def submit(self, record: EventRecord) -> EventRecord | None:

@@ -23,6 +23,7 @@ from trl_grpo_ext.pytrio_server.adapters import LoraSnapshot
 from trl_grpo_ext.pytrio_server.decoding import DecodeBatch, SampleSpec
 from trl_grpo_ext.pytrio_server.engine import ModelEngine
 from trl_grpo_ext.pytrio_server.errors import EngineError
+from trl_grpo_ext.pytrio_server.inprocess import server_thread
 from trl_grpo_ext.pytrio_server.memory import MemoryGate
 
 logger = logging.getLogger(__name__)
@@ -61,7 +62,7 @@ class SamplingBatcher:
             if self._stopped:
                 raise RuntimeError("the sampling worker is stopped")
             if self._thread is None:
-                self._thread = threading.Thread(target=self._work, name="pytrio-sampling", daemon=True)
+                self._thread = server_thread(self._work, "pytrio-sampling")
                 self._thread.start()
             self._pending.append(job)
             self._cv.notify()

@@ -21,7 +21,6 @@ import json
 import logging
 import resource
 import socket
-import threading
 import time
 from collections import Counter
 from dataclasses import dataclass, field
@@ -29,6 +28,8 @@ from dataclasses import dataclass, field
 import h11
 import uvicorn
 from uvicorn.protocols.http.h11_impl import H11Protocol
+
+from trl_grpo_ext.pytrio_server.inprocess import server_thread
 
 logger = logging.getLogger(__name__)
 
@@ -201,7 +202,7 @@ class BackgroundServer:
             headers=[("server", SERVER_HEADER)],
         )
         self._server = uvicorn.Server(config)
-        self._thread = threading.Thread(target=self._serve, name="pytrio-local-server", daemon=True)
+        self._thread = server_thread(self._serve, "pytrio-local-server")
         self._error: BaseException | None = None
 
     @property
