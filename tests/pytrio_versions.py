@@ -6,7 +6,6 @@ with 0.2.8 (`make test-pytrio028`); the protocol on the wire is the same (docs/p
 
 from __future__ import annotations
 
-import contextlib
 import inspect
 
 
@@ -41,22 +40,3 @@ def configure(**options) -> None:
     from trl_grpo_ext.compat import pytrio_configure_options
 
     pytrio.configure(**pytrio_configure_options(options))
-
-
-@contextlib.contextmanager
-def settings(**options):
-    """The process's pytrio settings `options` (named as pytrio 0.2.9 names them; one the installed client lacks is
-    left out) for the clients made inside the block, the earlier values after it (`configure` has no way back)."""
-    from pytrio.config.config import configuration
-
-    from trl_grpo_ext.compat import pytrio_setting
-
-    wanted = {pytrio_setting(name): value for name, value in options.items() if pytrio_setting(name)}
-    earlier = {name: getattr(configuration, name) for name in wanted}
-    for name, value in wanted.items():
-        setattr(configuration, name, value)
-    try:
-        yield
-    finally:
-        for name, value in earlier.items():
-            setattr(configuration, name, value)

@@ -29,6 +29,7 @@ from pytrio.protocol.actor.events.event import (  # noqa: E402
 from pytrio_faults import FaultInjector  # noqa: E402
 from pytrio_versions import on_client_loop, run_id  # noqa: E402
 
+from trl_grpo_ext.compat import pytrio_settings  # noqa: E402
 from trl_grpo_ext.grpo import losses  # noqa: E402
 from trl_grpo_ext.pytrio_server import LocalPyTrioServer, ServerConfig  # noqa: E402
 from trl_grpo_ext.pytrio_server.registry import safe_name  # noqa: E402
@@ -372,9 +373,7 @@ def test_a_client_collected_on_the_servers_event_loop_closes_without_stalling_it
     import time
 
     timeout = 10  # the client's; a close that waits on the loop holds it this long at least
-    with pytrio_versions.settings(
-        request_timeout_seconds=timeout, retry_max_attempts=1, control_retry_timeout_seconds=timeout
-    ):
+    with pytrio_settings(request_timeout_seconds=timeout, retry_max_attempts=1, control_retry_timeout_seconds=timeout):
         client = trio.ServiceClient()
     session = client.service_session_cuid
     client.itself = client  # a reference cycle: refcounting alone never frees it

@@ -118,6 +118,24 @@ def pytrio_setting(name: str) -> str | None:
     return older if older in fields else None
 
 
+@contextlib.contextmanager
+def pytrio_settings(**options):
+    """pytrio's process settings `options` (named as pytrio 0.2.9 names them; one the installed client lacks is left
+    out) for the clients made inside the block, which copy them when they are made; the earlier values after it."""
+    from pytrio.config.config import configuration
+
+    wanted = {pytrio_setting(name): value for name, value in options.items()}
+    wanted.pop(None, None)
+    earlier = {name: getattr(configuration, name) for name in wanted}
+    try:
+        for name, value in wanted.items():
+            setattr(configuration, name, value)
+        yield
+    finally:
+        for name, value in earlier.items():
+            setattr(configuration, name, value)
+
+
 def pytrio_configure_options(options: dict) -> dict:
     """`options` for the installed ``pytrio.configure``, given as pytrio 0.2.9 names them: renamed for an older
     client, a setting it does not have left out. A name neither client knows stays, so `configure` refuses it."""

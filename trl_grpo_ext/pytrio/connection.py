@@ -12,7 +12,7 @@ import logging
 import re
 import time
 
-from trl_grpo_ext.compat import pytrio_setting
+from trl_grpo_ext.compat import pytrio_setting, pytrio_settings
 
 logger = logging.getLogger(__name__)
 
@@ -117,22 +117,15 @@ def create_service_client(retry_window_s: float | None = None):
             "(and PYTRIO_BASE_URL for another server); or use pytrio_base_url: local for the offline server."
         )
     logger.info("connecting to PyTRIO at %s", base_url)
-    # the client copies pytrio's configuration when it is created: the windows are set for that moment only (each
-    # under the installed client's name for it; pytrio 0.2.8 has no Control window)
-    windows = [name for name in map(pytrio_setting, RETRY_WINDOWS) if name]
-    saved = {name: getattr(configuration, name) for name in windows}
+    # the windows are set for this client's creation only (pytrio 0.2.8 has no Control window)
+    windows = dict.fromkeys(RETRY_WINDOWS, retry_window_s) if retry_window_s is not None else {}
     try:
-        if retry_window_s is not None:
-            for name in windows:
-                setattr(configuration, name, retry_window_s)
-        return trio.ServiceClient()
+        with pytrio_settings(**windows):
+            return trio.ServiceClient()
     except trio.PyTrioError as error:
         if retry_window_s is not None and service_lost(error):
             raise ServiceLost(f"could not open a PyTRIO session at {base_url}: {redact(error)}") from None
         raise RuntimeError(f"Could not open a PyTRIO session at {base_url}: {redact(error)}") from None
-    finally:
-        for name, value in saved.items():
-            setattr(configuration, name, value)
 
 
 def close_service_client(service) -> None:
