@@ -9,22 +9,26 @@ times so the machine's drift hits all alike:
   (transformers' generate, timed around ``_generate_single_turn``) and the rest T2 (the loss's forwards, backward,
   optimizer);
 - on-policy at one core (S1, T1: each side's time when it has one core, as in an asynchronous run on 2 cores);
-- asynchronous, ``max_staleness`` 1 and 2 (`trl_grpo_ext.trl.async_sampling`: sampler and trainer one core each).
+- asynchronous (`trl_grpo_ext.trl.async_sampling`: sampler and trainer one core each), ``max_staleness`` 1 (what
+  ``make train`` runs: the sampler one step ahead) and ``max_staleness`` 2 drawing two steps ahead
+  (``sample_ahead: 2``).
 
 The first step of each process (loading, the first sampler start) is left out; a step's time is wall clock from
 its start to its end. The ideal bound of overlap alone is ``max(S1, T1) / (S2 + T2)``: both sides at one core, in
 parallel, against the on-policy step at every core. Threads are fixed (``TRL_GRPO_EXT_CPU_THREADS=fixed``).
 
-Learning (``--sweep DIR``, the output of ``trl-grpo-ext sweep recipes/sweeps/embedded_async.yaml``): per loss and
-setting the mean held-out format-independent gain over seeds with its 95% interval, the training phase's wall time
-(as each run measured it), and each asynchronous setting against on-policy with the same loss: the difference of
-held-out accuracy after training (paired over the eval problems, seeds resampled,
-`trl_grpo_ext.experiments.seed_comparison.pair_difference`). Only finished runs count. On-policy the three losses
-take one gradient, so a loss without on-policy runs of its own is compared with another loss's (marked so).
+Learning (``--sweep DIR``, repeatable: the output of ``trl-grpo-ext sweep recipes/sweeps/embedded_async.yaml``, and
+of ``embedded_async_temperature.yaml``): per loss and setting (on-policy, or the objective at ``max_staleness`` K) the
+mean held-out format-independent gain over seeds with its 95% interval, the training phase's wall time (as each run
+measured it), the mean staleness, and each asynchronous setting against on-policy with the same loss and sampling
+temperature: the difference of held-out accuracy after training (paired over the eval problems, seeds resampled,
+`trl_grpo_ext.experiments.seed_comparison.pair_difference`). Only finished runs count. On-policy the three ratio
+losses take one gradient, so a loss without on-policy runs of its own is compared with another loss's (marked so).
 
-Last line: ``async: step async/sync X (K=1), Y (K=2); held-out gain difference D [lo, hi]`` with D the loss
-``--loss`` (default cispo) at K=2 against on-policy. Targets: X <= 0.8, Y <= 0.7; D's interval includes 0 or lies
-above it. ``--quick``: the tiny random model, 3 steps, one round (a smoke test; numbers meaningless).
+Last line: ``async: step async/sync X (K=1), Y (K=2, sample_ahead 2); held-out gain difference D [lo, hi];
+decoupled K=4 gain difference D4 [lo, hi]`` with D the loss ``--loss`` (default cispo) under the decoupled objective
+at K=2, D4 at K=4, against on-policy. Targets: X <= 0.8; D and D4's intervals include 0 with D4 >= -0.01.
+``--quick``: the tiny random model, 3 steps, one round (a smoke test; numbers meaningless).
 """
 
 from __future__ import annotations
@@ -48,7 +52,7 @@ SETTINGS = {  # name: (torch threads, recipe flags)
     "sync": (None, ["--async_sampling", "false"]),
     "sync@1": (1, ["--async_sampling", "false"]),
     "async K=1": (None, ["--async_sampling", "true", "--max_staleness", "1"]),
-    "async K=2": (None, ["--async_sampling", "true", "--max_staleness", "2"]),
+    "async K=2": (None, ["--async_sampling", "true", "--max_staleness", "2", "--sample_ahead", "2"]),
 }
 CHILD_MARK = "BENCH_ASYNC_RESULT "
 
@@ -147,13 +151,14 @@ def timing_lines(t: dict[str, dict]) -> tuple[list[str], dict[str, float]]:
         ),
         "",
         f"ideal overlap bound max(S1, T1) / (S2 + T2) = max({s1:.2f}, {t1:.2f}) / ({s2:.2f} + {t2:.2f}) = {bound:.2f}",
-        *(f"async/sync step, K={k}: {ratios[k]:.2f} (bound {bound:.2f})" for k in (1, 2)),
+        f"async/sync step, K=1: {ratios[1]:.2f} (bound {bound:.2f})",
+        f"async/sync step, K=2 (sample_ahead 2): {ratios[2]:.2f} (bound {bound:.2f})",
     ]
     return lines, ratios
 
 
 # ------------------------------------------------------------------------------------------ the sweep's learning
-def learning(sweep_dir: Path, loss: str) -> tuple[list[str], str | None]:
+def learning(sweep_dirs: list[Path], loss: str) -> tuple[list[str], dict[str, str]]:
     from trl_grpo_ext.experiments.compare import load_runs, summarize
     from trl_grpo_ext.experiments.seed_comparison import group_by_seed, group_interval, pair_difference
     from trl_grpo_ext.report.text import interval_text
@@ -161,68 +166,78 @@ def learning(sweep_dir: Path, loss: str) -> tuple[list[str], str | None]:
 
     # A run counts once it has finished: its held-out evaluation after training is in (a sweep in progress, or
     # one stopped part way, leaves folders with only their config).
-    runs = [r for r in load_runs([sweep_dir]) if r.heldout_problems.get("after")]
+    runs = [r for r in load_runs(sweep_dirs) if r.heldout_problems.get("after")]
     summaries = [summarize(r) for r in runs]
     groups = group_by_seed(runs, summaries, {"output_dir", "run_name", "logging_dir"})
 
-    def setting(group) -> tuple[str, str]:
+    def setting(group) -> tuple[str, str, float]:
+        """(loss, mode, temperature): mode ``sync`` or ``<objective> K=<max_staleness>``."""
         config = group.runs[0].config
-        k = config.get("max_staleness") if config.get("async_sampling") in (True, "true", "True") else 0
-        return str(config.get("loss_type")), "sync" if not k else f"async K={k}"
+        k = config.get("max_staleness", 1) if config.get("async_sampling") in (True, "true", "True") else 0
+        temperature = float(config.get("temperature", 1.0))
+        mode = "sync" if not k else f"{config.get('async_objective', 'decoupled')} K={k}"
+        return str(config.get("loss_type")), mode, temperature
 
-    def phase_seconds(group) -> float | None:
+    def run_summary(group, key: str) -> float | None:
         values = []
         for run in group.runs:
             path = run.path / RUN_SUMMARY_FILENAME
             if path.is_file():
-                values.append(json.loads(path.read_text()).get("training_phase_s"))
+                values.append(json.loads(path.read_text()).get(key))
         values = [v for v in values if isinstance(v, (int, float))]
         return statistics.mean(values) if values else None
 
+    def mean_of(group, key: str) -> float:
+        values = [float(row[key]) for run in group.runs for row in run.rows if isinstance(row.get(key), (int, float))]
+        return statistics.mean(values) if values else 0.0
+
     def correction(group) -> str:
-        """What the loss's ratio met, over the group's steps: the sampler-trainer KL a step, the largest token
-        ratio, the share of tokens its clip bound (PPO's low and high, CISPO's bounds)."""
-        rows = [row for run in group.runs for row in run.rows]
-
-        def mean(key: str) -> float:
-            values = [float(row[key]) for row in rows if isinstance(row.get(key), (int, float))]
-            return statistics.mean(values) if values else 0.0
-
+        """What the correction met over the group's steps: the sampler-trainer KL a step, the largest behaviour
+        ratio, the share of tokens the loss's clip bound (PPO's low and high, CISPO's bounds) and the share the
+        behaviour weight truncated or masked."""
         largest = max(
-            (float(r["sampling/is_ratio_raw/max"]) for r in rows if "sampling/is_ratio_raw/max" in r), default=1.0
+            (float(r["sampling/is_ratio_raw/max"]) for run in group.runs for r in run.rows
+             if "sampling/is_ratio_raw/max" in r),
+            default=1.0,
+        )  # fmt: skip
+        clipped = mean_of(group, "clip_low_frac") + mean_of(group, "clip_high_frac")
+        masked = mean_of(group, "sampling/is_ratio_truncated_frac")
+        return (
+            f"{mean_of(group, 'sampling/sampler_kl'):.4f} / {largest:.2f} / {100 * clipped:.2f}% / {100 * masked:.2f}%"
         )
-        clipped = mean("clip_low_frac") + mean("clip_high_frac")
-        return f"{mean('sampling/sampler_kl'):.4f} / {largest:.2f} / {100 * clipped:.2f}%"
 
     by = {setting(g): g for g in groups}
     # On-policy, cispo, importance_sampling and ppo take one gradient (every ratio is 1, inside every clip:
     # tests/test_losses.py), so a loss without on-policy runs of its own is compared with another loss's.
-    on_policy = {name: g for (name, mode), g in by.items() if mode == "sync"}
+    on_policy = {(name, t): g for (name, mode, t), g in by.items() if mode == "sync"}
     lines = [
-        "| loss | setting | seeds | held-out gain (format-independent) | after − on-policy after | training phase (s) "
-        "| sampler KL / largest ratio / clipped |",
-        "|---|---|---|---|---|---|---|",
+        "| loss | temperature | setting | seeds | held-out gain (format-independent) | after − on-policy after | "
+        "mean staleness | training phase (s) | sampler KL / largest ratio / clipped / masked |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
-    headline = None
-    for (name, mode), group in sorted(by.items(), key=lambda item: (item[0][0], item[0][1] != "sync", item[0][1])):
+    headlines = {}
+    order = sorted(by.items(), key=lambda item: (item[0][2], item[0][0], item[0][1] != "sync", item[0][1]))
+    for (name, mode, t), group in order:
         gain = group_interval(group, "heldout_gain_any_format")
         diff = "-"
-        reference = on_policy.get(name, on_policy.get(loss, next(iter(on_policy.values()), None)))
+        same_t = [g for (n, tt), g in on_policy.items() if tt == t]
+        reference = on_policy.get((name, t), on_policy.get((loss, t), same_t[0] if same_t else None))
         if mode != "sync" and reference is not None:
             iv, _how = pair_difference(group, reference, "heldout_after_any_format")
             if iv is not None:
                 diff = interval_text(iv.estimate, iv.low, iv.high, 3)
-                if reference is not on_policy.get(name):
+                if reference is not on_policy.get((name, t)):
                     diff += f" (vs {setting(reference)[0]}'s on-policy runs)"
-                if name == loss and mode == "async K=2":
-                    headline = interval_text(iv.estimate, iv.low, iv.high, 3)
+                if name == loss and t == 1.0 and mode.startswith("decoupled"):
+                    headlines[mode] = interval_text(iv.estimate, iv.low, iv.high, 3)
         gain_text = "-" if gain is None else interval_text(gain.estimate, gain.low, gain.high, 3, missing=" (1 seed)")
-        seconds = phase_seconds(group)
+        seconds = run_summary(group, "training_phase_s")
+        staleness = "-" if mode == "sync" else f"{mean_of(group, 'sample/staleness_mean'):.2f}"
         lines.append(
-            f"| {name} | {mode} | {len(group.runs)} | {gain_text} | {diff} | "
+            f"| {name} | {t:g} | {mode} | {len(group.runs)} | {gain_text} | {diff} | {staleness} | "
             f"{'-' if seconds is None else f'{seconds:.0f}'} | {correction(group)} |"
         )
-    return lines, headline
+    return lines, headlines
 
 
 def main() -> None:
@@ -230,7 +245,9 @@ def main() -> None:
     parser.add_argument("--child", help=argparse.SUPPRESS)
     parser.add_argument("--steps", type=int, default=6, help="optimizer steps per process (the first is not timed)")
     parser.add_argument("--rounds", type=int, default=2, help="times the four settings are run, alternated")
-    parser.add_argument("--sweep", type=Path, help="a finished embedded_async sweep's output folder")
+    parser.add_argument(
+        "--sweep", type=Path, action="append", help="a finished embedded_async(_temperature) sweep's output folder"
+    )
     parser.add_argument("--loss", default="cispo", help="the loss of the last line's held-out difference")
     parser.add_argument("--no-timing", action="store_true", help="only the sweep's table (with --sweep)")
     parser.add_argument("--quick", action="store_true", help="the tiny random model, 3 steps, one round")
@@ -252,19 +269,27 @@ def main() -> None:
         print(f"timing: {len(SETTINGS)} settings x {args.rounds} rounds, {args.steps} steps each, {args.cores} cores")
         lines, ratios = timing_lines(timing(args))
         print("\n".join(lines))
-    headline = None
-    if args.sweep is not None:
-        lines, headline = learning(args.sweep, args.loss)
+    headlines = {}
+    if args.sweep:
+        lines, headlines = learning(args.sweep, args.loss)
         print("\n".join(lines))
-    step = "n/a (K=1), n/a (K=2)" if ratios is None else f"{ratios[1]:.2f} (K=1), {ratios[2]:.2f} (K=2)"
-    diff = (
-        "n/a (run with --sweep)"
-        if args.sweep is None
-        else f"n/a (no finished {args.loss} runs at K=2 and on-policy)"
-        if headline is None
-        else headline
+    step = (
+        "n/a (K=1), n/a (K=2, sample_ahead 2)"
+        if ratios is None
+        else f"{ratios[1]:.2f} (K=1), {ratios[2]:.2f} (K=2, sample_ahead 2)"
     )
-    print(f"async: step async/sync {step}; held-out gain difference {diff}")
+
+    def difference(k: int) -> str:
+        if not args.sweep:
+            return "n/a (run with --sweep)"
+        return headlines.get(
+            f"decoupled K={k}", f"n/a (no finished decoupled {args.loss} runs at K={k} and on-policy)"
+        )
+
+    print(
+        f"async: step async/sync {step}; held-out gain difference {difference(2)}; "
+        f"decoupled K=4 gain difference {difference(4)}"
+    )
 
 
 if __name__ == "__main__":

@@ -38,8 +38,10 @@ def _staleness(out: Path) -> list[float]:
 def test_the_trl_recipe_runs_asynchronously_on_the_embedded_model(tmp_path):
     out = tmp_path / "trl"
     _, log = _run("gsm8k_grpo.py", "recipes/gsm8k/embedded_async.yaml", out, "--eval_num_samples", "4")
-    assert "sampling: asynchronous, max_staleness 1" in log
-    assert "async sampling: max_staleness 1;" in log  # the cores each side got
+    mode = "asynchronous, sample_ahead 1, max_staleness 1, decoupled objective"
+    assert f"sampling: {mode}" in log
+    assert "async sampling: sample_ahead 1, max_staleness 1, decoupled objective (behaviour weight" in log
+    assert "sampler on core(s)" in log  # the cores each side got
     assert _staleness(out) == [0, 1]  # step 1 has nothing older to train on; step 2 trains step 1's draw
     summary = json.loads((out / "run_summary.json").read_text())
     assert summary["eval"]["after"]["n"] == 4
@@ -50,7 +52,8 @@ def test_the_pytrio_recipe_runs_asynchronously_on_the_embedded_model(tmp_path):
     printed, log = _run(
         "gsm8k_pytrio.py", "recipes/pytrio/embedded_async.yaml", out, "--lora_r", "4", "--save_every", "2"
     )
-    assert "sampling: asynchronous, max_staleness 1" in log
+    mode = "asynchronous, sample_ahead 1, max_staleness 1, decoupled objective"
+    assert f"sampling: {mode}" in log
     assert _staleness(out) == [0, 1]
     summary = json.loads(printed[printed.index("{") :])  # the recipe's last output
-    assert summary["steps"] == 2 and summary["sampling_mode"] == "asynchronous, max_staleness 1"
+    assert summary["steps"] == 2 and summary["sampling_mode"] == mode

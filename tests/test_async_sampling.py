@@ -272,3 +272,39 @@ def test_a_failed_hand_over_to_a_server_stops_with_its_reason_and_each_version_g
     with pytest.raises(WeightTransferError, match="handing version 2 of the weights to the sampling server failed: "
                        "ConnectionError: reload_weights: 500"):  # fmt: skip
         ServerWeights(broken).publish(2)
+
+
+def test_an_urgent_request_is_drawn_before_the_requests_queued_ahead_of_it():
+    """Dynamic sampling's extra round (urgent: the trainer waits for it) is drawn as soon as the sampler is free, not
+    after the next steps' batches requested before it; with the current weights, while the version the queued
+    batches still need is kept aside."""
+    first_started, release = threading.Event(), threading.Event()
+    order = []
+
+    def generate(request):
+        order.append(request.seq)
+        if request.seq == 0:
+            first_started.set()
+            release.wait(5.0)
+        return _echo()(request)
+
+    trainer, sampler = _params(0), _params(0)
+    weights = InProcessWeights(trainer, sampler, version=0)
+    worker = RolloutWorker(generate, weights, timeout_s=5.0)
+    worker.submit(_request(0))
+    assert first_started.wait(5.0)
+    worker.submit(_request(1, version=0))  # ahead: version 0
+    worker.submit(_request(2, version=0))
+    weights.before_update()  # the optimizer moves the trainer to version 1
+    with torch.no_grad():
+        for p in trainer:
+            p.add_(1.0)
+    weights.publish(1)
+    worker.submit(RolloutRequest(3, None, 1, ((1, 2, 3),), seed=3, urgent=True))
+    release.set()
+    results = {seq: worker.result(seq)[0] for seq in (0, 3, 1, 2)}
+    assert order == [0, 3, 1, 2]
+    assert all(r.request.seq == seq for seq, r in results.items())
+    # requests 1 and 2 were drawn with version 0 again after the urgent one loaded version 1
+    assert torch.equal(sampler[0], trainer[0] - 1.0)
+    worker.close()

@@ -3,6 +3,7 @@ staleness schedule, the loss's old log-probs, determinism whatever the speed of 
 synchronous path, resume with nothing lost or drawn twice, and the failures (a sampler that dies or hangs)."""
 
 import json
+import math
 import time
 
 import pytest
@@ -81,18 +82,52 @@ def _trained(rows):
     return [{key: row[key] for key in TRAINED} for row in rows]
 
 
-def test_batches_are_drawn_k_steps_ahead_and_trained_against_the_samplers_log_probs(tiny_model_path, tmp_path):
-    for k, expected in ((1, [0, 1, 1, 1]), (2, [0, 1, 2, 2])):
-        _, rows = _train(tiny_model_path, tmp_path, f"k{k}", max_staleness=k)
+def test_batches_are_drawn_sample_ahead_steps_ahead_and_max_staleness_only_bounds_it(tiny_model_path, tmp_path):
+    for k, ahead, expected in ((1, 1, [0, 1, 1, 1]), (2, 1, [0, 1, 1, 1]), (2, 2, [0, 1, 2, 2])):
+        _, rows = _train(tiny_model_path, tmp_path, f"k{k}n{ahead}", max_staleness=k, sample_ahead=ahead)
         assert [row["sample/staleness_max"] for row in rows] == expected
         assert [row["sample/staleness_mean"] for row in rows] == expected
         assert all(row["sample/dropped_stale_total"] == 0 for row in rows)
-        # the loss's ratio is against the sampler: exactly 1 where the sampler had the trained weights, not after
+        # decoupled: the loss's ratio is against the weights of the step's start (1 with one step per batch); the
+        # behaviour ratio proximal/sampler is 1 where the sampler had the trained weights, not after
+        assert all(row["ratio_mean"] == pytest.approx(1.0, abs=1e-6) for row in rows)
         assert rows[0]["sample/is_ratio/staleness_0"] == pytest.approx(1.0, abs=1e-4)
-        assert rows[-1]["ratio_mean"] != pytest.approx(1.0, abs=1e-6)
-        assert f"sample/is_ratio/staleness_{k}" in rows[-1]
+        assert rows[-1][f"sample/is_ratio/staleness_{ahead}"] != pytest.approx(1.0, abs=1e-6)
+        assert rows[-1]["sampling/sampler_kl"] > 1e-6
         for key in ("perf/rollout_wait_s", "rollout/weight_wait_s", "perf/overlap_frac", "sampling/sampler_kl"):
             assert all(key in row for row in rows[1:]), key
+
+
+def test_the_coupled_objective_takes_the_losss_ratio_against_the_sampler(tiny_model_path, tmp_path):
+    _, rows = _train(tiny_model_path, tmp_path, "coupled", async_objective="coupled")
+    assert rows[0]["ratio_mean"] == pytest.approx(1.0, abs=1e-4)
+    assert rows[-1]["ratio_mean"] != pytest.approx(1.0, abs=1e-6)
+
+
+def test_the_decoupled_behaviour_weight_follows_trls_importance_sampling_settings(tiny_model_path, tmp_path):
+    """token_mask with a band no stale ratio fits: every token of a stale batch is masked (loss 0, no gradient),
+    where the same run with the correction off trains."""
+    masked = dict(vllm_importance_sampling_mode="token_mask", vllm_importance_sampling_clip_min=0.9999999,
+                  vllm_importance_sampling_clip_max=1.0000001, max_steps=3)  # fmt: skip
+    _, rows = _train(tiny_model_path, tmp_path, "masked", **masked)
+    assert rows[0]["sampling/is_ratio_truncated_frac"] < 0.5  # staleness 0: the ratios are 1 to rounding
+    assert rows[-1]["sampling/is_ratio_truncated_frac"] > 0.9
+    assert rows[-1]["grad_norm"] == pytest.approx(0.0, abs=1e-4)
+    _, off = _train(tiny_model_path, tmp_path, "off", vllm_importance_sampling_correction=False, **masked)
+    assert off[-1]["grad_norm"] > 1e-3
+
+
+def test_at_staleness_0_every_ratio_is_1_at_any_sampling_setting(tiny_model_path, tmp_path):
+    """temperature 0.7 with top_p 0.9 (and with top_k 5): the sampler's log-probs are those of the distribution it
+    drew from, the trainer's of the same distribution of its logits, so at step 1 (the sampler holds the trained
+    weights) the mismatch is rounding only; a later step's is the staleness."""
+    for name, settings in (("top_p", dict(top_p=0.9)), ("top_k", dict(top_k=5, min_p=0.05))):
+        _, rows = _train(tiny_model_path, tmp_path, name, temperature=0.7, max_steps=2, **settings)
+        first = rows[0]
+        assert first["sample/staleness_max"] == 0
+        assert first["sampling/sampler_kl"] <= 1e-5
+        assert 0.999 <= first["sampling/is_ratio_raw/min"] <= first["sampling/is_ratio_raw/max"] <= 1.001
+        assert rows[1]["sampling/sampler_kl"] > 1e-5
 
 
 def _late(seconds):
@@ -131,10 +166,10 @@ def test_a_slow_sampler_or_a_slow_trainer_trains_the_same_batches_the_same_way(t
 def test_a_sampler_several_versions_behind_draws_each_batch_with_the_version_it_was_requested_with(
     tiny_model_path, tmp_path, monkeypatch
 ):
-    """max_staleness 3 with a sampler slower than the trainer: when it reaches step 4's batch (version 1) the trainer
+    """sample_ahead 3 with a sampler slower than the trainer: when it reaches step 4's batch (version 1) the trainer
     is already at version 3, so versions 1 and 2 must have been kept aside; the run trains what a run with a fast
     sampler trains."""
-    settings = dict(max_staleness=3, max_steps=6, async_timeout_s=30)
+    settings = dict(max_staleness=3, sample_ahead=3, max_steps=6, async_timeout_s=30)
     _, fast = _train(tiny_model_path, tmp_path, "fast", **settings)
     with monkeypatch.context() as patch:
         _wrap_sampler(patch, _late(1.0))
@@ -155,7 +190,7 @@ def test_max_staleness_0_is_the_synchronous_path(tiny_model_path, tmp_path):
 
 
 def test_a_resumed_run_trains_the_batches_an_uninterrupted_one_would(tiny_model_path, tmp_path):
-    saving = dict(save_strategy="steps", save_steps=2, max_staleness=2)
+    saving = dict(save_strategy="steps", save_steps=2, max_staleness=2, sample_ahead=2)
     _, whole = _train(tiny_model_path, tmp_path, "whole", **saving)
     checkpoint = tmp_path / "whole" / "checkpoint-2"
     saved = json.loads((checkpoint / ASYNC_ROLLOUTS_FILENAME).read_text())
@@ -168,11 +203,12 @@ def test_a_resumed_run_trains_the_batches_an_uninterrupted_one_would(tiny_model_
 
 
 def test_a_saved_batch_older_than_the_resumed_bound_is_dropped_counted_and_drawn_again(tiny_model_path, tmp_path):
-    saving = dict(save_strategy="steps", save_steps=2, max_staleness=2)
+    saving = dict(save_strategy="steps", save_steps=2, max_staleness=2, sample_ahead=2)
     _train(tiny_model_path, tmp_path, "k2", **saving)
     checkpoint = tmp_path / "k2" / "checkpoint-2"
     # both saved batches are 2 steps older than the steps they are for: too old for max_staleness 1
-    _, resumed = _train(tiny_model_path, tmp_path, "k1", resume=str(checkpoint), **{**saving, "max_staleness": 1})
+    resume = {**saving, "max_staleness": 1, "sample_ahead": 1}
+    _, resumed = _train(tiny_model_path, tmp_path, "k1", resume=str(checkpoint), **resume)
     assert [row["sample/dropped_stale_total"] for row in resumed] == [8, 8]  # one generation batch each
     assert [row["sample/staleness_max"] for row in resumed] == [0, 0]  # drawn again with the current weights
 
@@ -181,7 +217,7 @@ def test_an_unreadable_saved_batch_file_is_one_line_before_training(tiny_model_p
     saving = dict(save_strategy="steps", save_steps=2, max_steps=2)
     _train(tiny_model_path, tmp_path, "run", **saving)
     checkpoint = tmp_path / "run" / "checkpoint-2"
-    (checkpoint / ASYNC_ROLLOUTS_FILENAME).write_text('{"format": 1, "batches": [{"step": "x"}]}')
+    (checkpoint / ASYNC_ROLLOUTS_FILENAME).write_text('{"format": 2, "batches": [{"step": "x"}]}')
     with pytest.raises(ValueError, match="unreadable asynchronous batches"):
         _train(tiny_model_path, tmp_path, "again", resume=str(checkpoint), **{**saving, "max_steps": 4})
 
@@ -297,3 +333,109 @@ def test_ctrl_c_stops_after_the_step_with_a_checkpoint_that_resumes(tiny_model_p
 def test_a_colocated_vllm_engine_is_refused_before_trl_loads_it(tiny_model_path, tmp_path):
     with pytest.raises(ValueError, match="async_sampling samples with vLLM's server"):
         _trainer(tiny_model_path, tmp_path, "colocate", use_vllm=True, vllm_mode="colocate")
+
+
+def test_a_batch_trained_over_several_steps_is_logged_at_each_steps_staleness(tiny_model_path, tmp_path):
+    """num_iterations 2 (and steps_per_generation twice the accumulation steps): each generation batch trains two
+    optimizer steps, one step staler at the second; the proximal policy is TRL's generation-time forward, so the
+    loss's ratio moves off 1 at the second step while the behaviour ratio corrects the lag."""
+    for name, settings in (
+        ("iterations", dict(num_iterations=2)),
+        ("spg", dict(steps_per_generation=4, per_device_train_batch_size=2)),
+    ):
+        _, rows = _train(tiny_model_path, tmp_path, name, max_staleness=2, max_steps=4, **settings)
+        assert [row["sample/staleness_max"] for row in rows] == [0, 1, 1, 2], name
+        assert rows[1]["ratio_mean"] != pytest.approx(1.0, abs=1e-6)  # the second step of the first batch
+        assert "sample/is_ratio/staleness_2" in rows[3]
+
+
+def test_a_bound_that_a_batch_trained_over_several_steps_would_pass_is_refused(tiny_model_path, tmp_path):
+    with pytest.raises(ValueError, match=r"max_staleness=1: each generation batch trains 2 optimizer steps.*>= 2"):
+        _config(tmp_path, "refused", num_iterations=2)
+    with pytest.raises(ValueError, match="sample_ahead=2 exceeds max_staleness=1"):
+        _config(tmp_path, "refused", sample_ahead=2)
+    with pytest.raises(ValueError, match="repetition_penalty=1.1 with async_sampling"):
+        _config(tmp_path, "refused", repetition_penalty=1.1)
+    with pytest.raises(ValueError, match=r"generation_kwargs \['typical_p'\] with async_sampling"):
+        _config(tmp_path, "refused", generation_kwargs={"typical_p": 0.9})
+    with pytest.raises(ValueError, match="async_objective='both' must be one of decoupled, coupled"):
+        _config(tmp_path, "refused", async_objective="both")
+
+
+def test_a_run_resumed_inside_a_batchs_window_draws_the_rest_again(tiny_model_path, tmp_path):
+    """num_iterations 2, checkpoint after step 1 (inside the first batch's two steps): the resumed run draws that
+    window's batch again with the current weights, as TRL's on-policy resume does, and every later step trains
+    within the bound."""
+    saving = dict(num_iterations=2, max_staleness=2, save_strategy="steps", save_steps=1, max_steps=4)
+    _train(tiny_model_path, tmp_path, "whole", **saving)
+    checkpoint = tmp_path / "whole" / "checkpoint-1"
+    _, resumed = _train(tiny_model_path, tmp_path, "resumed", resume=str(checkpoint), **saving)
+    assert [row["step"] for row in resumed] == [2, 3, 4]
+    assert all(0 <= row["sample/staleness_max"] <= 2 for row in resumed)
+    assert all(math.isfinite(row["loss"]) for row in resumed)
+
+
+def _nan_logprobs(generate):
+    """A sampler whose log-probs are NaN for every third token (vLLM can return NaN)."""
+
+    def drawn(request):
+        ids, logps = generate(request)
+        return ids, [[float("nan") if i % 3 == 0 else x for i, x in enumerate(row)] for row in logps]
+
+    return drawn
+
+
+def test_nan_sampler_log_probs_count_as_no_difference(tiny_model_path, tmp_path, monkeypatch):
+    _wrap_sampler(monkeypatch, _nan_logprobs)
+    for objective in ("decoupled", "coupled"):
+        _, rows = _train(tiny_model_path, tmp_path, objective, async_objective=objective, max_steps=3)
+        for row in rows:
+            assert math.isfinite(row["loss"]) and math.isfinite(row["grad_norm"]), (objective, row)
+            assert math.isfinite(row["sampling/sampler_kl"])
+
+
+def test_an_evaluation_on_vllms_server_hands_the_weights_over_between_the_samplers_batches(
+    tiny_model_path, tmp_path, monkeypatch
+):
+    """With TRL's vLLM server as the sampler, an evaluation during training generates on the same server: the
+    weights it needs go over only once the sampler's batch in flight is drawn (not under it, labelled with the older
+    version), through the hand-over, and TRL's own sync is not run again."""
+    import threading
+
+    import trl as trl_module
+
+    from trl_grpo_ext.trl.rollout_worker import RolloutRequest, RolloutWorker
+    from trl_grpo_ext.trl.weight_transfer import ServerWeights
+
+    trainer = _trainer(tiny_model_path, tmp_path, "server")
+    drawing, started = threading.Event(), threading.Event()
+    synced_while_drawing = []
+
+    def generate(request):  # the server drawing a batch of the trainer's look-ahead
+        drawing.set()
+        started.set()
+        time.sleep(0.5)
+        drawing.clear()
+        return [[1]] * len(request.prompt_ids), [[-0.5]] * len(request.prompt_ids)
+
+    def sync():
+        synced_while_drawing.append(drawing.is_set())
+
+    def trl_generate(self, prompts):  # TRL's vLLM generation: syncs when vLLM holds another step's weights
+        if self._last_loaded_step != self.state.global_step:
+            sync()
+            self._last_loaded_step = self.state.global_step
+        return ("generated", [], None, [], 0, None, {})  # TRL's output layout, empty
+
+    monkeypatch.setattr(trl_module.GRPOTrainer, "_generate", trl_generate)
+    trainer.use_vllm, trainer._last_loaded_step = True, 0
+    trainer._worker = RolloutWorker(generate, ServerWeights(sync, version=0), 5.0)
+    trainer._worker.submit(RolloutRequest(0, 1, 0, ((1, 2),), seed=0))
+    assert started.wait(5.0)
+    trainer.state.global_step = 1  # the optimizer stepped while the server draws step 2's batch with version 0
+    trainer.model.eval()
+    try:
+        assert trainer._generate([[{"role": "user", "content": "1 + 1?"}]])[0] == "generated"
+    finally:
+        trainer._worker.close()
+    assert synced_while_drawing == [False]  # once, after the batch in flight was drawn

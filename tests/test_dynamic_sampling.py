@@ -411,10 +411,12 @@ def test_pytrio_step_samples_until_its_groups_are_informative(tiny_model_path, p
     flat = set(range(0, N_PROMPTS, 2))
     loop, client, stream = _pytrio_loop(tiny_model_path, flat, max_generation_batches=8)
     for step in range(3):
-        before = stream.position
+        before, extra_before = stream.position, loop.extra_stream.position
         scored, metrics = loop.sample_and_score(client, stream, step, StepTimes())
         rounds = int(metrics["generation_batches"])
-        assert stream.position - before == 2 * rounds  # two prompts a round
+        # two prompts a round: the step's own from the stream, the extra rounds' from a stream of their own
+        assert stream.position - before == 2
+        assert loop.extra_stream.position - extra_before == 2 * (rounds - 1)
         assert metrics["frac_degenerate"] == 0.0 and 0.0 <= metrics["frac_degenerate_before_filter"] < 1.0
         assert len(scored.rows) == 2 and not any(row["flat"] for row in scored.rows)
         assert len(scored.rollouts) == len(scored.advantages) == scored.rewards.shape[0] == 8
@@ -427,6 +429,33 @@ def test_pytrio_step_samples_until_its_groups_are_informative(tiny_model_path, p
         ):
             assert key in metrics
     assert client.sampler.requests > 6, "no step needed a second round; the test shows nothing"
+
+
+def test_pytrio_asynchronous_steps_take_their_prompts_in_order_and_count_each_rounds_staleness(
+    tiny_model_path, pytrio_reward
+):
+    """Drawn one step ahead, each step's first round has the prompts on-policy would give it (the stream read step
+    by step); its extra rounds, drawn by the step's own weights, are staleness 0 and come from their own stream."""
+    from trl_grpo_ext.pytrio.lookahead import SampleAhead
+    from trl_grpo_ext.pytrio.types import StepTimes
+
+    flat = set(range(0, N_PROMPTS, 2))
+    on_policy, client, stream = _pytrio_loop(tiny_model_path, flat, max_generation_batches=8)
+    expected = [on_policy.sample_and_score(client, stream, step, StepTimes())[0] for step in range(3)]
+    loop, client, stream = _pytrio_loop(
+        tiny_model_path, flat, max_generation_batches=8, async_sampling=True, max_staleness=1
+    )
+    loop.ahead = SampleAhead(loop.config, loop.prompts)
+    extra_rounds = 0
+    for step in range(3):
+        scored, metrics = loop.sample_and_score(client, stream, step, StepTimes())
+        assert [r["pid"] for r in scored.rows] == [r["pid"] for r in expected[step].rows]
+        row = loop.ahead.step_metrics(0.0, 0.0)
+        rounds = int(metrics["generation_batches"])
+        extra_rounds += rounds - 1
+        first = 0 if step == 0 else 1  # drawn a step ahead, by the weights one step older
+        assert row["sample/staleness_mean"] == pytest.approx(first / rounds)
+    assert extra_rounds > 0, "no step needed a second round; the test shows nothing"
 
 
 def test_pytrio_budget_trains_on_what_there_is(tiny_model_path, pytrio_reward):

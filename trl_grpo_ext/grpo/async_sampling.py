@@ -1,19 +1,25 @@
 """Asynchronous sampling, the part both execution paths share: which policy version draws each batch, the staleness
-bound, and the per-step metrics.
+bound, the objective's settings and the per-step metrics.
 
 Vocabulary (TRL 1.16's experimental ``AsyncGRPOTrainer``'s): a policy *version* counts the optimizer steps the
 weights have taken (version 0: the model as loaded; step ``s`` trains version ``s`` into ``s + 1``). A batch drawn by
-version ``v`` and trained at step ``s`` has *staleness* ``s - v``. ``max_staleness`` (K) bounds it: 0 is on-policy
-(the synchronous path itself), K >= 1 lets the sampler draw step ``s + K``'s batch with version ``s`` while step
-``s`` trains, and the loss corrects the gap with the sampler's own log-probs as the behaviour policy.
+version ``v`` and trained at step ``s`` has *staleness* ``s - v``.
 
-The schedule is a function of the step, never of timing (`steps_to_request`): when version ``v`` becomes current,
-the batches of the steps up to ``v + K`` are requested, each drawn with the version current at its request. A slow
-sampler makes the trainer wait (logged), a slow trainer makes the sampler wait for weights (logged); neither changes
-which weights draw which batch, so a seeded run samples, scores and trains the same whatever the speed of either
-side. TRL's ``AsyncGRPOTrainer`` lets the clock decide and drops what it made too stale; here a batch older than K
-(`too_stale`) is dropped and counted only where the schedule changed under it (a run resumed with a smaller
-``max_staleness``), and its step samples again on-policy.
+Two settings: ``sample_ahead`` (N) says how far ahead the sampler draws, ``max_staleness`` (K) bounds the staleness
+of every sample at every step that trains it. When version ``v`` becomes current, the batches of the steps up to
+``v + N`` are requested (`steps_to_request`), each drawn with version ``v``: step ``s``'s batch is drawn by version
+``s - N`` while step ``s - N`` trains. A batch trained over several optimizer steps (``num_iterations > 1``, or
+``steps_per_generation`` above the accumulation steps) grows one step staler at each, so ``N + steps - 1 <= K``
+(`staleness_span_problems`). The schedule is a function of the step, never of timing: a slow sampler makes the
+trainer wait (logged), a slow trainer makes the sampler wait for weights (logged); neither changes which weights draw
+which batch, so a seeded run samples, scores and trains the same whatever the speed of either side. A batch older
+than K (`too_stale`) arises only where the bound changed under it (a run resumed with a smaller ``max_staleness``);
+it is dropped, counted and sampled again with the current weights (`trl_grpo_ext.grpo.lookahead`).
+
+The objective (``async_objective``): ``decoupled`` (default) takes each loss's ratio and clip against the proximal
+policy (the weights at the start of the step) and weighs the tokens by the behaviour ratio proximal/sampler, truncated
+or masked by the ``vllm_importance_sampling_*`` settings (`trl_grpo_ext.grpo.losses.sampler_correction`);
+``coupled`` takes the loss's ratio against the sampler's log-probs.
 """
 
 from __future__ import annotations
@@ -36,16 +42,23 @@ ASYNC_METRIC_KEYS = (STALENESS_MEAN, STALENESS_MAX, DROPPED_STALE, TRAINER_WAIT,
 IS_RATIO_BY_STALENESS = "sample/is_ratio/staleness_{}"
 
 
-def last_step_to_request(version: int, max_staleness: int, max_steps: int | None) -> int:
-    """The last step whose batch `version` may draw: ``version + max_staleness``, below `max_steps` (None: no end)."""
-    last = version + max_staleness
+ASYNC_OBJECTIVES = ("decoupled", "coupled")
+# TRL 1.16's importance-sampling modes for a sampler whose log-probs are not the trainer's (vLLM there; the bf16
+# sampler, and the behaviour weight of the decoupled objective, here): `token_*` weigh each token, `sequence_*` a
+# whole completion; `*_truncate` caps the ratio, `*_mask` zeroes weights outside [clip_min, clip_max].
+SAMPLER_CORRECTION_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
+
+
+def last_step_to_request(version: int, sample_ahead: int, max_steps: int | None) -> int:
+    """The last step whose batch `version` may draw: ``version + sample_ahead``, below `max_steps` (None: no end)."""
+    last = version + sample_ahead
     return last if max_steps is None else min(last, max_steps - 1)
 
 
-def steps_to_request(version: int, max_staleness: int, requested_through: int, max_steps: int | None) -> range:
+def steps_to_request(version: int, sample_ahead: int, requested_through: int, max_steps: int | None) -> range:
     """The steps whose batches may be requested once `version` is current and the batches of steps up to
     `requested_through` (-1: none) have been (`last_step_to_request`)."""
-    return range(requested_through + 1, last_step_to_request(version, max_staleness, max_steps) + 1)
+    return range(requested_through + 1, last_step_to_request(version, sample_ahead, max_steps) + 1)
 
 
 def too_stale(batch_version: int, trainer_version: int, max_staleness: int) -> bool:
@@ -103,9 +116,35 @@ def asynchronous(config) -> bool:
     return bool(getattr(config, "async_sampling", False)) and getattr(config, "max_staleness", 0) > 0
 
 
+def decoupled(config) -> bool:
+    """Asynchronous sampling with the decoupled objective (module docstring), on either path."""
+    return asynchronous(config) and getattr(config, "async_objective", "decoupled") == "decoupled"
+
+
 def sampling_mode(config) -> str:
-    """``on-policy`` or ``asynchronous, max_staleness K``: what both paths say at start and run_summary.json keeps."""
-    return f"asynchronous, max_staleness {config.max_staleness}" if asynchronous(config) else "on-policy"
+    """``on-policy`` or ``asynchronous, sample_ahead N, max_staleness K, <objective>``: what both paths say at start
+    and run_summary.json keeps."""
+    if not asynchronous(config):
+        return "on-policy"
+    return (
+        f"asynchronous, sample_ahead {config.sample_ahead}, max_staleness {config.max_staleness}, "
+        f"{config.async_objective} objective"
+    )
+
+
+def staleness_span_problems(config, steps_per_batch: int) -> list[str]:
+    """A batch trained over `steps_per_batch` optimizer steps is ``sample_ahead + steps_per_batch - 1`` steps stale
+    at its last: more than ``max_staleness`` is refused (one line, naming what to change)."""
+    if not asynchronous(config) or steps_per_batch <= 1:
+        return []
+    worst = config.sample_ahead + steps_per_batch - 1
+    if worst <= config.max_staleness:
+        return []
+    return [
+        f"max_staleness={config.max_staleness}: each generation batch trains {steps_per_batch} optimizer steps "
+        f"(num_iterations x steps_per_generation / gradient_accumulation_steps), so drawn sample_ahead="
+        f"{config.sample_ahead} steps ahead its last step trains it {worst} steps stale; set max_staleness >= {worst}"
+    ]
 
 
 def async_problems(config) -> list[str]:
@@ -120,7 +159,41 @@ def async_problems(config) -> list[str]:
             f"max_staleness={k!r} must be an integer >= 0 (optimizer steps a sample may lag the trained policy; "
             "0: on-policy)"
         )
+    ahead = getattr(config, "sample_ahead", 1)
+    if isinstance(ahead, bool) or not isinstance(ahead, int) or ahead < 1:
+        problems.append(f"sample_ahead={ahead!r} must be an integer >= 1 (optimizer steps the sampler draws ahead)")
+    elif enabled is True and isinstance(k, int) and 0 < k < ahead:
+        problems.append(
+            f"sample_ahead={ahead} exceeds max_staleness={k}: a batch drawn {ahead} steps ahead trains {ahead} steps "
+            "stale; lower sample_ahead or raise max_staleness"
+        )
+    objective = getattr(config, "async_objective", "decoupled")
+    if objective not in ASYNC_OBJECTIVES:
+        problems.append(f"async_objective={objective!r} must be one of {', '.join(ASYNC_OBJECTIVES)}")
     timeout = getattr(config, "async_timeout_s", 600.0)
     if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
         problems.append(f"async_timeout_s={timeout!r} must be a number of seconds > 0")
+    return problems
+
+
+def sampler_correction_problems(config) -> list[str]:
+    """Problems with the ``vllm_importance_sampling_*`` settings of `config` (TRL's rules, for both paths)."""
+    problems = []
+    mode = getattr(config, "vllm_importance_sampling_mode", "sequence_mask")
+    if mode not in SAMPLER_CORRECTION_MODES:
+        problems.append(f"vllm_importance_sampling_mode={mode!r} must be one of {', '.join(SAMPLER_CORRECTION_MODES)}")
+    if not isinstance(getattr(config, "vllm_importance_sampling_correction", True), bool):
+        problems.append("vllm_importance_sampling_correction must be true or false")
+    low = getattr(config, "vllm_importance_sampling_clip_min", None)
+    high = getattr(config, "vllm_importance_sampling_clip_max", 3.0)
+    for name, value in (("clip_min", low), ("clip_max", high)):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0):
+            problems.append(f"vllm_importance_sampling_{name}={value!r} must be a number >= 0 or null")
+            return problems
+    if low is not None and high is not None and low >= high:
+        problems.append(
+            f"vllm_importance_sampling_clip_min ({low}) must be less than vllm_importance_sampling_clip_max ({high})"
+        )
+    if str(mode).endswith("truncate") and low is None and high is None:
+        problems.append(f"vllm_importance_sampling_mode={mode}: set vllm_importance_sampling_clip_min or _clip_max")
     return problems

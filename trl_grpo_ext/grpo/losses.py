@@ -28,7 +28,7 @@ from functools import partial
 import torch
 
 # (clip_low, clip_high) as ratio bounds, not epsilons, and dro's beta: the loss table's defaults (Tinker's).
-from trl_grpo_ext.grpo.async_sampling import IS_RATIO_BY_STALENESS
+from trl_grpo_ext.grpo.async_sampling import IS_RATIO_BY_STALENESS, SAMPLER_CORRECTION_MODES
 from trl_grpo_ext.grpo.loss_table import DEFAULT_CLIP, DEFAULT_DRO_BETA, LOCAL_LOSS_TYPES
 
 # Floor of the reward std in `scale_rewards`, as in TRL 1.16 (`advantages / (std + 1e-4)`).
@@ -305,10 +305,6 @@ def group_advantages(
 
 
 # --------------------------------------------------------------------------- sampler / trainer mismatch
-# TRL 1.16's importance-sampling modes for a sampler whose log-probs are not the trainer's (vLLM there, the bf16
-# sampler here): `token_*` weigh each token, `sequence_*` a whole completion; `*_truncate` caps the ratio,
-# `*_mask` zeroes weights outside [clip_min, clip_max].
-SAMPLER_CORRECTION_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
 # The mismatch metrics both paths log, one row per step (`sampler_correction`)
 SAMPLER_MISMATCH_KEYS = (
     "sampling/sampler_kl",

@@ -25,7 +25,7 @@ import math
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 
-from trl_grpo_ext.grpo.async_sampling import async_problems
+from trl_grpo_ext.grpo.async_sampling import async_problems, sampler_correction_problems
 from trl_grpo_ext.grpo.curriculum import curriculum_settings_problems
 from trl_grpo_ext.grpo.distillation import distillation_block_problems, normalize_distillation
 from trl_grpo_ext.grpo.loss_table import (
@@ -164,20 +164,37 @@ class GRPOSpec:
     async_sampling: bool = field(
         default=False,
         metadata={
-            "help": "Sample the next steps' batches while the current step trains, with weights up to max_staleness "
-            "optimizer steps old; the loss takes the sampler's own log-probs as the behaviour policy (its ratio, "
-            "clipped as loss_type clips it, corrects the gap). Which weights draw which batch follows the step, not "
-            "the clock: a seeded run gives the same results whatever the speed of either side. On a CPU the sampler "
-            "and the trainer get their own cores. Logs sample/staleness_*, perf/rollout_wait_s, "
-            "rollout/weight_wait_s, perf/overlap_frac and the importance ratio by staleness."
+            "help": "Sample the next steps' batches while the current step trains, sample_ahead optimizer steps "
+            "ahead and never more than max_staleness steps old; the loss corrects the gap as async_objective says. "
+            "Which weights draw which batch follows the step, not the clock: a seeded run gives the same results "
+            "whatever the speed of either side. On a CPU the sampler and the trainer get their own cores. Logs "
+            "sample/staleness_*, perf/rollout_wait_s, rollout/weight_wait_s, perf/overlap_frac and the behaviour "
+            "ratio by staleness."
         },
     )
     max_staleness: int = field(
         default=1,
         metadata={
-            "help": "With async_sampling: how many optimizer steps older than the trained policy a sample may be "
-            "(TRL's AsyncGRPOTrainer's name). 0: on-policy, the synchronous path itself; 1: step k+1 samples "
-            "while step k trains."
+            "help": "With async_sampling: the bound on how many optimizer steps older than the trained policy the "
+            "weights that drew a sample may be, at every step that trains it (TRL's AsyncGRPOTrainer's name). 0: "
+            "on-policy, the synchronous path itself."
+        },
+    )
+    sample_ahead: int = field(
+        default=1,
+        metadata={
+            "help": "With async_sampling: how many optimizer steps ahead of the trainer the sampler draws: step k + "
+            "sample_ahead's batch is drawn by the weights of step k while step k trains (1 <= sample_ahead <= "
+            "max_staleness; more only lets a sampler that is sometimes slow catch up, at more staleness)."
+        },
+    )
+    async_objective: str = field(
+        default="decoupled",
+        metadata={
+            "help": "With async_sampling: 'decoupled' (AReaL's behaviour/proximal split) takes the loss's own ratio "
+            "and clip against the weights at the step's start and weighs each token (or completion) by the "
+            "behaviour ratio proximal/sampler, truncated or masked as vllm_importance_sampling_* say; 'coupled' "
+            "takes the loss's ratio against the sampler's log-probs directly (no separate behaviour weight)."
         },
     )
     async_timeout_s: float = field(
@@ -187,6 +204,29 @@ class GRPOSpec:
             "the weights its next batch needs) before the run stops with an error; a wait longer than a tenth of "
             "it is logged as a stall."
         },
+    )
+    # The sampler correction (TRL's names and defaults): the behaviour weight of the decoupled objective, and the
+    # on-policy correction of a sampler whose numbers differ from the trainer's (bf16 on the CPU, vLLM).
+    vllm_importance_sampling_correction: bool = field(
+        default=True,
+        metadata={
+            "help": "Weigh the loss by the ratio of the trainer's (proximal) log-probs to the sampler's, as "
+            "vllm_importance_sampling_mode says: the behaviour weight of asynchronous sampling's decoupled "
+            "objective, and the correction of a sampler whose numbers differ from the trainer's."
+        },
+    )
+    vllm_importance_sampling_mode: str = field(
+        default="sequence_mask",
+        metadata={
+            "help": "token_truncate, token_mask, sequence_truncate or sequence_mask: per token or per completion "
+            "(the summed log-ratio), clamped to [clip_min, clip_max] (truncate) or zeroed outside it (mask)."
+        },
+    )
+    vllm_importance_sampling_clip_max: float | None = field(
+        default=3.0, metadata={"help": "Upper bound C_max of the sampler correction's ratio (None: none)."}
+    )
+    vllm_importance_sampling_clip_min: float | None = field(
+        default=None, metadata={"help": "Lower bound C_min of the sampler correction's ratio (None: none)."}
     )
 
 
@@ -329,6 +369,7 @@ def spec_problems(config, path: str) -> list[str]:
     problems += _sampling_problems(config)
     problems += distillation_block_problems(getattr(config, "distillation", None))
     problems += async_problems(config)
+    problems += sampler_correction_problems(config)
     if getattr(config, "distillation", None) is not None and config.dynamic_sampling:
         problems.append(
             "distillation: dynamic_sampling filters groups by their rewards, which a teacher's per-token signal "

@@ -13,15 +13,18 @@ def build_train_batch(config: PyTrioGRPOConfig, scored: ScoredBatch, step: int) 
     """One `pytrio.Datum` per completion with tokens (`trl_grpo_ext.pytrio.datums`); empty completions count for
     the rewards and the group baseline only."""
     advantages = scored.advantages if scored.token_advantages is None else scored.token_advantages
-    trained = [(r, a) for r, a in zip(scored.rollouts, advantages, strict=True) if r.completion_tokens]
-    if not trained:
+    staleness = scored.staleness or [0] * len(scored.rollouts)
+    kept = [(r, a, s) for r, a, s in zip(scored.rollouts, advantages, staleness, strict=True) if r.completion_tokens]
+    if not kept:
         raise PyTrioLoopError(f"step {step + 1}: every completion was empty; nothing to train on")
+    trained = [(r, a) for r, a, _ in kept]
     token_rows = TokenRows()
-    for rollout, adv in trained:
+    for rollout, adv, stale in kept:
         token_rows.add(
             shifted_sequences(
                 rollout.prompt_tokens, rollout.completion_tokens, rollout.completion_logprobs, adv, rollout.tool_mask
-            )
+            ),
+            stale,
         )
     # The service sums a built-in loss over tokens; dividing the advantages by the batch's completion tokens
     # turns that sum into TRL's token-level mean ("dapo" normalisation) for both linear-in-A losses.

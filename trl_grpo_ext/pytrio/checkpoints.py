@@ -41,9 +41,10 @@ def save_checkpoint(
     step_done: int,
     data_position: int,
     curriculum: dict | None,
+    extra_data_position: int = 0,
 ) -> None:
     """``save_state`` after ``step_done`` steps, then the loop state recorded (``data_position``: prompts taken;
-    ``curriculum``: its pass rates)."""
+    ``extra_data_position``: those of dynamic sampling's extra rounds; ``curriculum``: its pass rates)."""
     name = f"step-{step_done:06d}"
     result = wait(
         call(training_client.save_state, "save_state", name, overwrite=True),
@@ -56,6 +57,7 @@ def save_checkpoint(
     # Saved remotely, not yet recorded here: a kill now resumes from the previous recorded checkpoint.
     state.step = step_done
     state.data_position = data_position
+    state.extra_data_position = extra_data_position
     state.curriculum = curriculum
     state.state_path = path
     state.checkpoints.append({"step": step_done, "path": path, "time": time.time()})

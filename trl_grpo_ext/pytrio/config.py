@@ -17,7 +17,9 @@ from dataclasses import asdict, dataclass, field
 
 from trl_grpo_ext.environments.data import environment_name_problems
 from trl_grpo_ext.errors import raise_problems
+from trl_grpo_ext.grpo.async_sampling import decoupled
 from trl_grpo_ext.grpo.loss_table import LOSSES, PYTRIO, ratio_bounds
+from trl_grpo_ext.grpo.sampling_distribution import SamplingSettings
 from trl_grpo_ext.grpo.spec import GRPOSpec, normalize_values, number_problem, reward_option_problems, spec_problems
 from trl_grpo_ext.models import EMBEDDED_NAME
 from trl_grpo_ext.runs.tracking import (
@@ -145,8 +147,19 @@ class PyTrioGRPOConfig(GRPOSpec, DataSpec):
         return ratio_bounds(self)
 
     @property
+    def rescores_behaviour(self) -> bool:
+        """The sampler's own log-probs are of a tempered or truncated distribution, which the service's
+        ``forward_backward`` does not score (it scores the model's softmax: the protocol). The behaviour log-probs
+        are then the sampler's weights' log-probs of the completions at temperature 1 (``compute_logprobs``), so the
+        loss's ratio compares like with like: the trained policy is the untempered one, the temperature and the
+        truncation only shape which completions are drawn (`trl_grpo_ext.pytrio.sampling`)."""
+        return not SamplingSettings.of(self).plain
+
+    @property
     def uses_builtin_loss(self) -> bool:
-        return self.use_builtin_loss and LOSSES[self.loss_type].service_builtin
+        """The service's built-in loss runs (not under the decoupled objective: its behaviour weight needs the
+        proximal log-probs the loss's own forward gives, `trl_grpo_ext.pytrio.loss`)."""
+        return self.use_builtin_loss and LOSSES[self.loss_type].service_builtin and not decoupled(self)
 
     def reward_column(self, name: str) -> int:
         """Position in ``reward_funcs`` of the reward `name` names (its entry or function name; validated)."""

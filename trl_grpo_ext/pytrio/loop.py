@@ -91,6 +91,7 @@ class GRPOLoop:
         spec = distillation_of(config)
         self.teacher = Teacher(config, spec, self._service_client) if spec is not None else None
         self.ahead: SampleAhead | None = None  # asynchronous sampling's batches in flight (`_train` sets it)
+        self.extra_stream: PromptStream | None = None  # dynamic sampling's extra rounds' prompts (`prepare`)
 
     # --- setup -------------------------------------------------------------------------------------------------
 
@@ -121,9 +122,16 @@ class GRPOLoop:
         self._rows, self._rows_chat = load_train_rows(self.config, chat=chat), chat
         return self._rows
 
-    def prepare(self, training_client, data_position: int = 0, curriculum_state: dict | None = None) -> PromptStream:
+    def prepare(
+        self,
+        training_client,
+        data_position: int = 0,
+        curriculum_state: dict | None = None,
+        extra_data_position: int = 0,
+    ) -> PromptStream:
         """Tokenizer, reward functions and the prompt stream for ``training_client`` (`run` calls it; so do benches
-        that drive `train_step` themselves). ``curriculum_state``: a resumed run's saved pass rates."""
+        that drive `train_step` themselves), and dynamic sampling's second stream (``extra_stream``: another seed,
+        as the TRL path's). ``curriculum_state``: a resumed run's saved pass rates."""
         c = self.config
         self.tokenizer = self._tokenizer if self._tokenizer is not None else load_tokenizer(c, training_client)
         tools = {}
@@ -143,7 +151,9 @@ class GRPOLoop:
             )
             if curriculum_state is not None:
                 self.curriculum.load_state_dict(curriculum_state)
+            self.extra_stream = CurriculumPromptStream(rows, self.curriculum, c.seed + 1, extra_data_position)
             return CurriculumPromptStream(rows, self.curriculum, c.seed, data_position)
+        self.extra_stream = PromptStream(rows, c.seed + 1, extra_data_position)
         return PromptStream(rows, c.seed, data_position)
 
     # --- one step: sample -> score -> build batch -> step -> log -------------------------------------------------
@@ -161,9 +171,13 @@ class GRPOLoop:
             if not batches and self.ahead is not None and self._ahead_round(sampler, stream, step):
                 batches.append(self._drawn_round(sampler, step, times))
             else:
-                rows = stream.take(c.prompts_per_step)
+                # dynamic sampling's extra rounds take their prompts from a stream of their own (the TRL path's
+                # rule), so the step's own batches follow the data order whether they were drawn ahead or not
+                rows = (self.extra_stream if batches else stream).take(c.prompts_per_step)
                 first = len(batches) * c.prompts_per_step  # each round's prompts get their own sampling seeds
                 batches.append(self._sample_round(sampler, rows, step, first, times))
+                if self.ahead is not None:  # drawn by the step's own weights
+                    self.ahead.lookahead.trained(step, step, len(batches[-1].rollouts))
             metrics.append(self._round_metrics(batches[-1]))
             if groups is None:
                 return batches[0], metrics[0]
@@ -191,15 +205,16 @@ class GRPOLoop:
         first round was (a resumed run trains the batches its checkpoint kept, also where it samples on-policy)."""
         if asynchronous(self.config):
             self.ahead.request(sampler, step, stream, self.config.max_steps)
-        return step in self.ahead.batches
+        return self.ahead.has(step)
 
     def _drawn_round(self, sampler, step: int, times: StepTimes) -> ScoredBatch:
         """The step's first round from the batch requested for it ahead (waited for), scored."""
         t0 = time.perf_counter()
-        drawn = self.ahead.take(step, sampler, step)
+        rows, rollouts, version = self.ahead.take(step, sampler, step)
         times.sampling += time.perf_counter() - t0
         t0 = time.perf_counter()
-        scored = score_rollouts(self.config, self.rewards, drawn.rows, drawn.rollouts)
+        scored = score_rollouts(self.config, self.rewards, rows, rollouts)
+        scored.staleness = [step - version] * len(rollouts)
         times.rewards += time.perf_counter() - t0
         return scored
 
@@ -275,7 +290,9 @@ class GRPOLoop:
                     training_client, state = start_training_client(self._service_client(), c, state)
                     if restored:
                         logger.info("resumed at step %d from %s", state.step, state.state_path)
-                    stream = self.prepare(training_client, state.data_position, state.curriculum)
+                    stream = self.prepare(
+                        training_client, state.data_position, state.curriculum, state.extra_data_position
+                    )
                     if sink is None:
                         sink = open_run_folder(c, out)
                     # A resumed run drops the rows logged after its checkpoint (those steps run again); a fresh one
@@ -299,7 +316,9 @@ class GRPOLoop:
         curriculum = self.curriculum.state_dict() if self.curriculum is not None else None
         # the batches drawn ahead, whose prompts the stream's position has passed: kept for the resumed run
         state.ahead = self.ahead.saved() if self.ahead is not None else []
-        save_checkpoint(self.config, training_client, state, step_done, stream.position, curriculum)
+        save_checkpoint(
+            self.config, training_client, state, step_done, stream.position, curriculum, self.extra_stream.position
+        )
 
     def _train(self, training_client, stream: PromptStream, state: LoopState, sink: RunLogger, outage) -> dict:
         """Steps ``state.step`` to ``max_steps``, the final checkpoint and sampler weights; returns the summary. Ctrl-C
@@ -307,7 +326,7 @@ class GRPOLoop:
         c = self.config
         self.ahead = None
         if asynchronous(c) or state.ahead:
-            self.ahead = SampleAhead(c, self.prompts, self.tool_turns, start=state.step, saved=state.ahead)
+            self.ahead = SampleAhead(c, self.prompts, start=state.step, saved=state.ahead)
         logger.info("sampling: %s", sampling_mode(c))  # as the TRL recipe's startup line
         with GracefulStop("stopping after this step with a checkpoint (resume: true continues it)") as stop:
             return self._steps(training_client, stream, state, sink, outage, stop)

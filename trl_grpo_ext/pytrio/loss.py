@@ -1,10 +1,18 @@
 """The loss, computed here or by the service: the local loss ``forward_backward_custom`` runs
 (`make_custom_loss`: `trl_grpo_ext.grpo.losses.policy_loss`, the TRL path's loss math), the service's built-in
 losses' ``loss_fn_config`` (`builtin_loss_config`), and a built-in loss's metrics recomputed locally from the
-log-probs it returned (`builtin_loss_metrics`), so both report the same numbers."""
+log-probs it returned (`builtin_loss_metrics`), so both report the same numbers.
+
+The old log-probs are the sampler's (the service's semantics: the loss's ratio against the weights that drew the
+batch), except under asynchronous sampling's decoupled objective (`trl_grpo_ext.grpo.async_sampling`): there the
+loss runs here, its ratio and clip against the proximal policy (the forward's own log-probs, the weights at the
+step's start) and the advantages weighed by the behaviour ratio proximal/sampler, truncated or masked as the
+``vllm_importance_sampling_*`` settings say (`trl_grpo_ext.grpo.losses.sampler_correction`): the TRL path's
+objective."""
 
 from __future__ import annotations
 
+from trl_grpo_ext.grpo.async_sampling import decoupled
 from trl_grpo_ext.grpo.loss_table import wire_loss_config
 from trl_grpo_ext.pytrio.calls import PyTrioLoopError
 from trl_grpo_ext.pytrio.config import PyTrioGRPOConfig
@@ -16,9 +24,15 @@ def make_custom_loss(config: PyTrioGRPOConfig, rows: TokenRows, record: dict):
     completion tokens of the whole batch as ``loss_aggregation`` says. Metrics also land in ``record``."""
     import torch
 
-    from trl_grpo_ext.grpo.losses import policy_loss, sampler_correction, token_level_mean  # torch: first step
+    from trl_grpo_ext.grpo.losses import (  # torch: first step
+        policy_loss,
+        ratio_by_staleness,
+        sampler_correction,
+        token_level_mean,
+    )
 
     clip_low, clip_high = config.clip_bounds
+    decoupled_loss = decoupled(config)
 
     def loss_fn(data, logprobs_list):
         if len(logprobs_list) != len(rows.masks):
@@ -36,6 +50,22 @@ def make_custom_loss(config: PyTrioGRPOConfig, rows: TokenRows, record: dict):
         new, old, adv, mask = (torch.stack(padded[k]) for k in ("new", "old", "adv", "mask"))
         # Prompt positions hold logprob 0 in the datum; make their ratio exactly 1 (they are masked anyway).
         old = torch.where(mask > 0, old, new.detach())
+        extra = {}
+        if decoupled_loss:  # the proximal policy: this forward, the weights at the step's start
+            proximal = new.detach()
+            weights, mismatch = sampler_correction(
+                proximal,
+                old,
+                mask,
+                config.vllm_importance_sampling_mode,
+                config.vllm_importance_sampling_clip_min,
+                config.vllm_importance_sampling_clip_max,
+            )
+            if config.vllm_importance_sampling_correction:
+                adv = adv * weights
+            staleness = torch.tensor(rows.staleness, dtype=torch.long)
+            extra = ratio_by_staleness(proximal - old, mask, staleness)
+            old = proximal
         per_token, loss_metrics = policy_loss(config.loss_type, new, old, adv, mask, clip_low, clip_high)
         if config.loss_aggregation == "sum":
             loss = (per_token * mask).sum()
@@ -43,10 +73,12 @@ def make_custom_loss(config: PyTrioGRPOConfig, rows: TokenRows, record: dict):
             loss = token_level_mean(per_token, mask)
         metrics = {k: float(v) for k, v in loss_metrics.items()}
         metrics["loss"] = float(loss.detach())
-        # The sampler/trainer mismatch, as the TRL path logs it with a bf16 sampler. No weight is added: on this
-        # path the loss's ratio is already taken against the sampler's log-probs (the service's semantics).
-        _, mismatch = sampler_correction(new.detach(), old, mask)
+        if not decoupled_loss:
+            # The sampler/trainer mismatch, as the TRL path logs it with a bf16 sampler. No weight is added: the
+            # loss's ratio is already taken against the sampler's log-probs (the service's semantics).
+            _, mismatch = sampler_correction(new.detach(), old, mask)
         metrics.update({k: float(v) for k, v in mismatch.items()})
+        metrics.update(extra)
         record.update(metrics)
         return loss, metrics
 

@@ -6,7 +6,7 @@ turn continued through its tool calls (`ToolTurns`, `trl_grpo_ext.environments.r
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from trl_grpo_ext.environments import ENVIRONMENTS, environment_tools
 from trl_grpo_ext.environments.chat import turn_parser
@@ -14,6 +14,7 @@ from trl_grpo_ext.environments.rollout import multi_turn_rollouts, stop_reason, 
 from trl_grpo_ext.pytrio.calls import PyTrioLoopError, call, wait
 from trl_grpo_ext.pytrio.config import PyTrioGRPOConfig
 from trl_grpo_ext.pytrio.datums import validate_rollout
+from trl_grpo_ext.pytrio.logprobs import completion_logprobs
 from trl_grpo_ext.pytrio.prompts import environment_name
 from trl_grpo_ext.pytrio.types import Rollout, StepTimes
 
@@ -143,6 +144,9 @@ def collect_samples(config: PyTrioGRPOConfig, pending: PendingSamples, tool_turn
     if tool_turns is not None:
         rollouts = tool_turns.continue_rollouts(pending.sampler, pending.rows, rollouts, pending.step,
                                                 pending.first_index)  # fmt: skip
+    if config.rescores_behaviour:  # the behaviour log-probs the service's forward_backward compares with
+        scored = completion_logprobs(pending.sampler, rollouts, "behaviour", t, pending.futures is not None)
+        rollouts = [replace(r, completion_logprobs=tuple(lp)) for r, lp in zip(rollouts, scored, strict=True)]
     return rollouts
 
 

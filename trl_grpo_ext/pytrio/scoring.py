@@ -112,6 +112,9 @@ def kept_groups(batches: list[ScoredBatch], selection: list[GroupRef], num_gener
             0.0 if ref.padding else a for ref, (b, s) in zip(refs, spans, strict=True) for a in b.advantages[s]
         ],
         degenerate=[batches[ref.batch].degenerate[ref.group] for ref in refs],
+        staleness=None
+        if all(b.staleness is None for b in batches)
+        else [s for b, span in spans for s in (b.staleness or [0] * len(b.rollouts))[span]],
     )
 
 

@@ -6,14 +6,14 @@ between score and build batch)."""
 from __future__ import annotations
 
 import logging
-import math
 import time
 from collections.abc import Callable
 
 from trl_grpo_ext.grpo.distillation import DistillationSpec, distillation_of, tokenizer_mismatch
-from trl_grpo_ext.pytrio.calls import PyTrioLoopError, call, wait
+from trl_grpo_ext.pytrio.calls import PyTrioLoopError, call
 from trl_grpo_ext.pytrio.config import PyTrioGRPOConfig
 from trl_grpo_ext.pytrio.connection import redact
+from trl_grpo_ext.pytrio.logprobs import completion_logprobs
 from trl_grpo_ext.pytrio.types import ScoredBatch
 
 logger = logging.getLogger(__name__)
@@ -26,19 +26,6 @@ def local_sampling_models(config: PyTrioGRPOConfig) -> tuple[str, ...]:
     if spec is None or spec.teacher_model_path or spec.teacher == config.base_model:
         return ()
     return (spec.teacher,)
-
-
-def teacher_completion_logprobs(prompt_tokens, completion_tokens, logprobs, what: str) -> list[float]:
-    """The completion tokens' log-probs out of a ``compute_logprobs`` answer on prompt + completion (one per
-    position, the first None), checked: as many as tokens, finite numbers."""
-    values = list(logprobs or [])
-    total = len(prompt_tokens) + len(completion_tokens)
-    if len(values) != total:
-        raise PyTrioLoopError(f"{what}: {len(values)} log-probs for {total} tokens")
-    tail = values[len(prompt_tokens) :]
-    if any(isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) for v in tail):
-        raise PyTrioLoopError(f"{what}: the teacher's log-probs of the completion tokens must be finite numbers")
-    return [float(v) for v in tail]
 
 
 class Teacher:
@@ -85,33 +72,14 @@ class Teacher:
         """The teacher's log-probs of every sampled completion (``compute_logprobs`` on prompt + completion), made
         per-token advantages by `trl_grpo_ext.grpo.distillation` (the student's log-probs: the sampler's); sets
         ``scored.token_advantages`` and returns the ``distill/*`` metrics."""
-        import pytrio as trio
-
         from trl_grpo_ext.grpo.distillation import distillation_row_advantages  # torch: first step
 
         t0 = time.perf_counter()
-        teacher = self.client()
-        rollouts = [r for r in scored.rollouts if r.completion_tokens]
-        what = [f"compute_logprobs (teacher, completion {i})" for i in range(len(rollouts))]
-
-        def submit(i, r):
-            tokens = list(r.prompt_tokens) + list(r.completion_tokens)
-            return call(teacher.compute_logprobs, what[i], trio.ModelInput.from_ints(tokens))
-
-        timeout = self.config.request_timeout_s
-        if self.config.mode == "async":
-            futures = [submit(i, r) for i, r in enumerate(rollouts)]
-            answers = [wait(f, what[i], timeout) for i, f in enumerate(futures)]
-        else:
-            answers = [wait(submit(i, r), what[i], timeout) for i, r in enumerate(rollouts)]
-        teacher_rows = iter(
-            teacher_completion_logprobs(r.prompt_tokens, r.completion_tokens, a, what[i])
-            for i, (r, a) in enumerate(zip(rollouts, answers, strict=True))
+        c = self.config
+        teacher_logps = completion_logprobs(
+            self.client(), scored.rollouts, "teacher", c.request_timeout_s, c.mode == "async"
         )
-        student, teacher_logps = [], []
-        for r in scored.rollouts:  # empty completions: no tokens, no teacher call
-            student.append(list(r.completion_logprobs))
-            teacher_logps.append(next(teacher_rows) if r.completion_tokens else [])
+        student = [list(r.completion_logprobs) for r in scored.rollouts]
         scored.token_advantages, metrics = distillation_row_advantages(
             student, teacher_logps, self.spec, scored.advantages
         )

@@ -40,6 +40,8 @@ class ScoredBatch:
     logged: dict = field(default_factory=dict)  # what the reward functions sent to ``log_metric``
     # on-policy distillation: one advantage per completion token of each rollout (`teacher.Teacher.distill`)
     token_advantages: list[list[float]] | None = None
+    # asynchronous sampling: per rollout, how many optimizer steps older than the trained weights those that drew it
+    staleness: list[int] | None = None
 
 
 @dataclass
@@ -49,11 +51,13 @@ class TokenRows:
     old_logprobs: list[list[float]] = field(default_factory=list)
     advantages: list[list[float]] = field(default_factory=list)
     masks: list[list[float]] = field(default_factory=list)
+    staleness: list[int] = field(default_factory=list)  # per datum (0 on-policy)
 
-    def add(self, seq: dict) -> None:
+    def add(self, seq: dict, staleness: int = 0) -> None:
         self.old_logprobs.append(seq["logprobs"])
         self.advantages.append(seq["advantages"])
         self.masks.append(seq["mask"])
+        self.staleness.append(staleness)
 
     @property
     def completion_tokens(self) -> int:

@@ -18,6 +18,7 @@ import torch
 
 from trl_grpo_ext.compat import output_cache
 from trl_grpo_ext.cpu.token_draws import multinomial
+from trl_grpo_ext.grpo.sampling_distribution import SamplingSettings, processed_logprobs
 from trl_grpo_ext.pytrio_server.adapters import LoraSnapshot
 from trl_grpo_ext.pytrio_server.errors import EngineError
 from trl_grpo_ext.pytrio_server.images import VisionInput
@@ -60,21 +61,14 @@ def default_stop_ids(model, tokenizer) -> set[int]:
 
 
 def sampling_distribution(logits: torch.Tensor, temperature: float, top_k: int, top_p: float) -> torch.Tensor:
-    """Log-probabilities of the distribution actually sampled from (temperature, top-k, top-p applied)."""
+    """Log-probabilities of the distribution actually sampled from: greedy (``temperature`` 0) a point mass on the
+    argmax, else the one definition both execution paths share (temperature, top-k, top-p applied,
+    `trl_grpo_ext.grpo.sampling_distribution`; ``top_k`` -1 is off)."""
     if temperature <= 0:  # greedy: a point mass on the argmax
         out = torch.full_like(logits, float("-inf"))
         return out.scatter(-1, logits.argmax(-1, keepdim=True), 0.0)
-    logits = logits / temperature
-    if top_k is not None and top_k > 0 and top_k < logits.shape[-1]:
-        kth = torch.topk(logits, top_k, dim=-1).values[..., -1:]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    if top_p is not None and 0 < top_p < 1:
-        sorted_logits, order = torch.sort(logits, descending=True, dim=-1)
-        cumulative = torch.softmax(sorted_logits, dim=-1).cumsum(-1)
-        drop = cumulative - torch.softmax(sorted_logits, dim=-1) >= top_p  # keep the token that crosses top_p
-        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
-        logits = torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits)
-    return torch.log_softmax(logits, dim=-1)
+    settings = SamplingSettings(temperature=temperature, top_k=max(int(top_k or 0), 0), top_p=float(top_p or 1.0))
+    return processed_logprobs(logits, settings)
 
 
 def ends_with_stop(tokenizer, tokens: list[int], stop: list[str]) -> bool:

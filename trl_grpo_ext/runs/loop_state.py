@@ -24,6 +24,7 @@ PINNED_KEYS = ("base_model", "lora_r", "seed", "num_generations", "per_device_tr
 class LoopState:
     step: int = 0
     data_position: int = 0
+    extra_data_position: int = 0  # prompts dynamic sampling's extra rounds took from their own stream
     state_path: str | None = None
     sampler_path: str | None = None
     pinned: dict = field(default_factory=dict)
@@ -43,8 +44,10 @@ class LoopState:
         state = cls(**known)
         if not isinstance(state.step, int) or state.step < 0:
             raise ValueError(f"invalid step {state.step!r} in loop state")
-        if not isinstance(state.data_position, int) or state.data_position < 0:
-            raise ValueError(f"invalid data_position {state.data_position!r} in loop state")
+        for name in ("data_position", "extra_data_position"):
+            value = getattr(state, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"invalid {name} {value!r} in loop state")
         return state
 
 

@@ -15,6 +15,7 @@ from trl_grpo_ext.compat import resolve_checkpointing_fields
 from trl_grpo_ext.cpu.precision import Precision, resolve_precision
 from trl_grpo_ext.cpu.threads import runs_on_cpu
 from trl_grpo_ext.errors import raise_problems
+from trl_grpo_ext.grpo.async_sampling import asynchronous, staleness_span_problems
 from trl_grpo_ext.grpo.loss_table import (
     LOCAL_LOSS_TYPES,
     LOSSES,
@@ -151,13 +152,47 @@ class GRPOConfig(GRPOSpec, trl.GRPOConfig):
 
     def _generation_batch_problems(self) -> list[str]:
         """Checks of values TRL's setup derives (`steps_per_generation`)."""
+        problems = []
         local = self.per_device_train_batch_size * self.steps_per_generation
         if self.dynamic_sampling and local % self.num_generations:
-            return [
+            problems.append(
                 f"dynamic_sampling keeps each process's groups on that process, so per_device_train_batch_size x "
                 f"steps_per_generation ({local}) must be a multiple of num_generations ({self.num_generations})"
-            ]
-        return []
+            )
+        if asynchronous(self):
+            problems += staleness_span_problems(self, steps_per_generation_batch(self))
+            problems += _async_sampler_problems(self)
+        return problems
+
+
+def steps_per_generation_batch(args) -> int:
+    """The most optimizer steps one generation batch trains: TRL generates every ``steps_per_generation *
+    num_iterations`` micro-steps and steps the optimizer every ``gradient_accumulation_steps``."""
+    every, ga = args.steps_per_generation * args.num_iterations, args.gradient_accumulation_steps
+    return max((k * every + every - 1) // ga - (k * every) // ga + 1 for k in range(ga))
+
+
+# generate's warpers the asynchronous sampler does not apply itself (`trl.sampler_precision.SampledTokenLogprobs`
+# applies temperature, top-k, top-p and min-p): its log-probs would not be those of the distribution it drew from
+_UNRECORDED_WARPERS = ("typical_p", "epsilon_cutoff", "eta_cutoff", "top_h")
+
+
+def _async_sampler_problems(args) -> list[str]:
+    """What makes the asynchronous sampler's log-probs other than those of the trained policy's distribution."""
+    problems = []
+    if args.repetition_penalty not in (None, 1.0):
+        problems.append(
+            f"repetition_penalty={args.repetition_penalty} with async_sampling: the penalty changes the distribution "
+            "each token is drawn from by the tokens before it, which the trained policy's log-probs do not model; "
+            "unset it"
+        )
+    extra = sorted(k for k in (args.generation_kwargs or {}) if k in _UNRECORDED_WARPERS)
+    if extra:
+        problems.append(
+            f"generation_kwargs {extra} with async_sampling: the sampler's log-probs would not be those of the "
+            "distribution it draws from (temperature, top_k, top_p and min_p are)"
+        )
+    return problems
 
 
 @dataclass(frozen=True)
@@ -177,6 +212,8 @@ class ExtensionOptions:
     max_packed_tokens: int | None
     async_sampling: bool
     max_staleness: int
+    sample_ahead: int
+    async_objective: str
     async_timeout_s: float
 
     @classmethod

@@ -1,10 +1,12 @@
 """The asynchronous sampler of the TRL path: a thread that draws requested batches with the weights each names.
 
-`RolloutWorker` takes `RolloutRequest`s in order (the trainer's lookahead, `trl_grpo_ext.trl.async_sampling`): for
-each it acquires the weights of the request's policy version (`trl_grpo_ext.trl.weight_transfer`), draws the
-completions with a generator seeded by the request alone (so the tokens do not depend on what any other thread draws
-meanwhile), and keeps the `RolloutResult` until the trainer takes it (`result`). On a CPU it runs on its own cores
-with its own torch thread count (`trl_grpo_ext.cpu.threads.pin_this_thread`).
+`RolloutWorker` takes `RolloutRequest`s in order (the trainer's look-ahead, `trl_grpo_ext.trl.async_sampling`), the
+trainer's urgent ones (a batch it is waiting for now: dynamic sampling's extra rounds, a redraw) before those
+requested ahead: for each it acquires the weights of the request's policy version
+(`trl_grpo_ext.trl.weight_transfer`), draws the completions with a generator seeded by the request alone (so the
+tokens do not depend on what any other thread draws meanwhile, nor on the order), says when it drew (``on_drawn``,
+the look-ahead's busy time) and keeps the `RolloutResult` until the trainer takes it (`result`). On a CPU it runs on
+its own cores with its own torch thread count (`trl_grpo_ext.cpu.threads.pin_this_thread`).
 
 Failures: an exception in the sampler (its generate, the weight hand-over) is kept and raised in the trainer, with
 its reason, when it next waits for a batch; a batch that does not come within ``timeout_s`` stops the run with a
@@ -22,7 +24,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from trl_grpo_ext.cpu.threads import pin_this_thread
-from trl_grpo_ext.grpo.async_sampling import close_step
 from trl_grpo_ext.trl.weight_transfer import WeightTransfer
 
 logger = logging.getLogger(__name__)
@@ -39,6 +40,7 @@ class RolloutRequest:
     version: int  # the policy version that must draw it
     prompt_ids: tuple[tuple[int, ...], ...]
     seed: int  # seeds the draws of this request alone
+    urgent: bool = False  # the trainer waits for it now: drawn before the requests made ahead
 
     def what(self) -> str:
         target = "an on-demand batch" if self.step is None else f"the batch of step {self.step + 1}"
@@ -66,18 +68,20 @@ class RolloutWorker:
         timeout_s: float,
         cores: tuple[int, ...] | None = None,
         threads: int | None = None,
+        on_drawn: Callable[[float, float], None] | None = None,
     ):
         self._generate = generate
+        self._on_drawn = on_drawn
         self.weights = weights
         self.timeout_s = float(timeout_s)
         self._cores, self._threads = cores, threads
-        self._requests: queue.Queue[RolloutRequest | None] = queue.Queue()
+        # (0: urgent | 1: ahead | 2: stop, seq, request): urgent requests first, each kind in the order it came
+        self._requests: queue.PriorityQueue = queue.PriorityQueue()
         self._results: dict[int, RolloutResult] = {}
         self._done = threading.Condition()
         self._error: BaseException | None = None
         self._failed_request: RolloutRequest | None = None
         self._pending: dict[int, RolloutRequest] = {}
-        self.busy: list[tuple[float, float]] = []  # (start, end) of each batch drawn, for the overlap metric
         self._thread = threading.Thread(target=self._run, name="async-sampler", daemon=True)
         self._thread.start()
 
@@ -87,7 +91,7 @@ class RolloutWorker:
         with self._done:
             self._pending[request.seq] = request
         self.weights.expect(request.version)
-        self._requests.put(request)
+        self._requests.put((0 if request.urgent else 1, request.seq, request))
 
     def pending(self) -> list[RolloutRequest]:
         """Requests submitted and not yet taken by `result`, in order."""
@@ -140,12 +144,6 @@ class RolloutWorker:
                 self._done.wait(timeout=1.0)
         return time.monotonic() - t0
 
-    def busy_since(self, start: float, now: float) -> float:
-        """Seconds the sampler spent drawing between `start` and `now`; forgets what ended before `now`."""
-        with self._done:
-            seconds, self.busy = close_step(self.busy, start, now)
-        return seconds
-
     def raise_if_failed(self) -> None:
         with self._done:
             if self._error is not None:
@@ -162,7 +160,7 @@ class RolloutWorker:
     def close(self, timeout_s: float = 5.0) -> None:
         """Stop the thread after the batch it is drawing; requests not drawn yet are dropped. A thread still drawing
         after `timeout_s` (a hung sampler) is left to end with the process (a daemon), said in the log."""
-        self._requests.put(None)
+        self._requests.put((2, 0, None))
         self.weights.close()
         self._thread.join(timeout=timeout_s)
         if self._thread.is_alive():
@@ -177,7 +175,7 @@ class RolloutWorker:
         if self._cores is not None and self._threads is not None:
             pin_this_thread(self._cores, self._threads)
         while True:
-            request = self._requests.get()
+            _, _, request = self._requests.get()
             if request is None:
                 return
             try:
@@ -195,8 +193,9 @@ class RolloutWorker:
                     self._error, self._failed_request = error, request
                     self._done.notify_all()
                 return
+            if self._on_drawn is not None:
+                self._on_drawn(started, finished)
             with self._done:
-                self.busy.append((started, finished))
                 self._results[request.seq] = RolloutResult(
                     request, completion_ids, logprobs, started, finished, weight_wait, weight_sync
                 )

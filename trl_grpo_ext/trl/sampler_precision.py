@@ -1,19 +1,26 @@
-"""`SamplerPrecisionMixin`: the TRL path's sampler in bf16, and the loss corrected for its mismatch with the trainer.
+"""`SamplerPrecisionMixin`: the sampler's token log-probs, and the loss corrected for the sampler's gap to the trainer.
 
-Where the run computes in bf16 on the CPU (``bf16`` resolved by `trl_grpo_ext.cpu.precision`: autocast, fp32 master
-weights and optimizer state), generation runs inside one bf16 autocast region, so each weight is cast to bf16 once
-per generation batch instead of at every decode step (accelerate's autocast wraps each forward call on its own).
-The sampler's numbers then differ from the trainer's (bf16 rounding in a KV-cached decode against one packed
-forward), so its token log-probs are kept -- of the processed distribution it sampled from, as TRL asks vLLM for
-``processed_logprobs`` -- and the loss is corrected the way TRL 1.16 corrects vLLM's, with TRL's settings
+The sampler's log-probs are those of the distribution each token was drawn from (`SampledTokenLogprobs`: the
+logits tempered and truncated by the trainer's sampling settings, `trl_grpo_ext.grpo.sampling_distribution`; the
+trained policy is the same distribution of the trainer's logits, `trl_grpo_ext.trl.sampled_policy`). They are kept
+where the loss is corrected with them, the way TRL 1.16 corrects vLLM's, with TRL's settings
 (``vllm_importance_sampling_correction``, ``_mode``, ``_clip_min``, ``_clip_max``) and the maths of
-`trl_grpo_ext.grpo.losses.sampler_correction`. The correction weighs the advantages, per token or per completion:
-every TRL loss type and ours is linear in the advantage with a non-negative weight (``-min(r A w, clip(r) A w) =
--w min(r A, clip(r) A)``), so this is TRL's ``per_token_loss * importance_sampling_ratio`` without touching TRL's
+`trl_grpo_ext.grpo.losses.sampler_correction`: the ratio proximal/sampler (proximal: TRL's old log-probs where TRL
+computes them, else the loss's own forward, detached) weighs the advantages, per token or per completion. Every TRL
+loss type and ours is linear in the advantage with a non-negative weight (``-min(r A w, clip(r) A w) = -w min(r A,
+clip(r) A)``), so this is TRL's ``per_token_loss * importance_sampling_ratio`` without touching TRL's
 ``_compute_loss``; ``vespo``, whose gamma weights take vLLM's ratio inside, gets it as TRL gives vLLM's
-(``importance_sampling_ratio``). The mismatch (``sampling/*``, `SAMPLER_MISMATCH_KEYS`) is logged every step.
+(``importance_sampling_ratio``). The mismatch (``sampling/*``, `SAMPLER_MISMATCH_KEYS`) is logged every step. Where:
 
-The fp32 path runs exactly as before: no autocast region, no recorder.
+- bf16 on the CPU (``bf16`` resolved by `trl_grpo_ext.cpu.precision`: autocast, fp32 master weights and optimizer
+  state): generation runs inside one bf16 autocast region, so each weight is cast to bf16 once per generation batch
+  instead of at every decode step (accelerate's autocast wraps each forward call on its own); the sampler's numbers
+  then differ from the trainer's by bf16 rounding (a KV-cached decode against one packed forward);
+- asynchronous sampling's decoupled objective (`trl_grpo_ext.trl.async_sampling`): the correction is its behaviour
+  weight (the coupled objective takes the sampler's log-probs as the old ones instead: only logged here);
+- vLLM on-policy (below).
+
+The fp32 on-policy path runs exactly as before: no autocast region, no recorder.
 
 Around transformers' generation, in either precision, two speed-ups: torch's token draws vectorised
 (`trl_grpo_ext.cpu.token_draws`: the same tokens from the same random numbers), and a bf16 decode step's grouped-query
@@ -44,6 +51,7 @@ from transformers import LogitsProcessor, LogitsProcessorList
 from trl_grpo_ext.cpu.precision import bf16_autocast, bf16_on_cpu
 from trl_grpo_ext.cpu.token_draws import fast_token_draws
 from trl_grpo_ext.grpo.losses import SAMPLER_MISMATCH_KEYS, sampler_correction
+from trl_grpo_ext.grpo.sampling_distribution import SamplingSettings, processed_logits
 from trl_grpo_ext.prefix.attention import install as install_attention
 from trl_grpo_ext.trl import internals
 
@@ -51,20 +59,25 @@ logger = logging.getLogger(__name__)
 
 
 class SampledTokenLogprobs(LogitsProcessor):
-    """Records the log-prob of each sampled token under the scores it was sampled from.
+    """Draws each token from the sampler's processed distribution and records its log-prob there.
 
-    Placed last among ``generate``'s processors (custom ones come after temperature, top-k and top-p), it sees
-    the processed scores of step k; the token drawn from them is the last input id at step k + 1, and the final
-    step's token is read from the completions (`per_row`). One (rows, vocab) log-softmax is held at a time.
+    transformers merges custom logits processors before its temperature, top-k, top-p and min-p warpers, so a
+    processor cannot just read the final scores. This one applies them itself
+    (`trl_grpo_ext.grpo.sampling_distribution.processed_logits`: the warpers' own ops, so the same tokens are drawn)
+    and `generate_kwargs` switches generate's warpers off for the call: the scores it returns are the ones the token
+    is drawn from. The token drawn from step k's scores is the last input id at step k + 1; the final step's token is
+    read from the completions (`per_row`). One (rows, vocab) log-softmax is held at a time.
     """
 
-    def __init__(self):
+    def __init__(self, settings: SamplingSettings):
+        self.settings = settings
         self.steps: list[torch.Tensor] = []
         self._pending: torch.Tensor | None = None
 
     def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
         if self._pending is not None:
             self.steps.append(self._pending.gather(-1, input_ids[:, -1:]).squeeze(-1))
+        scores = processed_logits(scores, self.settings)
         self._pending = torch.log_softmax(scores.float(), dim=-1)
         return scores
 
@@ -80,8 +93,14 @@ class SampledTokenLogprobs(LogitsProcessor):
         return [row[: len(ids)] for row, ids in zip(table, completion_ids, strict=True)]
 
     def generate_kwargs(self) -> dict:
-        """``generate``'s keyword that installs this recorder."""
-        return {"logits_processor": LogitsProcessorList([self])}
+        """``generate``'s keywords: this recorder, and generate's own warpers off (it applies them)."""
+        return {
+            "logits_processor": LogitsProcessorList([self]),
+            "temperature": 1.0,
+            "top_k": 0,
+            "top_p": 1.0,
+            "min_p": None,
+        }
 
 
 class SamplerPrecisionMixin:
@@ -97,6 +116,8 @@ class SamplerPrecisionMixin:
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
+        # the user's setting: TRL's attribute of the same name is switched off below where this class corrects instead
+        self.sampler_correction_on = bool(self.vllm_importance_sampling_correction)
         if self._vllm_on_policy():
             # TRL's correction off (its extra no-grad forward and its ratio); this class's, in the loss, on
             self._loss_corrects_vllm = True
@@ -116,11 +137,11 @@ class SamplerPrecisionMixin:
         return bf16_on_cpu(self.args.bf16, self.accelerator.device.type) and not self.use_vllm
 
     def _keeps_sampler_logprobs(self) -> bool:
-        """The loss is corrected here from the sampler's token log-probs: the bf16 sampler's, or vLLM's on-policy;
-        with asynchronous sampling the mismatch is logged only (the loss's ratio is against the sampler)."""
+        """The loss is corrected here from the sampler's token log-probs: the bf16 sampler's, vLLM's on-policy, and
+        every asynchronous sampler's (the behaviour policy)."""
         if getattr(self, "async_active", False):
             return True
-        return (self._sampler_bf16() and bool(self.vllm_importance_sampling_correction)) or self._loss_corrects_vllm
+        return (self._sampler_bf16() and self.sampler_correction_on) or self._loss_corrects_vllm
 
     def _user_rollout(self) -> bool:
         """A ``rollout_func`` samples the completions: its sampler, precision and log-probs are its own."""
@@ -146,7 +167,7 @@ class SamplerPrecisionMixin:
             and not (getattr(config, "prompt_lookup_num_tokens", None) or getattr(config, "assistant_model", None))
         )
         records = self._keeps_sampler_logprobs() and not self.use_vllm
-        return SampledTokenLogprobs() if records and one_sample_per_row else None
+        return SampledTokenLogprobs(self.sampling_settings) if records and one_sample_per_row else None
 
     # ------------------------------------------------------------------ the correction in the loss
     def _with_sampler_correction(self, inputs: dict) -> dict:
@@ -183,26 +204,33 @@ class SamplerPrecisionMixin:
         return result
 
     def _correct_for_sampler(self, inputs: dict, per_token_logps: torch.Tensor) -> None:
-        if getattr(self, "async_active", False):
-            # asynchronous sampling (trl.async_sampling): the old log-probs are the sampler's, so the loss's own ratio
-            # corrects the gap; the mismatch with the current weights is logged, by staleness too
-            _, metrics = sampler_correction(
-                per_token_logps, inputs["sampling_per_token_logps"], internals.loss_mask(inputs)
-            )
-            self._log_sampler_mismatch(metrics)
-            self._log_async_ratios(per_token_logps, inputs)
-            return
-        # the trainer's log-probs of the sampled policy: the old ones when TRL computed them, else (on-policy) these
+        """Weigh the micro-batch's advantages by the behaviour ratio proximal/sampler (TRL's vLLM correction, with
+        TRL's settings), the proximal policy being the trainer's old log-probs where TRL computed them, else
+        (trained by the weights of the step's start) this forward's; the mismatch logged. Asynchronous sampling's
+        coupled objective instead takes the loss's ratio against the sampler (its old log-probs) and only logs."""
+        sampler, mask = inputs["sampling_per_token_logps"], internals.loss_mask(inputs)
         old = inputs.get("old_per_token_logps")
-        trainer_logps = per_token_logps.detach() if old is None else old
-        weights, metrics = sampler_correction(
-            trainer_logps,
-            inputs["sampling_per_token_logps"],
-            internals.loss_mask(inputs),
-            self.vllm_importance_sampling_mode,
-            self.vllm_importance_sampling_clip_min,
-            self.vllm_importance_sampling_clip_max,
-        )
+        if self._coupled_objective():
+            # a NaN sampler log-prob (vLLM can return one) carries no behaviour information: that token's ratio is 1
+            proximal = per_token_logps.detach()
+            inputs["old_per_token_logps"] = torch.where(torch.isnan(old), proximal.to(old.dtype), old)
+            _, metrics = sampler_correction(proximal, sampler, mask)
+        else:
+            proximal = per_token_logps.detach() if old is None else old
+            weights, metrics = sampler_correction(
+                proximal,
+                sampler,
+                mask,
+                self.vllm_importance_sampling_mode,
+                self.vllm_importance_sampling_clip_min,
+                self.vllm_importance_sampling_clip_max,
+            )
+            if self.sampler_correction_on:
+                self._weigh_by_sampler_correction(inputs, weights)
+        self._log_sampler_mismatch(metrics)
+        self._after_sampler_correction(inputs, proximal)
+
+    def _weigh_by_sampler_correction(self, inputs: dict, weights: torch.Tensor) -> None:
         if self.loss_type == "vespo":
             # vespo's weights are not linear in a per-token ratio: TRL folds vLLM's ratio into its gamma weights
             # (`get_gamma_weights` reads ``importance_sampling_ratio``); this sampler's goes the same way.
@@ -212,7 +240,13 @@ class SamplerPrecisionMixin:
             if advantages.dim() == 1:
                 advantages = advantages.unsqueeze(1)
             inputs["advantages"] = advantages * weights.to(advantages.dtype)
-        self._log_sampler_mismatch(metrics)
+
+    def _coupled_objective(self) -> bool:
+        """Asynchronous sampling's coupled objective (`trl.async_sampling` says)."""
+        return False
+
+    def _after_sampler_correction(self, inputs: dict, proximal_logps: torch.Tensor) -> None:
+        """Hook after a micro-batch's correction (`trl.async_sampling`: staleness and ratios by staleness)."""
 
     def _log_sampler_mismatch(self, metrics: dict[str, torch.Tensor]) -> None:
         mode = "train" if self.model.training else "eval"

@@ -51,6 +51,7 @@ from trl_grpo_ext.trl.config import EXTRA_LOSS_TYPES, ExtensionOptions, GRPOConf
 from trl_grpo_ext.trl.distillation import DistillationMixin
 from trl_grpo_ext.trl.internals import MixinState, log_metric
 from trl_grpo_ext.trl.prefix_mixin import PrefixSharingMixin
+from trl_grpo_ext.trl.sampled_policy import SampledPolicyMixin
 from trl_grpo_ext.trl.sampler_precision import SamplerPrecisionMixin
 from trl_grpo_ext.trl.sampling import CurriculumMixin, DynamicSamplingMixin
 from trl_grpo_ext.trl.tools import ToolsMixin
@@ -66,6 +67,7 @@ def _on_policy_ratio_metrics(clip_low, clip_high) -> dict[str, float]:
 
 class GRPOTrainer(
     AsyncSamplingMixin,
+    SampledPolicyMixin,
     DistillationMixin,
     DynamicSamplingMixin,
     CurriculumMixin,

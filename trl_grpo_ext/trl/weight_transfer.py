@@ -14,7 +14,8 @@ asked for and not yet taken. At ``max_staleness: 1`` the sampler is always idle 
 it drew last is the one the trainer is training on), so the trainer never copies. With a larger bound a sampler
 behind the trainer may still owe batches of several older versions (at K = 4 the first five batches are drawn with
 version 0, the next with 1, 2, ... while the trainer moves on): each such version is kept aside until the sampler
-has taken it, at most K - 1 copies of the trainable parameters.
+has taken it, at most K - 1 copies of the trainable parameters. A sampler that leaves a version it still owes
+batches of (an urgent batch of the current weights drawn first) copies it aside itself before loading the other.
 
 A vLLM server's weights are handed over by the trainer itself between two of the sampler's requests
 (`ServerWeights`: TRL's own sync, NCCL on GPUs, a /dev/shm file that the CPU server reloads otherwise,
@@ -108,6 +109,10 @@ class InProcessWeights:
             waited = time.monotonic() - t0
             t1 = time.monotonic()
             if self._loaded != version:
+                still_owed = self._wanted[self._loaded] and self._loaded not in self._staged
+                if still_owed and self._loaded != self._live:  # the only copy of it is the sampler's own
+                    self._staged[self._loaded] = [p.detach().clone() for p in self._sampler]
+                    self.staged_copies += 1
                 source = self._trainer if self._live == version else self._staged[version]
                 with torch.no_grad():
                     for dst, src in zip(self._sampler, source, strict=True):
@@ -115,7 +120,7 @@ class InProcessWeights:
                 self._loaded = version
             if self._wanted[version]:
                 self._wanted[version] -= 1
-            # Requests are drawn in order of version: what is no longer wanted will not be asked for again.
+            # What is no longer wanted will not be asked for again.
             for taken in [v for v in self._staged if not self._wanted[v]]:
                 del self._staged[taken]
             return waited, time.monotonic() - t1

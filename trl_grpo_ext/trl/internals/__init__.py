@@ -14,8 +14,9 @@ it; its modules:
   ``tests/test_trl_internals.py`` recomputes it and fails, naming the TRL function and our copy, when the installed
   TRL's source is not the one the copy was checked against, or when the installed TRL version has no recorded hash.
   After re-checking a copy against the new TRL, add the new version's hash (the failure prints it).
-- `loss` and `generation`: **the copies**: TRL's loss step; its input buffer, generation, data loader, vLLM weight
-  sync and engine construction, and a frozen second model.
+- `loss`, `generation` and `lm_head`: **the copies**: TRL's loss step; its input buffer, generation, data loader,
+  vLLM weight sync and engine construction, and a frozen second model; its fused LM head scoring a truncated
+  sampling distribution.
 - `private_state`: **TRL's private state.** Named accessors (`log_metric`, `buffered_inputs`, `pad_token_id`, ...)
   for every private attribute of TRL's (or transformers') trainer that the TRL path reads or writes;
   `PRIVATE_STATE` names them, and the same test checks that a built trainer has each one.
@@ -39,6 +40,7 @@ from trl_grpo_ext.trl.internals.generation import (
     vllm_client_class,
     vllm_engine_kwargs,
 )
+from trl_grpo_ext.trl.internals.lm_head import add_truncated_lm_head, truncation_problems
 from trl_grpo_ext.trl.internals.loss import (
     MODEL_INPUT_KEYS,
     LossTerms,
@@ -60,12 +62,14 @@ from trl_grpo_ext.trl.internals.mixin_state import MixinState
 from trl_grpo_ext.trl.internals.private_state import (
     OVERRIDDEN_HOOKS,
     PRIVATE_STATE,
+    VLLM_ONLY_STATE,
     buffered_inputs,
     checkpoint_root,
     completions_log,
     drop_metric_values,
     is_vlm,
     log_metric,
+    mark_vllm_weights_loaded,
     metric_count,
     micro_steps,
     pad_token_id,
@@ -82,10 +86,12 @@ __all__ = [
     "PRIVATE_STATE",
     "TRL_GRPO",
     "VLLM_GENERATION",
+    "VLLM_ONLY_STATE",
     "LossTerms",
     "Mirror",
     "MixinState",
     "PolicyTerm",
+    "add_truncated_lm_head",
     "buffered_inputs",
     "checkpoint_root",
     "completion_logps",
@@ -101,6 +107,7 @@ __all__ = [
     "log_importance_weights",
     "log_metric",
     "loss_mask",
+    "mark_vllm_weights_loaded",
     "metric_count",
     "micro_steps",
     "mirrors",
@@ -108,6 +115,7 @@ __all__ = [
     "prepare_train_inputs",
     "sync_weights_by_reload",
     "train_dataloader",
+    "truncation_problems",
     "vllm_client_class",
     "vllm_engine_kwargs",
     "zero_logged_advantages",

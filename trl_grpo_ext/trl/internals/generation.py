@@ -162,7 +162,7 @@ GENERATION_BATCH_RIGHT_PADDED = {
     "sampling_per_token_logps": 0.0,
     "importance_sampling_ratio": 0.0,
     "advantages": 0.0,
-    "sample_staleness": 0,  # ours, one per row (trl.async_sampling): concatenated, never padded
+    "sample_version": 0,  # ours, one per row (trl.async_sampling): concatenated, never padded
 }
 
 # ------------------------------------------------------------------------------------------ a frozen second model

@@ -20,13 +20,16 @@ PRIVATE_STATE = (
     "_train_batch_size",  # transformers: per-process batch size of the training loader
     "_get_dataloader",  # transformers: builds a loader with a sampler
     "_get_output_dir",  # transformers: the folder checkpoints go to
+    "_last_loaded_step",  # TRL, with vLLM only (`VLLM_ONLY_STATE`): the step whose weights vLLM holds
 )
+VLLM_ONLY_STATE = ("_last_loaded_step",)
 OVERRIDDEN_HOOKS = (
     "_calculate_rewards",  # trl.trainer (degenerate groups), trl.sampling (curriculum)
     "_generate_and_score_completions",  # trl.trainer, trl.async_sampling (the sampler's log-probs as the old ones)
     "_get_per_token_logps_and_entropies",  # trl.trainer (captured log-probs), trl.prefix_mixin,
     # trl.sampler_precision (the bf16 sampler's correction)
-    "_generate",  # trl.sampler_precision (bf16 autocast around generation), trl.tools (tool metrics)
+    "_generate",  # trl.sampler_precision (bf16 autocast around generation), trl.tools (tool metrics),
+    # trl.async_sampling (an evaluation's generation on vLLM's server after the sampler's hand-over)
     "_compute_loss",  # trl.trainer
     "_prepare_inputs",  # trl.sampling (dynamic sampling), trl.async_sampling (which batch the sampler drew)
     "_get_train_sampler",  # trl.sampling (curriculum)
@@ -72,6 +75,12 @@ def completions_log(trainer) -> dict | None:
 def buffered_inputs(trainer) -> list[dict]:
     """The micro-batches of the generation batch being trained on (none before the first)."""
     return trainer._buffered_inputs or []
+
+
+def mark_vllm_weights_loaded(trainer) -> None:
+    """vLLM holds the weights of the current step: TRL's generation need not sync them (it syncs whenever
+    ``_last_loaded_step`` is not the current step; asynchronous sampling hands them over itself)."""
+    trainer._last_loaded_step = trainer.state.global_step
 
 
 def micro_steps(trainer) -> int:
