@@ -362,9 +362,10 @@ class AsyncSamplingMixin:
         versions = inputs.get("sample_version")
         if versions is None or not self.model.training:
             return
-        staleness = self.state.global_step - versions
-        for value in staleness.tolist():
-            self._lookahead.stats.staleness.append(int(value))
+        step = self.state.global_step
+        for version, rows in collections.Counter(versions.tolist()).items():
+            self._lookahead.trained(version, step, rows)
+        staleness = step - versions
         log_ratio = proximal_logps - inputs["sampling_per_token_logps"]
         for key, value in ratio_by_staleness(log_ratio, internals.loss_mask(inputs), staleness).items():
             internals.log_metric(self, "train", key, value)
