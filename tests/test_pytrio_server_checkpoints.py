@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import io
 import json
-import logging
 import os
 import tarfile
 import time
@@ -57,14 +56,15 @@ def _listing(server, key=KEY_A) -> dict[str, dict]:
     return {c["checkpoint_uri"]: c for c in answer.json()["checkpoints"]}
 
 
-def test_two_bases_on_one_storage_folder(tiny_model_path, other_base_path, tmp_path, caplog):
+def test_two_bases_on_one_storage_folder(tiny_model_path, other_base_path, tmp_path):
     """Server A (the tiny model) saves checkpoints; server B (same shapes, other weights) on the same storage folder
     lists them with A's base and refuses to resume, sample from, load or chat with them (one line naming both bases)
-    while A still uses them; a checkpoint without a recorded base loads on B with a warning."""
+    while A still uses them; a checkpoint without a recorded base is refused too (it cannot be checked)."""
     storage = str(tmp_path / "shared-storage")
 
-    def start(model, home):
-        server = LocalPyTrioServer(ServerConfig(model=model, api_key=KEY_A, storage_dir=storage, bf16=False)).start()
+    def start(model, home, **options):
+        config = ServerConfig(model=model, api_key=KEY_A, storage_dir=storage, bf16=False, **options)
+        server = LocalPyTrioServer(config).start()
         server.configure_client(home=str(tmp_path / home))
         return server
 
@@ -131,17 +131,19 @@ def test_two_bases_on_one_storage_folder(tiny_model_path, other_base_path, tmp_p
     finally:
         a.stop()
 
-    # a checkpoint saved before checkpoints recorded their base: another base loads it, saying it cannot check it
+    # a checkpoint saved before checkpoints recorded their base (an earlier version's record, adopted): it cannot be
+    # checked against a base, so it is refused as another base's checkpoint is
     record_file = Path(storage) / run_id(tc) / "sampler_weights" / "on-a-weights" / RECORD_FILE
-    legacy = {k: v for k, v in json.loads(record_file.read_text()).items() if not k.startswith("base_model")}
+    unsigned = ("signature", "format", "server", "base_model", "base_model_fingerprint")
+    legacy = {k: v for k, v in json.loads(record_file.read_text()).items() if k not in unsigned}
+    legacy["path"] = os.path.join(run_id(tc), "sampler_weights", "on-a-weights")
     record_file.write_text(json.dumps(legacy))
-    c = start(other_base_path, "home-c")
+    c = start(other_base_path, "home-c", adopt_unsigned_checkpoints=True)
     try:
-        assert _listing(c)[weights]["base_model"] == "" and _listing(c)[weights]["base_model_served"]
-        with caplog.at_level(logging.WARNING, logger="trl_grpo_ext.pytrio_server.checkpoints"):
-            sampler = trio.ServiceClient().create_sampling_client(c.model_alias, model_path=weights)
-            assert sampler.compute_logprobs(trio.ModelInput.from_ints(TOKENS)).result()[1] is not None
-        assert f"checkpoint {weights} records no base model" in caplog.text
+        assert _listing(c)[weights]["base_model"] == "" and not _listing(c)[weights]["base_model_served"]
+        with pytest.raises(PyTrioError) as refused:
+            trio.ServiceClient().create_sampling_client(c.model_alias, model_path=weights)
+        assert refused.value.code == "base_model_mismatch" and "records no base model" in refused.value.message
     finally:
         c.stop()
 
@@ -263,7 +265,8 @@ def test_optimizer_state_is_stored_without_pickle_and_old_pickles_convert_or_are
     # the format of checkpoints saved before: one pickle, converted on first load to the same optimizer
     legacy = tc.save_state("legacy").result().path
     legacy_folder = server.registry.checkpoint(legacy).path
-    torch.save(load_optimizer(legacy_folder, legacy), legacy_folder / "optimizer.pt")
+    with server.checkpoint_files(server.registry.checkpoint(legacy)) as folder:
+        torch.save(load_optimizer(folder, legacy), legacy_folder / "optimizer.pt")
     for name in ("optimizer.json", "optimizer.safetensors"):
         (legacy_folder / name).unlink()
     server._snapshot_cache.clear()

@@ -339,12 +339,14 @@ def test_pytrio_serve_options_are_the_config_fields():
         "--max-batch-size", "--no-concurrent-sampling", "--no-vision", "--keep-checkpoints", "--loss-normalization",
         "--max-request-mb", "--max-num-samples", "--max-topk-logprobs", "--idle-timeout", "--session-timeout",
         "--memory-budget-gb", "--request-timeout", "--max-connections", "--max-connections-per-peer",
+        "--adopt-unsigned-checkpoints",
     }  # fmt: skip
     config, _ = module._config(_cli_args(
         "--host", "0.0.0.0", "--port", "0", "--served-name", "a", "--served-name", "b", "--storage-dir", "/tmp/s",
         "--device", "cpu", "--dtype", "bfloat16", "--bf16", "false", "--bf16-sampling", "--max-batch-size", "3",
         "--no-vision", "--keep-checkpoints", "2", "--loss-normalization", "sum", "--max-request-mb", "0.5",
         "--max-num-samples", "7", "--idle-timeout", "9", "--session-timeout", "0", "--memory-budget-gb", "2",
+        "--adopt-unsigned-checkpoints",
     )[1])  # fmt: skip
     assert (config.host, config.port, config.served_names, config.storage_dir) == ("0.0.0.0", 0, ("a", "b"), "/tmp/s")
     assert (config.device, config.dtype, config.bf16, config.bf16_sampling, config.vision) == (
@@ -361,6 +363,7 @@ def test_pytrio_serve_options_are_the_config_fields():
         2 * 1024**3,
     )
     assert (config.idle_timeout_seconds, config.session_timeout_seconds) == (9, 0)
+    assert config.adopt_unsigned_checkpoints
 
 
 SERVER_THREADS = ("pytrio-local-server", "pytrio-request", "pytrio-sampling", "pytrio-events-", "pytrio-housekeeping")

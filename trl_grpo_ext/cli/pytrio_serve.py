@@ -146,11 +146,16 @@ def run(args: argparse.Namespace) -> int:
         logging.warning("binding %s exposes the server beyond this machine; anyone with the key can train", args.host)
 
     from trl_grpo_ext.pytrio_server import LocalPyTrioServer  # torch, starlette: after the arguments are checked
+    from trl_grpo_ext.pytrio_server.storage import StorageError
 
     stop = threading.Event()
     # installed before the address is printed: a supervisor may send SIGTERM as soon as it reads it
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
-    server = LocalPyTrioServer(config).start()
+    try:
+        server = LocalPyTrioServer(config).start()
+    except StorageError as error:  # the storage folder's key refused: one line saying what to do
+        print(f"error: {error}", file=sys.stderr)
+        return 2
     names = ", ".join(sorted(server.aliases))
     print(f"PyTRIO local server: {server.base_url}  model: {server.model_alias} ({server.model_id})", flush=True)
     print(f"  base_model may be any of: {names}", flush=True)

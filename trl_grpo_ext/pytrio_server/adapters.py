@@ -22,6 +22,7 @@ import torch
 from trl_grpo_ext.compat import set_active_adapter
 from trl_grpo_ext.pytrio_server.errors import EngineError
 from trl_grpo_ext.pytrio_server.optimizer_state import has_optimizer, load_optimizer, save_optimizer
+from trl_grpo_ext.pytrio_server.storage import ADAPTER_FILE, CheckpointFolder
 
 ATTN_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj")
 # The projections of linear-attention (Gated DeltaNet) layers of hybrid models, trained with the attention ones:
@@ -33,8 +34,8 @@ UNEMBED_MODULES = ("lm_head",)
 # Tinker scales LoRA by a fixed alpha of 32 for every rank; we do the same so learning rates carry over.
 LORA_ALPHA = 32
 _SNAPSHOT_IDS = itertools.count(1)
-ADAPTER_FILE = "adapter_model.safetensors"
 META_FILE = "trio_checkpoint.json"
+META_LIMIT = 64 * 1024  # `META_FILE` holds the LoRA settings and a step: a larger one is not one
 
 
 # Adapters are created on both sides of the model (training runs; sampler slots) from different threads; their
@@ -86,18 +87,21 @@ class LoraSnapshot:
         return sum(p.stat().st_size for p in folder.iterdir() if p.is_file())
 
     @classmethod
-    def load(cls, folder: Path, with_optimizer: bool, checkpoint: str = "") -> LoraSnapshot:
-        """The snapshot saved in `folder` (`checkpoint`, its URI, names it in errors); no file is unpickled."""
+    def load(cls, folder: CheckpointFolder, with_optimizer: bool, checkpoint: str, memory=None) -> LoraSnapshot:
+        """The snapshot saved in `folder` (`checkpoint`, its URI, names it in errors); no file is unpickled, and each
+        file is read only as the server's own regular file (`CheckpointFolder`). `memory` (the server's
+        `MemoryGate`) admits the conversion of an old optimizer pickle."""
         from safetensors.torch import load_file
 
-        checkpoint = checkpoint or folder.name
-        meta = json.loads((folder / META_FILE).read_text())
+        meta = json.loads(folder.read(META_FILE, META_LIMIT))
         optimizer = None
         if with_optimizer:
             if not has_optimizer(folder):
                 raise EngineError("checkpoint_has_no_optimizer", f"checkpoint {checkpoint} holds no optimizer state")
-            optimizer = load_optimizer(folder, checkpoint)
-        return cls(LoraSettings(**meta["lora"]), load_file(str(folder / ADAPTER_FILE)), optimizer, meta.get("step", 0))
+            optimizer = load_optimizer(folder, checkpoint, memory)
+        with folder.file_path(ADAPTER_FILE) as adapter:
+            weights = load_file(str(adapter))
+        return cls(LoraSettings(**meta["lora"]), weights, optimizer, meta.get("step", 0))
 
 
 @dataclass

@@ -43,10 +43,11 @@ from trl_grpo_ext.pytrio_server.inprocess import (
 )
 from trl_grpo_ext.pytrio_server.memory import MemoryGate, default_budget, gib, tune_allocator
 from trl_grpo_ext.pytrio_server.openai_api import OpenAIHandlers
-from trl_grpo_ext.pytrio_server.registry import Registry
+from trl_grpo_ext.pytrio_server.registry import Registry, StorageScan, new_id
 from trl_grpo_ext.pytrio_server.routes import create_app
 from trl_grpo_ext.pytrio_server.sampling import SamplingBatcher
 from trl_grpo_ext.pytrio_server.serving import BackgroundServer
+from trl_grpo_ext.pytrio_server.storage import StorageKey, prepare_root
 from trl_grpo_ext.pytrio_server.training import TrainingHandlers
 from trl_grpo_ext.pytrio_server.wire import ACTOR_CUID
 
@@ -76,6 +77,12 @@ class LocalPyTrioServer(
         client_keys = [k for k in (config.api_key, *config.api_keys) if k]
         self.keys = KeyRing(client_keys, config.admin_keys) if client_keys else KeyRing.generate()
         self.api_key = self.keys.primary
+        self._own_storage = config.ephemeral_storage
+        if not config.ephemeral_storage:  # before the model loads: a storage key it refuses is one line at once
+            storage = Path(config.storage_dir).expanduser() if config.storage_dir else default_storage_dir()
+            prepare_root(storage)
+            self.storage = storage.resolve()  # once: what lies below it is reached without following links
+            storage_key = StorageKey.of(self.storage)
         self.engine = engine or ModelEngine(
             _resolve_model(config.model),
             device=config.device,
@@ -116,18 +123,15 @@ class LocalPyTrioServer(
         self._queues: dict[str, RunEventQueue] = {}
         self._snapshot_cache: OrderedDict[str, LoraSnapshot] = OrderedDict()
         self._cache_lock = threading.Lock()
-        self._unknown_base_warned: set[str] = set()  # checkpoints without a recorded base, warned about once
         self._download_key = secrets.token_bytes(32)  # signs this process's download URLs (`downloads`)
-        self._own_storage = config.ephemeral_storage
         if config.ephemeral_storage:
-            self.storage = Path(tempfile.mkdtemp(prefix="pytrio-server-"))
-        else:
-            self.storage = Path(config.storage_dir).expanduser() if config.storage_dir else default_storage_dir()
-            self.storage.mkdir(parents=True, exist_ok=True)
-        self.registry = Registry(self.storage, self.keys.legacy_owner)
-        restored = self.registry.load_persisted()
-        if restored:
-            logger.info("PyTRIO local server: %d checkpoints of earlier processes in %s", restored, self.storage)
+            self.storage = Path(tempfile.mkdtemp(prefix="pytrio-server-")).resolve()
+            storage_key = StorageKey.of(self.storage)
+        # this process's id: its stop removes the TEMPORARY checkpoints it saved, never another server's
+        self.server_id = new_id("srv")
+        self.registry = Registry(self.storage, self.keys.legacy_owner, storage_key)
+        adopt_on = self.engine.base_model if config.adopt_unsigned_checkpoints else None
+        self._report_scan(self.registry.load_persisted(adopt_on))
         self.expire_checkpoints()  # those whose ttl_seconds passed while no server ran
         self.app = create_app(self)
         self._http: BackgroundServer | None = None
@@ -189,12 +193,38 @@ class LocalPyTrioServer(
             q.close()
         if self._own_storage:
             shutil.rmtree(self.storage, ignore_errors=True)
-        else:  # sampler hand-offs only serve this process's samplers; durable checkpoints stay for a restart
+        else:  # its sampler hand-offs only serve its own samplers; durable checkpoints stay for a restart, and
+            # another server's hand-offs on this folder are that server's to remove
             with self.registry.lock:
-                temporary = [c for c in self.registry.checkpoints.values() if c.visibility == "TEMPORARY"]
+                temporary = [
+                    c for c in self.registry.checkpoints.values()
+                    if c.visibility == "TEMPORARY" and c.server == self.server_id
+                ]  # fmt: skip
             for record in temporary:
-                self.registry.forget_checkpoint(record.uri)
+                self.registry.forget_checkpoint(record.uri, record)
                 self._delete_files(record)
+
+    def _report_scan(self, scan: StorageScan) -> None:
+        """The start's one line on what the storage folder held, and one on what was refused and what to do."""
+        if scan.loaded:
+            logger.info("PyTRIO local server: %d checkpoints of earlier processes in %s", scan.loaded, self.storage)
+        if scan.adopted:
+            logger.warning(
+                "PyTRIO local server: adopted %d unsigned checkpoint records (--adopt-unsigned-checkpoints); start "
+                "without the option from now on, so a record planted later is refused", scan.adopted,
+            )  # fmt: skip
+        if scan.unsigned:
+            logger.warning(
+                "PyTRIO local server: %d checkpoint records in %s are unsigned (written by an earlier version) and "
+                "were not loaded. If no one else can write into that folder, start once with "
+                "--adopt-unsigned-checkpoints (ServerConfig(adopt_unsigned_checkpoints=True)) to sign and keep them",
+                scan.unsigned, self.storage,
+            )  # fmt: skip
+        if scan.refused:
+            logger.warning(
+                "PyTRIO local server: %d checkpoint records in %s were refused (each logged above with its reason)",
+                scan.refused, self.storage,
+            )  # fmt: skip
 
     def __enter__(self) -> LocalPyTrioServer:
         return self.start()

@@ -6,6 +6,7 @@ A mixin of `LocalPyTrioServer`.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import logging
 import os
@@ -17,8 +18,9 @@ import torch
 
 from trl_grpo_ext.pytrio_server.adapters import LoraSnapshot
 from trl_grpo_ext.pytrio_server.base_model import mismatch
-from trl_grpo_ext.pytrio_server.errors import ApiError, EventFailure
-from trl_grpo_ext.pytrio_server.registry import RECORD_FILE, CheckpointRecord
+from trl_grpo_ext.pytrio_server.errors import ApiError, EngineError, EventFailure
+from trl_grpo_ext.pytrio_server.records import CheckpointRecord, same_checkpoint
+from trl_grpo_ext.pytrio_server.storage import RECORD_FILE, CheckpointFolder, StorageError, remove_checkpoint_folder
 from trl_grpo_ext.runs.loop_state import load_loop_state
 
 logger = logging.getLogger(__name__)
@@ -32,32 +34,39 @@ _FULL_MESSAGES = ("no space left on device", "disk quota exceeded", "file too la
 
 class CheckpointStore:
     def _write_checkpoint(self, record: CheckpointRecord, snapshot: LoraSnapshot) -> None:
-        """Write `snapshot` to ``record.path`` and register `record` (its ``size`` set), or leave nothing behind.
+        """Write `snapshot` to its checkpoint folder and register `record` (its ``size`` set), or leave nothing behind.
 
         The files go to a staging folder first; only a complete one replaces the final folder (an overwritten
-        checkpoint survives a failed save), and the record, written last, marks it complete. A save the disk cannot
-        hold fails as ``insufficient_storage`` (HTTP's 507 name; an event failure, not a 5xx answer, which the client
-        would retry for 15 minutes), checked before writing when the free space is already short; any other
-        failure as ``checkpoint_save_failed``. Messages name the URI, never a local path.
+        checkpoint survives a failed save), and the record, written last and signed, marks it complete. The folders
+        on the way are reached without following a link (`storage.CheckpointFolder`; new ones readable by the
+        server's user only). A save the disk cannot hold fails as ``insufficient_storage`` (HTTP's 507 name; an event
+        failure, not a 5xx answer, which the client would retry for 15 minutes), checked before writing when the free
+        space is already short; any other failure as ``checkpoint_save_failed``. Messages name the URI, never a local
+        path.
         """
-        folder = Path(record.path)
-        staging = folder.with_name(f".{folder.name}{STAGING_SUFFIX}")
+        run, kind_folder, name = record.parts
+        staging = f".{name}{STAGING_SUFFIX}"
         needed = snapshot_bytes(snapshot)
+        parent = None
         try:
-            folder.parent.mkdir(parents=True, exist_ok=True)
-            if shutil.disk_usage(folder.parent).free < needed:
+            parent = CheckpointFolder(self.storage, (run, kind_folder), create=True)
+            if shutil.disk_usage(parent.pinned).free < needed:
                 raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
-            shutil.rmtree(staging, ignore_errors=True)
-            record.size = snapshot.save(staging, self.model_id, self.engine.peft_config(snapshot.lora))
-            shutil.rmtree(folder, ignore_errors=True)
-            os.replace(staging, folder)
+            parent.remove(staging)
+            os.mkdir(staging, 0o700, dir_fd=parent.fd)
+            record.size = snapshot.save(parent.pinned / staging, self.model_id, self.engine.peft_config(snapshot.lora))
+            parent.remove(name)
+            parent.rename(staging, name)
             self.registry.add_checkpoint(record)
         except Exception as error:  # noqa: BLE001 - every failure leaves no partial folder and one clear code
-            shutil.rmtree(staging, ignore_errors=True)
-            if not record_complete(folder):  # moved into place without its record, or the old one already gone
-                shutil.rmtree(folder, ignore_errors=True)
-                self.registry.forget_checkpoint(record.uri)
-            if storage_full(error, folder.parent, needed):
+            if parent is not None:
+                with contextlib.suppress(OSError, StorageError):
+                    parent.remove(staging)
+                if not _record_complete(parent, name):  # moved into place without its record, or the old one gone
+                    with contextlib.suppress(OSError, StorageError):
+                        parent.remove(name)
+                    self.registry.forget_checkpoint(record.uri)
+            if storage_full(error, self.storage, needed):
                 logger.warning("checkpoint %s not saved: the storage folder is full (%s)", record.uri, error)
                 raise EventFailure(
                     "insufficient_storage",
@@ -68,29 +77,50 @@ class CheckpointStore:
             reason = error.strerror if isinstance(error, OSError) and error.strerror else type(error).__name__
             message = f"could not save {record.uri} ({reason}); nothing was kept"
             raise EventFailure("checkpoint_save_failed", message) from None
+        finally:
+            if parent is not None:
+                parent.close()
+
+    def checkpoint_files(self, record: CheckpointRecord) -> CheckpointFolder:
+        """The checkpoint's folder, opened without following a link (`storage.CheckpointFolder`): 404
+        ``checkpoint_not_found`` when it is gone (the record is forgotten then), 409 ``checkpoint_unreadable`` when
+        something else than the server's folder lies there. Answers name the checkpoint, never the path."""
+        try:
+            return CheckpointFolder(self.storage, record.parts)
+        except FileNotFoundError:
+            self.registry.forget_checkpoint(record.uri, record)
+            logger.warning("checkpoint %s: its folder %s is gone", record.uri, record.path)
+            raise ApiError(
+                404, "checkpoint_not_found", f"checkpoint {record.uri} not found: its files are gone"
+            ) from None
+        except (OSError, StorageError) as error:
+            raise self._unreadable(record, error) from None
+
+    def _unreadable(self, record: CheckpointRecord, error: BaseException) -> ApiError:
+        logger.warning("checkpoint %s cannot be read from %s: %s", record.uri, record.path, error)
+        return ApiError(
+            409,
+            "checkpoint_unreadable",
+            f"checkpoint {record.uri} ({record.cuid}) cannot be read on the server's storage: its files are not the "
+            "ones the server wrote (a link, another user's file, or damaged); the server's log has the details",
+        )
 
     def _check_base(self, record: CheckpointRecord) -> None:
-        """409 ``base_model_mismatch`` (naming both) for a checkpoint trained on another base model than this server's;
-        a checkpoint whose base is unknown (saved before checkpoints recorded it) passes, with a warning once."""
+        """409 ``base_model_mismatch`` (one line naming both) for a checkpoint trained on another base model than this
+        server's, or one whose base is unknown (it cannot be checked)."""
         problem = mismatch(record.uri, record.base, self.engine.base_model)
         if problem:
             raise ApiError(409, "base_model_mismatch", problem)
-        if not record.base.fingerprint and record.uri not in self._unknown_base_warned:
-            self._unknown_base_warned.add(record.uri)
-            logger.warning(
-                "checkpoint %s records no base model (saved before checkpoints recorded theirs): used on %s "
-                "unchecked; an adapter of another base would give wrong results without an error",
-                record.uri, self.model_id,
-            )  # fmt: skip
 
     def _base_differs(self, record: CheckpointRecord) -> bool:
-        """Whether `record` was trained on other weights than this server's (False when its base is unknown)."""
+        """Whether `record` cannot be used on this server's base model (trained on another, or its base unknown)."""
         return mismatch(record.uri, record.base, self.engine.base_model) is not None
 
     def _snapshot(self, record: CheckpointRecord, with_optimizer: bool) -> LoraSnapshot:
         """The checkpoint's weights, from the in-memory cache of recent snapshots or from disk, once its base model is
         this server's (`_check_base`): every path that loads, samples from, resumes or teaches with a checkpoint
-        comes through here."""
+        comes through here. Its files are read as `checkpoint_files` opens them; a file missing is 409
+        ``checkpoint_incomplete``, one that cannot be read 409 ``checkpoint_unreadable`` (the path in the log)."""
         self._check_base(record)
         with self._cache_lock:
             cached = self._snapshot_cache.get(record.uri)
@@ -98,9 +128,23 @@ class CheckpointStore:
                 self._snapshot_cache.move_to_end(record.uri)
                 if cached.optimizer is not None or not with_optimizer:
                     return cached
-        if not record.path.is_dir():
-            raise ApiError(410, "checkpoint_gone", f"checkpoint files of {record.uri} are gone")
-        snapshot = LoraSnapshot.load(record.path, with_optimizer, record.uri)
+        with self.checkpoint_files(record) as folder:
+            try:
+                snapshot = LoraSnapshot.load(folder, with_optimizer, record.uri, self.memory)
+            except EngineError as error:  # no optimizer state, an optimizer file refused: its own code
+                raise ApiError(409, error.code, error.message) from None
+            except ApiError:
+                raise
+            except FileNotFoundError as error:  # deleted under it (another server, a hand on the disk)
+                logger.warning("checkpoint %s is incomplete in %s: %s", record.uri, record.path, error)
+                raise ApiError(
+                    409,
+                    "checkpoint_incomplete",
+                    f"checkpoint {record.uri} ({record.cuid}) is incomplete on the server's storage (a file is "
+                    "missing: deleted meanwhile, or damaged); it cannot be loaded",
+                ) from None
+            except Exception as error:  # noqa: BLE001 - a damaged or foreign file: one answer, no path in it
+                raise self._unreadable(record, error) from None
         snapshot.uid = record.snapshot_uid  # same weights: a sampler slot holding them needs no reload
         self._remember(record.uri, snapshot)
         return snapshot
@@ -119,16 +163,33 @@ class CheckpointStore:
         with self.registry.lock:
             expired = [c for c in self.registry.checkpoints.values() if c.expired(now)]
             for record in expired:
-                self.registry.forget_checkpoint(record.uri)
+                self.registry.forget_checkpoint(record.uri, record)
+        deleted = 0
         for record in expired:
-            self._delete_files(record)
-            logger.info("ttl: deleted checkpoint %s (%d bytes; its ttl_seconds passed)", record.uri, record.size)
-        return len(expired)
+            if self._delete_files(record):
+                deleted += 1
+                logger.info("ttl: deleted checkpoint %s (%d bytes; its ttl_seconds passed)", record.uri, record.size)
+        return deleted
 
-    def _delete_files(self, record: CheckpointRecord) -> None:
+    def _delete_files(self, record: CheckpointRecord) -> bool:
+        """Delete the checkpoint folder of `record`, and only when it still holds that checkpoint: its signed record
+        with the same id (not one saved again since, by this or another server), reached without following a link;
+        returns whether it did. A refusal is logged; nothing else is touched."""
         with self._cache_lock:
             self._snapshot_cache.pop(record.uri, None)
-        shutil.rmtree(record.path, ignore_errors=True)
+
+        def holds_it(folder: CheckpointFolder) -> bool:
+            if same_checkpoint(folder, record, self.registry.key):
+                return True
+            logger.warning("not deleting %s: its folder %s holds another checkpoint's record now", record.uri,
+                           record.path)  # fmt: skip
+            return False
+
+        try:
+            return remove_checkpoint_folder(self.storage, record.parts, holds_it)
+        except (OSError, StorageError) as error:
+            logger.warning("not deleting %s (%s): %s", record.uri, record.path, error)
+            return False
 
     def _prune_temporary(self, run: str) -> None:
         """Keep the newest `max_temporary_checkpoints` TEMPORARY checkpoints of `run` (sampler hand-offs).
@@ -166,9 +227,10 @@ class CheckpointStore:
             )
             stale = [c for c in records[: max(0, len(records) - keep)] if c.uri not in protected]
             for record in stale:
-                self.registry.forget_checkpoint(record.uri)
+                self.registry.forget_checkpoint(record.uri, record)
         for record in stale:
-            self._delete_files(record)
+            if not self._delete_files(record):
+                continue
             logger.info(
                 "retention: deleted checkpoint %s (%d bytes; keeps the newest %d)", record.uri, record.size, keep
             )
@@ -216,5 +278,10 @@ def storage_full(error: BaseException, folder: Path, needed: int) -> bool:
         return False
 
 
-def record_complete(folder: Path) -> bool:
-    return (folder / RECORD_FILE).is_file()
+def _record_complete(parent: CheckpointFolder, name: str) -> bool:
+    """Whether the folder `name` in `parent` holds its record (a complete checkpoint)."""
+    try:
+        with parent.child(name) as folder:
+            return folder.entry(RECORD_FILE) is not None
+    except (OSError, StorageError):
+        return False

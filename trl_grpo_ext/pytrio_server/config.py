@@ -66,6 +66,13 @@ class ServerConfig:
         "--storage-dir",
     )
     ephemeral_storage: bool = option(False, "checkpoints in a temporary folder removed on stop (tests)")
+    # (`records`) For a storage folder written by a version that did not sign records; once, then without it.
+    adopt_unsigned_checkpoints: bool = option(
+        False,
+        "at start, sign and keep the unsigned checkpoint records of an earlier version that agree with the place they "
+        "lie (otherwise they are refused); use it once, on a storage folder no one else can write",
+        "--adopt-unsigned-checkpoints",
+    )
     device: str | None = option(None, "torch device (default cuda if available, else cpu)", "--device")
     dtype: str = option("float32", "model dtype: float32, bfloat16, float16", "--dtype")
     # (`trl_grpo_ext.cpu.precision`)
@@ -187,6 +194,10 @@ class ServerConfig:
             problems.append(f"bf16_sampling must be true or false, got {self.bf16_sampling!r}")
         if not isinstance(self.concurrent_sampling, bool):
             problems.append(f"concurrent_sampling must be true or false, got {self.concurrent_sampling!r}")
+        if not isinstance(self.adopt_unsigned_checkpoints, bool):
+            problems.append(
+                f"adopt_unsigned_checkpoints must be true or false, got {self.adopt_unsigned_checkpoints!r}"
+            )
         if not isinstance(self.vision, bool):
             problems.append(f"vision must be true or false, got {self.vision!r}")
         if any(not isinstance(m, str) or not split_sampling_model(m)[0].strip() for m in self.sampling_models):

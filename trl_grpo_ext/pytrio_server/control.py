@@ -22,8 +22,8 @@ from pytrio.protocol.control.training_run.update import TrainingRunUpdateRequest
 from trl_grpo_ext.pytrio_server.adapters import LoraSettings
 from trl_grpo_ext.pytrio_server.clients import Caller
 from trl_grpo_ext.pytrio_server.errors import ApiError
+from trl_grpo_ext.pytrio_server.records import CheckpointRecord
 from trl_grpo_ext.pytrio_server.registry import (
-    CheckpointRecord,
     SamplingRunRecord,
     ServiceSession,
     TrainingRunRecord,
@@ -324,7 +324,7 @@ class ControlHandlers:
 
     def delete_checkpoint(self, _q, _b, caller: Caller, cid) -> dict:
         record = self.registry.checkpoint_by_cuid(cid, caller)
-        self.registry.forget_checkpoint(record.uri)
+        self.registry.forget_checkpoint(record.uri, record)
         self._delete_files(record)
         return {}
 

@@ -7,46 +7,65 @@ presigned object-storage URL does (the client's downloader sends no API key): th
 with a key this server process drew at start (HMAC-SHA256). `RequestGuard` checks the signature and the expiry before
 anything else (``403 download_url_invalid`` / ``download_url_expired``: the client then asks Control for a fresh URL).
 
-The URL serves one uncompressed tar archive, ``<name>/`` holding the checkpoint's PEFT adapter folder
+The URL serves one uncompressed tar archive, ``<name>/`` (the checkpoint's name as its folder in the layout gives it,
+else its id: `archive_name`) holding the checkpoint's PEFT adapter folder
 (`ARCHIVE_FILES`: ``adapter_config.json`` and ``adapter_model.safetensors``, loadable with
 ``peft.PeftModel.from_pretrained(base, "<name>")``; a ``save_state`` checkpoint also its AdamW state,
 ``optimizer.json`` + ``optimizer.safetensors``) and ``trio_checkpoint.json`` (LoRA settings, step). Its bytes are the
 same at every request (fixed member order, times and owners), so a download resumes with ``Range: bytes=N-`` (206, or
 416 once complete). It is streamed from the files a `CHUNK` at a time, each chunk admitted against the working-memory
-budget while it is in flight; nothing is built in memory or on disk.
+budget while it is in flight; nothing is built in memory or on disk. The files are the server's own only: each is
+opened through the checkpoint's `storage.CheckpointFolder` (no link followed, regular files of the server's user), and
+a checkpoint missing one of `REQUIRED_FILES` (a delete cut short, a damaged folder) is refused, ``409
+checkpoint_incomplete`` naming it, rather than served without its weights.
 """
 
 from __future__ import annotations
 
 import hashlib
 import hmac
+import logging
 import os
 import re
 import tarfile
 import time
 from dataclasses import dataclass
-from pathlib import Path
 from urllib.parse import parse_qs
 
 from trl_grpo_ext.pytrio_server.adapters import ADAPTER_FILE, META_FILE
 from trl_grpo_ext.pytrio_server.clients import Caller
-from trl_grpo_ext.pytrio_server.errors import ApiError
+from trl_grpo_ext.pytrio_server.errors import ApiError, EngineError
 from trl_grpo_ext.pytrio_server.optimizer_state import (
     LEGACY_OPTIMIZER,
     OPTIMIZER_META,
     OPTIMIZER_TENSORS,
     load_optimizer,
 )
-from trl_grpo_ext.pytrio_server.registry import CheckpointRecord, iso
+from trl_grpo_ext.pytrio_server.records import CheckpointRecord
+from trl_grpo_ext.pytrio_server.registry import iso, safe_name
+from trl_grpo_ext.pytrio_server.storage import CheckpointFolder, StorageError
 from trl_grpo_ext.runs import ADAPTER_CONFIG_FILENAME
+
+logger = logging.getLogger(__name__)
 
 FILES_PREFIX = "/files/v1/checkpoints/"
 _ARCHIVE_PATH = re.compile(rf"^{FILES_PREFIX}([A-Za-z0-9_\-]{{1,80}})/archive\.tar$")
+_EXPIRES = re.compile(r"^[0-9]{1,12}$")  # seconds since the epoch, ASCII digits only
+_SIGNATURE = re.compile(r"^[0-9a-f]{64}$")  # `_sign`'s hex digest
 URL_LIFETIME_SECONDS = 3600  # the client asks for a new URL within 60 s of its expiry
 CHUNK = 1024 * 1024
 # In this order, those that exist; an optimizer pickle of a checkpoint saved before (`LEGACY_OPTIMIZER`) is
 # converted before its first download and never served.
 ARCHIVE_FILES = (ADAPTER_CONFIG_FILENAME, ADAPTER_FILE, OPTIMIZER_META, OPTIMIZER_TENSORS, META_FILE)
+REQUIRED_FILES = (ADAPTER_CONFIG_FILENAME, ADAPTER_FILE, META_FILE)  # without them the archive loads nowhere
+
+
+class MissingFiles(Exception):
+    """Files of `REQUIRED_FILES` a checkpoint folder lacks."""
+
+    def __init__(self, names: list[str]):
+        super().__init__(", ".join(names))
+        self.names = names
 
 
 @dataclass
@@ -64,18 +83,28 @@ class Archive:
     The files are opened when it is laid out, so a checkpoint replaced meanwhile (``overwrite=True``) cannot mix
     two versions into one answer."""
 
-    def __init__(self, folder: Path, name: str, mtime: float):
+    def __init__(self, folder: CheckpointFolder, name: str, mtime: float):
         self.parts: list[ArchivePart] = []
         try:
+            missing = [file_name for file_name in REQUIRED_FILES if folder.entry(file_name) is None]
+            if missing:
+                raise MissingFiles(missing)
             for file_name in ARCHIVE_FILES:
-                path = folder / file_name
-                if not path.is_file():
+                try:
+                    handle = folder.open(file_name)  # the server's own regular file, no link followed
+                except FileNotFoundError:
+                    if file_name in REQUIRED_FILES:  # removed since the check above
+                        raise MissingFiles([file_name]) from None
                     continue
-                handle = path.open("rb")
-                size = _file_size(handle)
-                info = tarfile.TarInfo(f"{name}/{file_name}")
-                info.size, info.mtime, info.mode = size, int(mtime), 0o644
-                self.parts.append(ArchivePart(len(header := info.tobuf(tarfile.PAX_FORMAT)), header))
+                try:
+                    size = _file_size(handle)
+                    info = tarfile.TarInfo(f"{name}/{file_name}")
+                    info.size, info.mtime, info.mode = size, int(mtime), 0o644
+                    header = info.tobuf(tarfile.PAX_FORMAT)
+                except BaseException:
+                    handle.close()
+                    raise
+                self.parts.append(ArchivePart(len(header), header))
                 self.parts.append(ArchivePart(size, file=handle))
                 self.parts.append(ArchivePart(-size % tarfile.BLOCKSIZE, bytes(-size % tarfile.BLOCKSIZE)))
         except BaseException:
@@ -122,12 +151,13 @@ class CheckpointDownloads:
 
     def download_record(self, path: str, query: str) -> CheckpointRecord:
         """The checkpoint a download URL names, once its signature and expiry hold (`RequestGuard`, before any
-        body); 403 otherwise, 404 when the checkpoint is gone since."""
+        body); 403 otherwise (every malformed expiry or signature: ``download_url_invalid``), 404 when the checkpoint
+        is gone since."""
         match = _ARCHIVE_PATH.match(path)
         params = parse_qs(query)
         expires = (params.get("expires") or [""])[0]
         signature = (params.get("signature") or [""])[0]
-        if match is None or not expires.isdigit():
+        if match is None or not _EXPIRES.match(expires) or not _SIGNATURE.match(signature):
             raise ApiError(403, "download_url_invalid", "not a download URL of this server; ask Control for one")
         cid = match.group(1)
         if not hmac.compare_digest(signature, self._sign(cid, int(expires))):
@@ -137,15 +167,37 @@ class CheckpointDownloads:
         return self.registry.checkpoint_by_cuid(cid)  # still there (deleted, expired, pruned: 404)
 
     def open_archive(self, record: CheckpointRecord) -> Archive:
-        if not record.path.is_dir():
-            raise ApiError(404, "checkpoint_not_found", f"checkpoint {record.cuid} not found")
-        return Archive(record.path, record.name, record.created)
+        """The archive of `record`'s files: 404 when its folder is gone, 409 ``checkpoint_incomplete`` when it lacks
+        adapter files, 409 ``checkpoint_unreadable`` for a file that is not the server's own (each naming it)."""
+        with self.checkpoint_files(record) as folder:
+            try:
+                return Archive(folder, archive_name(record), record.created)
+            except MissingFiles as missing:
+                raise self._incomplete(record, missing.names) from None
+            except (OSError, StorageError) as error:
+                raise self._unreadable(record, error) from None
+
+    def _incomplete(self, record: CheckpointRecord, names: list[str]) -> ApiError:
+        logger.warning("checkpoint %s lacks %s in %s", record.uri, ", ".join(names), record.path)
+        return ApiError(
+            409,
+            "checkpoint_incomplete",
+            f"checkpoint {record.cuid} ({record.uri}) lacks {', '.join(names)} on the server's storage (deleted "
+            "meanwhile, or damaged): it cannot be downloaded",
+        )
 
     def _downloadable(self, record: CheckpointRecord) -> None:
-        """A state checkpoint saved before holds a pickled optimizer: convert it now, so its archive is the same
-        at every request (`optimizer_state`; one that cannot be converted is refused with the reason)."""
-        if record.kind == "state" and (record.path / LEGACY_OPTIMIZER).is_file():
-            load_optimizer(record.path, record.uri)
+        """Refuse now what its archive would refuse (files missing or not the server's), and convert the pickled
+        optimizer of a state checkpoint saved before, so its archive is the same at every request
+        (`optimizer_state`; one that cannot be converted is 409 ``checkpoint_unreadable`` with the reason)."""
+        with self.checkpoint_files(record) as folder:
+            legacy = folder.entry(OPTIMIZER_META) is None and folder.entry(LEGACY_OPTIMIZER) is not None
+            if record.kind == "state" and legacy:
+                try:
+                    load_optimizer(folder, record.uri, self.memory)
+                except EngineError as error:
+                    raise ApiError(409, error.code, error.message) from None
+        self.open_archive(record).close()
 
     def _sign(self, cid: str, expires: int) -> str:
         return hmac.new(self._download_key, f"{cid}\n{expires}".encode(), hashlib.sha256).hexdigest()
@@ -164,6 +216,12 @@ class CheckpointDownloads:
     def _read_admitted(self, archive: Archive, start: int, length: int) -> bytes:
         with self.memory.reserve(length):
             return archive.read(start, length)
+
+
+def archive_name(record: CheckpointRecord) -> str:
+    """The archive's folder and the download's file name: the checkpoint's name where it is a plain folder name (as
+    every name the layout holds is), else its id."""
+    return record.name if safe_name(record.name) else record.cuid
 
 
 def byte_range(header: str | None, size: int) -> tuple[int, int] | None:

@@ -23,7 +23,7 @@ from trl_grpo_ext.cpu.precision import bf16_autocast, resolve_precision
 from trl_grpo_ext.cpu.threads import govern_cpu_threads
 from trl_grpo_ext.prefix import packed_unsupported_reason
 from trl_grpo_ext.pytrio_server.adapters import LoraAdapters, LoraSettings, LoraSnapshot, TrainingRun
-from trl_grpo_ext.pytrio_server.base_model import BaseModel, weights_fingerprint
+from trl_grpo_ext.pytrio_server.base_model import served_base
 from trl_grpo_ext.pytrio_server.decoding import SampleSpec, Sampling, default_stop_ids
 from trl_grpo_ext.pytrio_server.errors import EngineError
 from trl_grpo_ext.pytrio_server.forward import MIN_SHARED_PREFIX, ForwardBackward
@@ -84,8 +84,8 @@ class ModelEngine(LoraAdapters, ForwardBackward, Sampling, TokenLogprobs, ImageI
             self.image_processor = load_image_processor(self.model_path, config)
         else:
             model = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=torch_dtype)
-        # what checkpoints record as their base (`base_model`): the weights as loaded, before any cast or LoRA layer
-        self.base_model = BaseModel(self.model_path, weights_fingerprint(model))
+        # what checkpoints record as their base (`base_model`): the model as loaded, before any cast or LoRA layer
+        self.base_model = served_base(self.model_path, model)
         if self.sample_bf16:
             bf16_frozen_linears(model)
         model.to(self.device)

@@ -7,6 +7,11 @@
 
 from __future__ import annotations
 
+import re
+
+# An absolute path in an exception's text (not a URL's or a `trio://` URI's slashes, not a relative "a/b")
+_PATH = re.compile(r"(?<![\w.:/])/[^\s'\"():,]+")
+
 
 class ApiError(Exception):
     """An HTTP error answer: ``{"code": ..., "message": ...}`` with `status`."""
@@ -30,3 +35,18 @@ class EngineError(Exception):
     def __init__(self, code: str, message: str):
         super().__init__(message)
         self.code, self.message = code, message
+
+
+def without_paths(text: str) -> str:
+    """`text` with every absolute path replaced by ``<path>``: what the server's disk looks like is no client's
+    business (the log keeps the full text)."""
+    return _PATH.sub("<path>", text)
+
+
+def describe(error: BaseException) -> str:
+    """One line on an unexpected exception for an error answer: its type and text, without the file names an
+    `OSError` carries or any other absolute path."""
+    if isinstance(error, OSError):
+        return f"{type(error).__name__}: {error.strerror or 'error'}"
+    text = (str(error).strip().splitlines() or [""])[0]
+    return without_paths(f"{type(error).__name__}: {text}")[:500]

@@ -14,7 +14,7 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
-from trl_grpo_ext.pytrio_server.errors import EventFailure
+from trl_grpo_ext.pytrio_server.errors import EventFailure, describe
 from trl_grpo_ext.pytrio_server.inprocess import server_thread
 
 logger = logging.getLogger(__name__)
@@ -125,7 +125,7 @@ class RunEventQueue:
                 record.status = "failed"
             except Exception as exc:  # a bug or an unexpected input: fail the event, keep the run alive
                 logger.exception("event %s (%s) crashed", record.event_id, record.type)
-                record.error = {"code": "internal_error", "message": f"{type(exc).__name__}: {exc}"}
+                record.error = {"code": "internal_error", "message": describe(exc)}
                 record.status = "failed"
             finally:
                 record.payload = {}  # the batch is no longer needed; only the answer is polled

@@ -1,8 +1,9 @@
 """Control-plane records of the local PyTRIO server: sessions, runs, actor tokens and checkpoints.
 
-Sessions, runs and tokens live in memory; one lock guards them. Checkpoint records are also written next to the
-checkpoint files (`RECORD_FILE` in each checkpoint folder), so a new server process on the same storage root
-finds the checkpoints of earlier processes (`load_state` after a restart).
+Sessions, runs and tokens live in memory; one lock guards them. Checkpoint records are also written, signed, next to
+the checkpoint files (`records`: `RECORD_FILE` in each checkpoint folder), so a new server process on the same storage
+root finds the checkpoints of earlier processes (`load_state` after a restart), and a record it did not sign is
+refused.
 
 Every session, run and checkpoint has an owner (`clients`): the lookups that take a ``caller`` answer another
 client's object exactly as they answer a missing one.
@@ -10,28 +11,30 @@ client's object exactly as they answer a missing one.
 
 from __future__ import annotations
 
-import json
 import logging
-import os
 import re
 import secrets
 import threading
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
 
-from trl_grpo_ext.pytrio_server.adapters import LoraSettings, next_snapshot_uid
-from trl_grpo_ext.pytrio_server.base_model import UNKNOWN_BASE, BaseModel
+from trl_grpo_ext.pytrio_server.adapters import LoraSettings
+from trl_grpo_ext.pytrio_server.base_model import BaseModel
 from trl_grpo_ext.pytrio_server.clients import INTERNAL, LOCAL_OWNER, Caller
 from trl_grpo_ext.pytrio_server.errors import ApiError
-from trl_grpo_ext.runs import atomic_write_text
+from trl_grpo_ext.pytrio_server.records import (
+    CHECKPOINT_SCHEME,
+    KIND_FOLDERS,
+    CheckpointRecord,
+    read_record,
+    write_record,
+)
+from trl_grpo_ext.pytrio_server.storage import RECORD_FILE, StorageKey, scan_layout
 
 logger = logging.getLogger(__name__)
 
-CHECKPOINT_SCHEME = "trio"
-RECORD_FILE = "trio_record.json"  # the persisted CheckpointRecord, written last (its presence = complete)
-KIND_FOLDERS = {"state": "weights", "sampler": "sampler_weights"}
 # run ids and checkpoint names become folder names: no separators, no "..", nothing hidden
 _SAFE_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.\-]{0,199}$")
 _URI = re.compile(rf"^{CHECKPOINT_SCHEME}://([^/]+)/(weights|sampler_weights)/([^/]+)$")
@@ -92,28 +95,6 @@ class SamplingRunRecord:
 
 
 @dataclass
-class CheckpointRecord:
-    cuid: str
-    uri: str
-    run: str
-    name: str
-    kind: str  # "state" (save_state) or "sampler" (save_weights_for_sampler)
-    path: Path
-    lora: LoraSettings
-    size: int
-    visibility: str
-    step: int
-    snapshot_uid: int = 0  # identifies the weights (the in-memory snapshot cache and sampler slots key on it)
-    expires: float | None = None  # from ttl_seconds: past it the checkpoint is gone (`expired`, `expire_checkpoints`)
-    created: float = field(default_factory=time.time)
-    owner: str = LOCAL_OWNER
-    base: BaseModel = UNKNOWN_BASE  # the base model it was trained on; unknown for records written before
-
-    def expired(self, now: float | None = None) -> bool:
-        return self.expires is not None and self.expires <= (time.time() if now is None else now)
-
-
-@dataclass
 class ActorToken:
     token: str
     kind: str  # "training" | "sampling"
@@ -121,10 +102,28 @@ class ActorToken:
     expires: datetime
 
 
+@dataclass
+class StorageScan:
+    """What a server found under its storage root at start (`Registry.load_persisted`)."""
+
+    loaded: int = 0  # checkpoint records registered
+    adopted: int = 0  # of those, unsigned records adopted (`ServerConfig.adopt_unsigned_checkpoints`)
+    unsigned: int = 0  # unsigned records refused (written before records were signed)
+    refused: int = 0  # records refused for another reason (each logged with its file)
+
+
 class Registry:
-    def __init__(self, storage: Path | None = None, legacy_owner: str = LOCAL_OWNER):
+    def __init__(
+        self,
+        storage: Path | None = None,
+        legacy_owner: str = LOCAL_OWNER,
+        key: StorageKey | None = None,
+    ):
         self.storage = storage  # where checkpoint records persist; None keeps them in memory only
-        self.legacy_owner = legacy_owner  # owner of persisted records written before records had one
+        if storage is not None and key is None:
+            raise ValueError("a registry that persists checkpoint records needs the storage folder's key")
+        self.key = key  # signs the records written, checks the records read (`records`)
+        self.legacy_owner = legacy_owner  # owner of adopted records written before records had one
         self.lock = threading.RLock()
         self.sessions: dict[str, ServiceSession] = {}
         self.training_runs: dict[str, TrainingRunRecord] = {}
@@ -180,15 +179,17 @@ class Registry:
 
     # ------------------------------------------------------------------ persisted checkpoint records
     def add_checkpoint(self, record: CheckpointRecord) -> None:
-        """Register `record` and persist it next to its files (atomically: a reader sees all of it or nothing)."""
+        """Register `record` and persist it, signed, next to its files (atomically: a reader sees all or nothing)."""
         if self.storage is not None:
-            write_record(record, self.storage)
+            write_record(record, self.key, self.storage)
         with self.lock:
             self.checkpoints[record.uri] = record
 
-    def forget_checkpoint(self, uri: str) -> None:
+    def forget_checkpoint(self, uri: str, record: CheckpointRecord | None = None) -> None:
+        """Forget the checkpoint `uri` (only if it is still `record`, when given: not one saved again since)."""
         with self.lock:
-            self.checkpoints.pop(uri, None)
+            if record is None or self.checkpoints.get(uri) is record:
+                self.checkpoints.pop(uri, None)
 
     def visible_checkpoints(self, caller: Caller, run: str | None = None) -> list[CheckpointRecord]:
         """The checkpoints `caller` may see (of `run`, or all), expired ones left out: what listings hold."""
@@ -199,29 +200,35 @@ class Registry:
                 if caller.may_see(c.owner) and not c.expired(now) and (run is None or c.run == run)
             ]  # fmt: skip
 
-    def load_persisted(self) -> int:
-        """Register every complete checkpoint record under the storage root; returns how many were new."""
+    def load_persisted(self, adopt_on: BaseModel | None = None) -> StorageScan:
+        """Register every complete checkpoint whose record holds under the storage root (`records`); with `adopt_on`
+        (the serving base model), unsigned records that agree with their place are adopted."""
+        scan = StorageScan()
         if self.storage is None or not self.storage.is_dir():
-            return 0
-        added = 0
-        for path in sorted(self.storage.glob(f"*/*/*/{RECORD_FILE}")):
-            record = read_record(path, self.storage, self.legacy_owner)
-            if record is None:
+            return scan
+        for parts in scan_layout(self.storage, tuple(KIND_FOLDERS.values())):
+            reading = read_record(self.storage, parts, self.key, self.legacy_owner, adopt_on)
+            if reading.record is None:
+                scan.unsigned += reading.unsigned
+                scan.refused += not reading.unsigned
                 continue
             with self.lock:
-                if record.uri not in self.checkpoints:
-                    self.checkpoints[record.uri] = record
-                    added += 1
-        return added
+                if reading.record.uri not in self.checkpoints:
+                    self.checkpoints[reading.record.uri] = reading.record
+                    scan.loaded += 1
+                    scan.adopted += reading.adopted
+        return scan
 
     def _load_persisted(self, uri: str) -> CheckpointRecord | None:
-        if self.storage is None:
+        """The record of `uri` on disk (saved by another server on this root since this one started), if it holds."""
+        if self.storage is None or checkpoint_folder(self.storage, uri) is None:
             return None
-        folder = checkpoint_folder(self.storage, uri)
-        if folder is None or not (folder / RECORD_FILE).is_file():
+        match = _URI.match(uri)
+        parts = (match.group(1), match.group(2), match.group(3))
+        if not (self.storage.joinpath(*parts) / RECORD_FILE).is_file():
             return None
-        record = read_record(folder / RECORD_FILE, self.storage, self.legacy_owner)
-        if record is None or record.uri != uri:
+        record = read_record(self.storage, parts, self.key, self.legacy_owner).record
+        if record is None:
             return None
         with self.lock:
             return self.checkpoints.setdefault(uri, record)
@@ -250,10 +257,6 @@ class Registry:
         return record
 
 
-def checkpoint_uri(run: str, kind: str, name: str) -> str:
-    return f"{CHECKPOINT_SCHEME}://{run}/{KIND_FOLDERS[kind]}/{name}"
-
-
 def safe_name(name: str) -> bool:
     """Whether `name` can be used as one folder name under the storage root."""
     return bool(_SAFE_NAME.match(name)) and ".." not in name
@@ -265,34 +268,3 @@ def checkpoint_folder(storage: Path, uri: str) -> Path | None:
     if match is None or not (safe_name(match.group(1)) and safe_name(match.group(3))):
         return None
     return storage / match.group(1) / match.group(2) / match.group(3)
-
-
-def write_record(record: CheckpointRecord, storage: Path) -> None:
-    data = {
-        "cuid": record.cuid, "uri": record.uri, "run": record.run, "name": record.name, "kind": record.kind,
-        "path": os.path.relpath(record.path, storage), "lora": asdict(record.lora), "size": record.size,
-        "visibility": record.visibility, "step": record.step, "expires": record.expires, "created": record.created,
-        "owner": record.owner, "base_model": record.base.name, "base_model_fingerprint": record.base.fingerprint,
-    }  # fmt: skip
-    atomic_write_text(Path(record.path) / RECORD_FILE, json.dumps(data, indent=1))
-
-
-def read_record(path: Path, storage: Path, legacy_owner: str = LOCAL_OWNER) -> CheckpointRecord | None:
-    """The record persisted at `path`, or None (logged) when it is unreadable or points outside `storage`.
-    A record without an owner (written before records had one) is `legacy_owner`'s; one without a base model has
-    `UNKNOWN_BASE`."""
-    try:
-        data = json.loads(path.read_text())
-        folder = (storage / data["path"]).resolve()
-        if not folder.is_relative_to(storage.resolve()) or data["kind"] not in KIND_FOLDERS:
-            raise ValueError(f"path {data['path']!r} / kind {data['kind']!r} not valid")
-        return CheckpointRecord(
-            str(data["cuid"]), str(data["uri"]), str(data["run"]), str(data["name"]), data["kind"], folder,
-            LoraSettings(**data["lora"]), int(data["size"]), str(data["visibility"]), int(data["step"]),
-            snapshot_uid=next_snapshot_uid(), expires=data.get("expires"), created=float(data["created"]),
-            owner=str(data.get("owner") or legacy_owner),
-            base=BaseModel(str(data.get("base_model") or ""), str(data.get("base_model_fingerprint") or "")),
-        )  # fmt: skip
-    except (OSError, ValueError, KeyError, TypeError) as error:
-        logger.warning("ignoring unreadable checkpoint record %s: %s", path, error)
-        return None

@@ -8,7 +8,8 @@ bodies; their handlers (`ActorHandlers`) validate with the client's models in th
 Limits, enforced before an endpoint reads a body: `RequestGuard` checks the API key or actor token, then the declared
 size (413 above ``max_request_bytes``); Starlette's `RequestBodyLimitMiddleware` stops a body sent without a length
 (chunked) at the same size. Errors are ``{"code", "message"}`` bodies (msgpack where the client reads msgpack);
-unexpected exceptions answer 422, never 5xx, because the client retries 5xx for up to 15 minutes. Blocking work runs
+unexpected exceptions answer 422, never 5xx, because the client retries 5xx for up to 15 minutes, and their message
+names no path on the server's disk (`errors.describe`; the log has the traceback). Blocking work runs
 in the server's request threads (`LocalPyTrioServer._in_thread`); waits (long polls, decode batches) hold none.
 """
 
@@ -55,9 +56,9 @@ from starlette.routing import Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from trl_grpo_ext.pytrio_server.control import ControlHandlers as C
-from trl_grpo_ext.pytrio_server.downloads import FILES_PREFIX, byte_range
+from trl_grpo_ext.pytrio_server.downloads import FILES_PREFIX, archive_name, byte_range
 from trl_grpo_ext.pytrio_server.downloads import CheckpointDownloads as D
-from trl_grpo_ext.pytrio_server.errors import ApiError
+from trl_grpo_ext.pytrio_server.errors import ApiError, describe
 from trl_grpo_ext.pytrio_server.openai_api import sse_events
 from trl_grpo_ext.pytrio_server.wire import require_finite, validate, validation_message
 
@@ -183,7 +184,7 @@ class RequestGuard:
             return
         except Exception as error:  # noqa: BLE001 - 4xx, not 5xx: the client would retry a 500 for minutes
             logger.exception("checking request %s %s failed", scope["method"], scope["path"])
-            answer = ApiError(422, "internal_error", f"{type(error).__name__}: {error}")
+            answer = ApiError(422, "internal_error", describe(error))
             await error_response(scope, answer, close=large_unread_body(scope))(scope, receive, send)
             return
         if logger.isEnabledFor(logging.DEBUG):  # request lines only: keys and tokens travel in headers
@@ -245,7 +246,7 @@ def answers_errors(endpoint: Callable) -> Callable:
             return Response(status_code=400)
         except Exception as error:  # noqa: BLE001 - 4xx, not 5xx: the client would retry a 500 for minutes
             logger.exception("request %s %s failed", request.method, request.url.path)
-            return error_response(request.scope, ApiError(422, "internal_error", f"{type(error).__name__}: {error}"))
+            return error_response(request.scope, ApiError(422, "internal_error", describe(error)))
 
     return wrapped
 
@@ -329,7 +330,7 @@ async def checkpoint_archive(request: Request) -> Response:
         return Response(status_code=416, headers={"Content-Range": f"bytes */{archive.size}"})
     start, end = span or (0, archive.size - 1)
     headers = {"Accept-Ranges": "bytes", "Content-Length": str(end - start + 1),
-               "Content-Disposition": f'attachment; filename="{record.name}.tar"'}  # fmt: skip
+               "Content-Disposition": f'attachment; filename="{archive_name(record)}.tar"'}  # fmt: skip
     if span is not None:
         headers["Content-Range"] = f"bytes {start}-{end}/{archive.size}"
     body = server.stream_archive(archive, start, end)
@@ -371,7 +372,7 @@ def answers_openai_errors(endpoint: Callable) -> Callable:
             return Response(status_code=400)
         except Exception as error:  # noqa: BLE001 - 4xx, not 5xx, as every route of this server
             logger.exception("request %s %s failed", request.method, request.url.path)
-            return openai_error(ApiError(422, "internal_error", f"{type(error).__name__}: {error}"))
+            return openai_error(ApiError(422, "internal_error", describe(error)))
 
     return wrapped
 

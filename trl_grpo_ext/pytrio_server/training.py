@@ -24,7 +24,8 @@ from trl_grpo_ext.pytrio_server.forward import ForwardDatum
 from trl_grpo_ext.pytrio_server.images import mask_image_targets, memory_positions
 from trl_grpo_ext.pytrio_server.loss_fns import LossConfigError, parse_loss
 from trl_grpo_ext.pytrio_server.normalization import TotalsError, counted_tokens, loss_scale, parse_totals
-from trl_grpo_ext.pytrio_server.registry import KIND_FOLDERS, CheckpointRecord, checkpoint_uri, new_id, safe_name
+from trl_grpo_ext.pytrio_server.records import KIND_FOLDERS, CheckpointRecord, checkpoint_uri
+from trl_grpo_ext.pytrio_server.registry import new_id, safe_name
 from trl_grpo_ext.pytrio_server.wire import prompt_input, validation_message, wire_tensor
 
 logger = logging.getLogger(__name__)
@@ -189,7 +190,7 @@ class TrainingHandlers:
         checkpoint = CheckpointRecord(
             new_id("ckpt"), uri, record.run, payload.name, kind, folder, snapshot.lora, 0, payload.visibility,
             snapshot.step, snapshot_uid=snapshot.uid, expires=time.time() + ttl if ttl else None,
-            owner=self.registry.training_run(record.run).owner, base=self.engine.base_model,
+            owner=self.registry.training_run(record.run).owner, base=self.engine.base_model, server=self.server_id,
         )  # fmt: skip
         self._write_checkpoint(checkpoint, snapshot)  # EventFailure (insufficient_storage, ...): nothing left behind
         self._remember(uri, snapshot)
