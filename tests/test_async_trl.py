@@ -2,6 +2,7 @@
 staleness schedule, the loss's old log-probs, determinism whatever the speed of either side, max_staleness 0 as the
 synchronous path, resume with nothing lost or drawn twice, and the failures (a sampler that dies or hangs)."""
 
+import copy
 import json
 import math
 import time
@@ -356,8 +357,10 @@ def test_a_bound_that_a_batch_trained_over_several_steps_would_pass_is_refused(t
         _config(tmp_path, "refused", sample_ahead=2)
     with pytest.raises(ValueError, match="repetition_penalty=1.1 with async_sampling"):
         _config(tmp_path, "refused", repetition_penalty=1.1)
-    with pytest.raises(ValueError, match=r"generation_kwargs \['typical_p'\] with async_sampling"):
-        _config(tmp_path, "refused", generation_kwargs={"typical_p": 0.9})
+    for kwargs in ({"typical_p": 0.9}, {"no_repeat_ngram_size": 3}, {"temperature": 0.5}):
+        with pytest.raises(ValueError, match=rf"generation_kwargs \['{next(iter(kwargs))}'\] with async_sampling"):
+            _config(tmp_path, "refused", generation_kwargs=kwargs)
+    assert _config(tmp_path, "accepted", generation_kwargs={"use_cache": True}).async_sampling
     with pytest.raises(ValueError, match="async_objective='both' must be one of decoupled, coupled"):
         _config(tmp_path, "refused", async_objective="both")
 
@@ -385,13 +388,32 @@ def _nan_logprobs(generate):
     return drawn
 
 
-def test_nan_sampler_log_probs_count_as_no_difference(tiny_model_path, tmp_path, monkeypatch):
-    _wrap_sampler(monkeypatch, _nan_logprobs)
+def _null_logprobs(generate):
+    """NaN as vLLM's server sends it in JSON: null (None)."""
+
+    def drawn(request):
+        ids, logps = generate(request)
+        return ids, [[None if i % 3 == 0 else x for i, x in enumerate(row)] for row in logps]
+
+    return drawn
+
+
+@pytest.mark.parametrize("wrap", [_nan_logprobs, _null_logprobs], ids=["nan", "null"])
+def test_nan_sampler_log_probs_count_as_no_difference(tiny_model_path, tmp_path, monkeypatch, wrap):
+    """Also in a checkpoint's saved batches (NaN as null) and a run resumed from them."""
+    _wrap_sampler(monkeypatch, wrap)
+    saving = dict(save_strategy="steps", save_steps=2, max_steps=3)
     for objective in ("decoupled", "coupled"):
-        _, rows = _train(tiny_model_path, tmp_path, objective, async_objective=objective, max_steps=3)
+        _, rows = _train(tiny_model_path, tmp_path, objective, async_objective=objective, **saving)
         for row in rows:
             assert math.isfinite(row["loss"]) and math.isfinite(row["grad_norm"]), (objective, row)
             assert math.isfinite(row["sampling/sampler_kl"])
+        checkpoint = tmp_path / objective / "checkpoint-2"
+        saved = json.loads((checkpoint / ASYNC_ROLLOUTS_FILENAME).read_text())
+        assert None in saved["batches"][0]["completions"][0]["logprobs"]
+        _, resumed = _train(tiny_model_path, tmp_path, f"{objective}-resumed", resume=str(checkpoint),
+                            async_objective=objective, **saving)  # fmt: skip
+        assert [row["step"] for row in resumed] == [3] and math.isfinite(resumed[0]["loss"])
 
 
 def test_an_evaluation_on_vllms_server_hands_the_weights_over_between_the_samplers_batches(
@@ -439,3 +461,40 @@ def test_an_evaluation_on_vllms_server_hands_the_weights_over_between_the_sample
     finally:
         trainer._worker.close()
     assert synced_while_drawing == [False]  # once, after the batch in flight was drawn
+
+
+def test_with_lora_the_sampler_draws_with_its_own_copy_of_the_weights(tiny_model_path, tmp_path, monkeypatch):
+    """TRL's fused head is patched onto PEFT's inner model and closes over the trainer's: the sampler's copy must not
+    call it (it would draw with the trainer's live weights, whatever version it was asked for)."""
+    from types import SimpleNamespace
+
+    from peft import LoraConfig
+
+    copies = []
+
+    def deepcopy(model):
+        copies.append(copy.deepcopy(model))
+        return copies[-1]
+
+    monkeypatch.setattr(async_sampling, "copy", SimpleNamespace(deepcopy=deepcopy))
+    trainer = GRPOTrainer(
+        tiny_model_path,
+        [length_reward],
+        args=_config(tmp_path, "lora"),
+        train_dataset=Dataset.from_dict({"prompt": PROMPTS}),
+        peft_config=LoraConfig(r=2, lora_alpha=4, target_modules=["q_proj", "v_proj"]),
+    )
+    worker = trainer._start_sampler()
+    try:
+        ids = torch.tensor([[1, 5, 9, 12]])
+        with torch.no_grad():
+            before = copies[0](input_ids=ids).logits
+            for name, p in trainer.model.named_parameters():
+                if "lora" in name:
+                    p.add_(0.5)
+            after = copies[0](input_ids=ids).logits
+            trained = trainer.model(input_ids=ids).logits
+    finally:
+        worker.close()
+        trainer._stop_sampler()
+    assert torch.equal(before, after) and not torch.allclose(after, trained)

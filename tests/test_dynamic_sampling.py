@@ -446,16 +446,19 @@ def test_pytrio_asynchronous_steps_take_their_prompts_in_order_and_count_each_ro
         tiny_model_path, flat, max_generation_batches=8, async_sampling=True, max_staleness=1
     )
     loop.ahead = SampleAhead(loop.config, loop.prompts)
-    extra_rounds = 0
+    extra_rounds, seen = 0, set()
     for step in range(3):
         scored, metrics = loop.sample_and_score(client, stream, step, StepTimes())
         assert [r["pid"] for r in scored.rows] == [r["pid"] for r in expected[step].rows]
         row = loop.ahead.step_metrics(0.0, 0.0)
-        rounds = int(metrics["generation_batches"])
-        extra_rounds += rounds - 1
+        extra_rounds += int(metrics["generation_batches"]) - 1
         first = 0 if step == 0 else 1  # drawn a step ahead, by the weights one step older
-        assert row["sample/staleness_mean"] == pytest.approx(first / rounds)
+        # the kept groups' staleness: the first round's `first`, the extra rounds' 0 (drawn by the step's weights)
+        stale = scored.staleness or [0] * len(scored.rollouts)
+        assert set(stale) <= {0, first} and row["sample/staleness_mean"] == pytest.approx(sum(stale) / len(stale))
+        seen.update(stale)
     assert extra_rounds > 0, "no step needed a second round; the test shows nothing"
+    assert seen == {0, 1}, "no step trained groups of both the batch drawn ahead and an extra round"
 
 
 def test_pytrio_budget_trains_on_what_there_is(tiny_model_path, pytrio_reward):

@@ -81,3 +81,12 @@ def test_the_samplers_busy_time_is_counted_within_the_step():
     assert metrics["perf/overlap_frac"] == pytest.approx(0.7)
     assert metrics["rollout/weight_wait_s"] == pytest.approx(1.0 - 0.7 - 0.1)
     assert ahead.step_metrics(2.0, now=3.0)["perf/overlap_frac"] == pytest.approx(1.0)
+
+
+def test_a_batch_of_a_step_gone_by_is_let_go():
+    sampler = FakeSampler()
+    ahead = Lookahead(sampler, max_staleness=2)
+    ahead.request(2, 0, 1, 5, PROMPTS)
+    ahead.request(3, 0, 1, 6, PROMPTS)
+    ahead.discard_before(3)
+    assert list(ahead.batches) == [(3, 0)]

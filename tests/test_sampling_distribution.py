@@ -2,6 +2,7 @@
 warpers to the bit, the trainer's truncated log-probs (and TRL's fused head patched to give them), and generation
 through the recorder drawing the tokens transformers' own warpers draw."""
 
+import inspect
 import math
 
 import pytest
@@ -80,6 +81,15 @@ def test_a_token_the_trainers_rule_would_cut_keeps_a_finite_log_prob_and_gradien
     assert torch.isfinite(logits.grad).all() and logits.grad[0, 1] == 0 and logits.grad[0, 2] == 0
 
 
+def test_the_truncated_entropy_has_a_finite_gradient():
+    """TRL differentiates through the entropy (entropy bonus): the cut tokens' 0 * -inf terms must not reach it."""
+    logits = (torch.randn(6, 40, generator=torch.Generator().manual_seed(3)) * 3).requires_grad_(True)
+    tokens = torch.zeros(6, dtype=torch.long)
+    _, entropy = support_logprobs(logits / 0.7, tokens, SamplingSettings(0.7, top_k=5, top_p=0.9), with_entropy=True)
+    entropy.sum().backward()
+    assert torch.isfinite(logits.grad).all() and logits.grad.abs().sum() > 0
+
+
 def test_truncated_fused_head_scores_the_processed_distribution_with_its_gradient(tiny_model_path):
     from trl.trainer.utils import add_fused_lm_head
 
@@ -107,8 +117,9 @@ def test_truncated_fused_head_scores_the_processed_distribution_with_its_gradien
     expected.sum().backward()
     for ours, theirs in zip(model.parameters(), reference.parameters(), strict=True):
         assert torch.allclose(ours.grad, theirs.grad, atol=1e-5)
-    # without fused_lm_head the model's own forward answers (generation is unchanged)
+    # without fused_lm_head the model's own forward answers (generation is unchanged), under its own signature
     assert torch.allclose(model(input_ids=ids).logits, reference(input_ids=ids).logits)
+    assert {"position_ids", "logits_to_keep"} <= set(inspect.signature(model.forward).parameters)
 
 
 @pytest.mark.parametrize("settings", SETTINGS[1:4], ids=lambda s: s.describe())

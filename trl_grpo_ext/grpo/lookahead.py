@@ -143,6 +143,14 @@ class Lookahead:
         self._collect(batch)
         return batch
 
+    def discard_before(self, step: int) -> None:
+        """Let go of the batches of steps before `step`, which no step will take any more (a resumed run's saved
+        batch whose generation window starts elsewhere now); one still being drawn is waited for first."""
+        for key in [key for key in self.batches if key[0] < step]:
+            batch = self.batches.pop(key)
+            logger.warning("async sampling: %s was not trained (no step took it); let go", batch.what())
+            self._discard(batch)
+
     def _collect(self, batch: DrawnBatch) -> None:
         if batch.completions is None:
             t0 = time.monotonic()
@@ -211,9 +219,9 @@ class Lookahead:
         return out
 
 
-def _json_float(value: float):
-    """A log-prob as JSON has it: NaN (a sampler may return one) as null."""
-    return None if math.isnan(value) else value
+def _json_float(value: float | None):
+    """A log-prob as JSON has it: NaN or None (a sampler may return either) as null."""
+    return None if value is None or math.isnan(value) else value
 
 
 def _int(value, name: str) -> int:

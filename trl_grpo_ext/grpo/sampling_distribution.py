@@ -124,5 +124,6 @@ def support_logprobs(
     token_logps = logps.gather(-1, tokens[:, None]).squeeze(-1)
     if not with_entropy:
         return token_logps, None
-    plogp = torch.where(torch.isneginf(logps), torch.zeros_like(logps), logps.exp() * logps)
-    return token_logps, -plogp.sum(-1)
+    # the cut tokens' terms are 0 (p = 0); masked before the product, so no 0 * -inf reaches the backward
+    safe = logps.masked_fill(torch.isneginf(logps), 0.0)
+    return token_logps, -(safe.exp() * safe).masked_fill(torch.isneginf(logps), 0.0).sum(-1)

@@ -101,7 +101,6 @@ class SampleAhead:
         except KeyError as error:
             raise PyTrioLoopError(str(error.args[0])) from None
         rollouts = [Rollout(c.prompt_ids, c.completion_ids, c.logprobs, c.stop_reason) for c in batch.completions]
-        self.lookahead.trained(batch.version, version, len(rollouts))
         return batch.rows, rollouts, batch.version
 
     def step_metrics(self, step_started: float, weight_sync_s: float) -> dict[str, float]:

@@ -25,6 +25,7 @@ answering (or restarts and forgets the run) is retried for ``server_retry_budget
 
 from __future__ import annotations
 
+import collections
 import logging
 import time
 from pathlib import Path
@@ -176,17 +177,23 @@ class GRPOLoop:
                 rows = (self.extra_stream if batches else stream).take(c.prompts_per_step)
                 first = len(batches) * c.prompts_per_step  # each round's prompts get their own sampling seeds
                 batches.append(self._sample_round(sampler, rows, step, first, times))
-                if self.ahead is not None:  # drawn by the step's own weights
-                    self.ahead.lookahead.trained(step, step, len(batches[-1].rollouts))
             metrics.append(self._round_metrics(batches[-1]))
             if groups is None:
-                return batches[0], metrics[0]
+                return self._counted(batches[0], step), metrics[0]
             groups.add(batches[-1].degenerate)
             if groups.done:
                 break
         step_sampling = averaged(metrics)
         step_sampling.update(groups.metrics())  # frac_degenerate after the filter
-        return kept_groups(batches, groups.selection(), c.num_generations), step_sampling
+        return self._counted(kept_groups(batches, groups.selection(), c.num_generations), step), step_sampling
+
+    def _counted(self, scored: ScoredBatch, step: int) -> ScoredBatch:
+        """`scored`, the batch the step trains, its staleness counted (asynchronous sampling; rounds drawn by the
+        step's own weights: 0)."""
+        if self.ahead is not None:
+            for stale, rows in collections.Counter(scored.staleness or [0] * len(scored.rollouts)).items():
+                self.ahead.lookahead.trained(step - stale, step, rows)
+        return scored
 
     def _sample_round(self, sampler, rows: list[dict], step: int, first_index: int, times: StepTimes) -> ScoredBatch:
         """One round: ``rows`` sampled (submitted, then collected) and scored."""

@@ -12,7 +12,7 @@ objective."""
 
 from __future__ import annotations
 
-from trl_grpo_ext.grpo.async_sampling import decoupled
+from trl_grpo_ext.grpo.async_sampling import asynchronous, decoupled
 from trl_grpo_ext.grpo.loss_table import wire_loss_config
 from trl_grpo_ext.pytrio.calls import PyTrioLoopError
 from trl_grpo_ext.pytrio.config import PyTrioGRPOConfig
@@ -50,9 +50,11 @@ def make_custom_loss(config: PyTrioGRPOConfig, rows: TokenRows, record: dict):
         new, old, adv, mask = (torch.stack(padded[k]) for k in ("new", "old", "adv", "mask"))
         # Prompt positions hold logprob 0 in the datum; make their ratio exactly 1 (they are masked anyway).
         old = torch.where(mask > 0, old, new.detach())
-        extra = {}
-        if decoupled_loss:  # the proximal policy: this forward, the weights at the step's start
-            proximal = new.detach()
+        proximal = new.detach()  # the weights at the step's start: this forward's
+        # the behaviour ratio proximal/sampler by the staleness of each datum's batch (asynchronous runs)
+        staleness = torch.tensor(rows.staleness, dtype=torch.long)
+        extra = ratio_by_staleness(proximal - old, mask, staleness) if asynchronous(config) else {}
+        if decoupled_loss:
             weights, mismatch = sampler_correction(
                 proximal,
                 old,
@@ -63,9 +65,11 @@ def make_custom_loss(config: PyTrioGRPOConfig, rows: TokenRows, record: dict):
             )
             if config.vllm_importance_sampling_correction:
                 adv = adv * weights
-            staleness = torch.tensor(rows.staleness, dtype=torch.long)
-            extra = ratio_by_staleness(proximal - old, mask, staleness)
             old = proximal
+        else:
+            # The sampler/trainer mismatch, as the TRL path logs it with a bf16 sampler. No weight is added: the
+            # loss's ratio is already taken against the sampler's log-probs (the service's semantics).
+            _, mismatch = sampler_correction(proximal, old, mask)
         per_token, loss_metrics = policy_loss(config.loss_type, new, old, adv, mask, clip_low, clip_high)
         if config.loss_aggregation == "sum":
             loss = (per_token * mask).sum()
@@ -73,10 +77,6 @@ def make_custom_loss(config: PyTrioGRPOConfig, rows: TokenRows, record: dict):
             loss = token_level_mean(per_token, mask)
         metrics = {k: float(v) for k, v in loss_metrics.items()}
         metrics["loss"] = float(loss.detach())
-        if not decoupled_loss:
-            # The sampler/trainer mismatch, as the TRL path logs it with a bf16 sampler. No weight is added: the
-            # loss's ratio is already taken against the sampler's log-probs (the service's semantics).
-            _, mismatch = sampler_correction(new.detach(), old, mask)
         metrics.update({k: float(v) for k, v in mismatch.items()})
         metrics.update(extra)
         record.update(metrics)

@@ -101,7 +101,8 @@ class _WorkerSampler:
         self.weight_sync_s += result.weight_sync_s
         prompts = result.request.prompt_ids
         return [
-            Completion(tuple(p), tuple(ids), tuple(logps))
+            # a log-prob vLLM's server sent as null (NaN in JSON) is NaN: no difference in the correction
+            Completion(tuple(p), tuple(ids), tuple(float("nan") if x is None else float(x) for x in logps))
             for p, ids, logps in zip(prompts, result.completion_ids, result.logprobs, strict=True)
         ]
 
@@ -170,7 +171,10 @@ class AsyncSamplingMixin:
             return self._start_server_sampler()
         model = self.accelerator.unwrap_model(self.model)
         sampler_model = copy.deepcopy(model)
-        sampler_model.__dict__.pop("forward", None)  # a forward wrapped in place would still call the trainer's
+        # a forward patched in place (TRL's fused head, ours; on PEFT's inner model too) closes over the trainer's
+        # model and would still call it: the copy runs its class's own forward
+        for module in sampler_model.modules():
+            module.__dict__.pop("forward", None)
         sampler_model.eval()
         sampler_model.requires_grad_(False)
         names = [name for name, p in model.named_parameters() if p.requires_grad]
@@ -271,6 +275,9 @@ class AsyncSamplingMixin:
         self._publish(version)
         if epoch_iterator is not self._ahead_iterator:  # a new epoch: nothing of the last one is ahead
             self._ahead_iterator, self._ahead = epoch_iterator, collections.deque()
+        # a batch of an earlier step that no step will take (a checkpoint's, when the resumed run's generation
+        # windows start elsewhere) is let go
+        self._lookahead.discard_before(version)
         ga = self.args.gradient_accumulation_steps
         generate_every = self.args.steps_per_generation * self.num_iterations
         # the micro-batches of every step whose batches this version may draw (grpo.async_sampling's schedule)

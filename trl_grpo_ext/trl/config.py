@@ -172,9 +172,11 @@ def steps_per_generation_batch(args) -> int:
     return max((k * every + every - 1) // ga - (k * every) // ga + 1 for k in range(ga))
 
 
-# generate's warpers the asynchronous sampler does not apply itself (`trl.sampler_precision.SampledTokenLogprobs`
-# applies temperature, top-k, top-p and min-p): its log-probs would not be those of the distribution it drew from
-_UNRECORDED_WARPERS = ("typical_p", "epsilon_cutoff", "eta_cutoff", "top_h")
+# The generation_kwargs an asynchronous run takes: the rest change the distribution a token is drawn from in ways
+# the trained policy does not model (n-gram bans, suppressed or biased tokens, a minimum length, warpers the recorder
+# does not apply), or set the sampling settings where the trainer does not read them (temperature, top_k, top_p and
+# min_p are the config's own keys, read by the sampler's recorder and the trained policy alike)
+_ASYNC_GENERATION_KWARGS = ("use_cache", "cache_implementation")
 
 
 def _async_sampler_problems(args) -> list[str]:
@@ -186,11 +188,12 @@ def _async_sampler_problems(args) -> list[str]:
             "each token is drawn from by the tokens before it, which the trained policy's log-probs do not model; "
             "unset it"
         )
-    extra = sorted(k for k in (args.generation_kwargs or {}) if k in _UNRECORDED_WARPERS)
+    extra = sorted(k for k in (args.generation_kwargs or {}) if k not in _ASYNC_GENERATION_KWARGS)
     if extra:
         problems.append(
             f"generation_kwargs {extra} with async_sampling: the sampler's log-probs would not be those of the "
-            "distribution it draws from (temperature, top_k, top_p and min_p are)"
+            "trained policy's distribution; set temperature, top_k, top_p and min_p as the config's own keys "
+            f"(generation_kwargs takes {', '.join(_ASYNC_GENERATION_KWARGS)})"
         )
     return problems
 

@@ -10,11 +10,12 @@ with (``acquire``), which may be older than the trainer's by up to ``max_stalene
 ``generate`` in a thread of its own). Versions are handed over copy-on-write: the sampler copies the trainer's
 trainable parameters itself, on its own cores, while the trainer's forward and backward only read them; the trainer
 copies them aside (``before_update``) only when the optimizer is about to overwrite a version the sampler has been
-asked for and not yet taken. At ``max_staleness: 1`` the sampler is always idle when a version appears (the batch
-it drew last is the one the trainer is training on), so the trainer never copies. With a larger bound a sampler
-behind the trainer may still owe batches of several older versions (at K = 4 the first five batches are drawn with
-version 0, the next with 1, 2, ... while the trainer moves on): each such version is kept aside until the sampler
-has taken it, at most K - 1 copies of the trainable parameters. A sampler that leaves a version it still owes
+asked for and not yet taken. At ``sample_ahead: 1`` the sampler is idle when a version appears (the batch it drew
+last is the one the trainer is training on), so the trainer copies only if it ends its step before the sampler has
+started the next batch. Drawing further ahead, a sampler behind the trainer may still owe batches of several older
+versions (at ``sample_ahead: 4`` the first five batches are drawn with version 0, the next with 1, 2, ... while the
+trainer moves on): each such version is kept aside until the sampler has taken it, at most ``sample_ahead - 1``
+copies of the trainable parameters. A sampler that leaves a version it still owes
 batches of (an urgent batch of the current weights drawn first) copies it aside itself before loading the other.
 
 A vLLM server's weights are handed over by the trainer itself between two of the sampler's requests

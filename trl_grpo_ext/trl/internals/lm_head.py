@@ -12,6 +12,7 @@ checkpointed (backward recomputes its logits instead of keeping them). Without t
 
 from __future__ import annotations
 
+import functools
 import types
 from contextlib import nullcontext
 
@@ -59,6 +60,8 @@ def add_truncated_lm_head(model, temperature: float, settings: SamplingSettings,
     text_config = model.config.get_text_config()
     scale, softcap = _logit_transform(text_config)
 
+    # the model's own signature, as TRL keeps it: generate reads it (position ids, logits_to_keep)
+    @functools.wraps(type(model).forward)
     def forward(self, *args, fused_lm_head=False, labels=None, shift_labels=None, num_items_in_batch=None, **kwargs):
         if not fused_lm_head:
             return fused(*args, labels=labels, shift_labels=shift_labels, num_items_in_batch=num_items_in_batch,
