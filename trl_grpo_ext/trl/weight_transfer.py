@@ -15,8 +15,8 @@ last is the one the trainer is training on), so the trainer copies only if it en
 started the next batch. Drawing further ahead, a sampler behind the trainer may still owe batches of several older
 versions (at ``sample_ahead: 4`` the first five batches are drawn with version 0, the next with 1, 2, ... while the
 trainer moves on): each such version is kept aside until the sampler has taken it, at most ``sample_ahead - 1``
-copies of the trainable parameters. A sampler that leaves a version it still owes
-batches of (an urgent batch of the current weights drawn first) copies it aside itself before loading the other.
+copies of the trainable parameters. A sampler that leaves a version it still owes batches of (an urgent batch of the
+current weights drawn first) copies it aside itself before loading the other.
 
 A vLLM server's weights are handed over by the trainer itself between two of the sampler's requests
 (`ServerWeights`: TRL's own sync, NCCL on GPUs, a /dev/shm file that the CPU server reloads otherwise,
