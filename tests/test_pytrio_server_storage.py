@@ -10,6 +10,8 @@ pickles are bounded; the base model's fingerprint covers the config and buffers;
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import io
 import json
 import logging
@@ -20,6 +22,7 @@ import socket
 import stat
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from urllib.parse import quote
@@ -594,3 +597,190 @@ def test_unsigned_records_of_before_are_refused_unless_adopted(local, shared, ti
     later = local()
     assert uri in later.registry.checkpoints and _listed(later.base_url, KEY_A)[uri]["base_model_served"]
     assert later.registry.checkpoints[uri].owner == owner_id(KEY_A)
+
+
+# ---------------------------------------------------------------------------------------------------- review fixes
+def _release(fifo: Path) -> None:
+    """Let a reader blocked opening `fifo` go on (open it for writing, which fails at once when no one reads)."""
+    with contextlib.suppress(OSError):
+        os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
+
+
+def test_records_the_json_reader_chokes_on_are_refused(local, shared):
+    """Records nested deeper than the JSON parser goes, holding NaN, or (unsigned, adopted) an integer beyond a float's
+    range: a server starts on the folder, lookups answer them as missing, a delete and a stop meeting them in place of
+    a checkpoint's record leave that folder and go on; the other checkpoints are untouched."""
+    a = local()
+    _, tc = _trainer(a.model_alias, seed=12)
+    kept = tc.save_weights_for_sampler("chokes-kept").result().path
+    nan = tc.save_weights_for_sampler("chokes-nan").result().path
+    signed = _record(_folder(shared, kept))
+    nested = _plant(shared, "tr_planted0000000030", "sampler_weights", "nested", {})
+    (nested / RECORD_FILE).write_text("[" * 5000)
+    _plant(shared, "tr_planted0000000031", "sampler_weights", "huge",
+           _unsigned(signed, uri="trio://tr_planted0000000031/sampler_weights/huge", run="tr_planted0000000031",
+                     name="huge", path="tr_planted0000000031/sampler_weights/huge", created=10**400),
+           _folder(shared, kept))  # fmt: skip
+    # the server's own checkpoint and hand-offs, their records replaced (same id, URI and owner)
+    nan_record = {**_record(_folder(shared, nan)), "created": float("nan")}
+    (_folder(shared, nan) / RECORD_FILE).write_text(json.dumps(nan_record))
+    for _ in range(3):
+        tc.save_weights_and_get_sampling_client()
+    hand_offs = sorted((shared / run_id(tc) / "sampler_weights").glob("temp-sampling-*"),
+                       key=lambda folder: _record(folder)["created"])  # fmt: skip
+    assert len(hand_offs) == 3
+    nan_hand_off = json.dumps({**_record(hand_offs[1]), "created": float("nan")})
+    (hand_offs[0] / RECORD_FILE).write_text("[" * 5000)
+    (hand_offs[1] / RECORD_FILE).write_text(nan_hand_off)
+
+    fresh = local(adopt_unsigned_checkpoints=True)  # starts, registering what holds
+    assert kept in fresh.registry.checkpoints and nan not in fresh.registry.checkpoints
+    assert not any("tr_planted000000003" in uri for uri in fresh.registry.checkpoints)
+    for uri in ("trio://tr_planted0000000030/sampler_weights/nested", nan):
+        assert _lookup(fresh.base_url, KEY_A, uri).status_code == 404, uri
+    cid = _listed(a.base_url, KEY_A)[nan]["cuid"]
+    deleted = httpx.delete(f"{a.base_url}{API}/checkpoints/{cid}", headers=_auth(KEY_A), timeout=60)
+    assert deleted.status_code == 200, deleted.text
+    a.stop()  # its hand-offs: the two whose records changed are left, the third removed
+    assert [f.exists() for f in hand_offs] == [True, True, False]
+    assert (_folder(shared, nan) / RECORD_FILE).is_file() and _lookup(fresh.base_url, KEY_A, kept).status_code == 200
+
+
+def test_a_fifo_in_place_of_a_file_blocks_nothing(local, shared, tmp_path):
+    """A FIFO planted as a checkpoint's record, as one of its files, or as the storage key: each is refused at once
+    (an open would wait for a writer forever) and left as it is."""
+    from trl_grpo_ext.pytrio_server.storage import KEY_FILE, StorageError, StorageKey
+
+    a = local()
+    _, tc = _trainer(a.model_alias, seed=13)
+    in_files = tc.save_weights_for_sampler("fifo-file").result().path
+    as_record = tc.save_weights_for_sampler("fifo-record").result().path
+    ids = {uri: c["cuid"] for uri, c in _listed(a.base_url, KEY_A).items()}
+    key_folder = tmp_path / "fifo-key"
+    key_folder.mkdir()
+    fifos = [_folder(shared, in_files) / "adapter_config.json", _folder(shared, as_record) / RECORD_FILE]
+    for fifo in fifos:
+        fifo.unlink()
+    for fifo in [*fifos, key_folder / KEY_FILE]:
+        os.mkfifo(fifo, 0o600)
+    refused: list[str] = []
+    reading = threading.Thread(target=lambda: refused.append(_refusal(StorageKey.of, key_folder, StorageError)))
+    reading.start()
+    try:
+        answer = httpx.get(f"{a.base_url}{API}/checkpoints/{ids[in_files]}/download-url", headers=_auth(KEY_A),
+                           timeout=10)  # fmt: skip
+        assert (answer.status_code, answer.json().get("code")) == (409, "checkpoint_unreadable"), answer.text
+        deleted = httpx.delete(f"{a.base_url}{API}/checkpoints/{ids[as_record]}", headers=_auth(KEY_A), timeout=10)
+        assert deleted.status_code == 200 and _lookup(a.base_url, KEY_A, as_record).status_code == 404
+        reading.join(10)
+        assert refused and "not a regular file" in refused[0], refused
+    finally:
+        for fifo in [*fifos, key_folder / KEY_FILE]:
+            _release(fifo)
+        reading.join(10)
+    assert all(stat.S_ISFIFO(fifo.lstat().st_mode) for fifo in fifos)  # left as they were
+
+
+def _refusal(call, argument, error_type) -> str:
+    try:
+        call(argument)
+    except error_type as error:
+        return str(error)
+    return "not refused"
+
+
+def test_servers_starting_together_share_one_key(tmp_path, monkeypatch):
+    """A server that finds the key file another one created and has not written yet waits for the key (briefly); a
+    key whose write fails leaves no empty key file to refuse every later start."""
+    from trl_grpo_ext.pytrio_server.storage import KEY_FILE, StorageError, StorageKey
+
+    folder = tmp_path / "together"
+    folder.mkdir()
+    fd = os.open(folder / KEY_FILE, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)  # created, not yet written
+    secret = "5e" * 32
+    writer = threading.Timer(0.3, lambda: (os.write(fd, f"{secret}\n".encode()), os.close(fd)))
+    writer.start()
+    key = StorageKey.of(folder)
+    writer.join()
+    assert key.sign({"a": 1}) == StorageKey(bytes.fromhex(secret)).sign({"a": 1})
+
+    (folder / KEY_FILE).unlink()
+
+    def full(_fd):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(os, "fsync", full)
+    with pytest.raises(StorageError, match="No space left"):
+        StorageKey.of(folder)
+    monkeypatch.undo()
+    assert not (folder / KEY_FILE).exists()
+    StorageKey.of(folder)  # the next start makes the key
+    assert len((folder / KEY_FILE).read_text().strip()) == 64
+
+
+def test_adopting_signs_only_records_that_agree_with_their_place(local, shared, caplog):
+    """With ``adopt_unsigned_checkpoints`` a record of before is signed only where it agrees with its place: one
+    pointing at another checkpoint's folder, one whose folder is the storage root (expired, for the ttl sweep), and
+    one whose name climbs out of its folder are refused and left as they are, while one that agrees is adopted."""
+    a = local()
+    _, tc = _trainer(a.model_alias, seed=14)
+    victim = _folder(shared, tc.save_weights_for_sampler("adopt-victim").result().path)
+    record, victim_files = _record(victim), _files(victim)
+
+    def plant(run: str, folder: str, **changes) -> Path:
+        old = _unsigned(record, uri=f"trio://{run}/sampler_weights/{folder}", run=run, name=folder,
+                        path=f"{run}/sampler_weights/{folder}")  # fmt: skip
+        return _plant(shared, run, "sampler_weights", folder, {**old, **changes}, victim)
+
+    bad = {
+        "pointing": (plant("tr_planted0000000040", "stolen", path=os.path.relpath(victim, shared)), "its path"),
+        "the root": (plant("tr_planted0000000041", "everything", path=".", expires=1), "its path"),
+        "climbing": (plant("tr_planted0000000042", "evil", name="../../../evil"), "its name"),
+    }
+    agrees = plant("tr_planted0000000043", "agrees")
+    before = {what: _files(folder) for what, (folder, _) in bad.items()}
+    with caplog.at_level(logging.WARNING, logger="trl_grpo_ext.pytrio_server"):
+        adopting = local(adopt_unsigned_checkpoints=True)
+    assert "trio://tr_planted0000000043/sampler_weights/agrees" in adopting.registry.checkpoints  # adoption is on
+    assert _record(agrees)["signature"].startswith("hmac-sha256:")
+    lines = [r.getMessage() for r in caplog.records]
+    for what, (folder, reason) in bad.items():
+        assert "trio://" + str(folder.relative_to(shared)) not in adopting.registry.checkpoints, what
+        assert _files(folder) == before[what], what  # unsigned still, nothing deleted
+        refusal = f"refusing checkpoint record {folder / RECORD_FILE}: {reason} disagree with the place it lies"
+        assert any(line.startswith(refusal) for line in lines), (what, lines)
+    assert _files(victim) == victim_files
+
+
+def test_converting_a_legacy_optimizer_writes_into_its_folder_only(local, shared, tmp_path, monkeypatch):
+    """An old ``optimizer.pt`` beside a link named ``optimizer.safetensors``: the conversion replaces the link, never
+    writes through it (even with a safetensors that writes into the file a name opens; 0.8 replaces it); a load that
+    saw the pickle just before another load converted it reads the converted files."""
+    import safetensors.torch
+
+    def in_place(tensors, filename, metadata=None):
+        with open(filename, "wb") as handle:
+            handle.write(safetensors.torch.save(tensors, metadata))
+
+    monkeypatch.setattr(safetensors.torch, "save_file", in_place)
+    a = local()
+    _, tc = _trainer(a.model_alias, seed=15)
+    uri = tc.save_state("linked-optimizer").result().path
+    folder = _folder(shared, uri)
+    legit = io.BytesIO()
+    with a.checkpoint_files(a.registry.checkpoint(uri)) as files:
+        torch.save(load_optimizer(files, uri), legit)
+    _as_legacy(folder, legit.getvalue())
+    outside = tmp_path / "someone.safetensors"
+    outside.write_bytes(b"someone's file")
+    (folder / "optimizer.safetensors").symlink_to(outside)
+    with a.checkpoint_files(a.registry.checkpoint(uri)) as files:
+        state = load_optimizer(files, uri)
+    assert outside.read_bytes() == b"someone's file"
+    assert not (folder / "optimizer.safetensors").is_symlink() and (folder / "optimizer.json").is_file()
+    assert not (folder / "optimizer.pt").exists()
+    with a.checkpoint_files(a.registry.checkpoint(uri)) as files:
+        real, first = files.entry, {"optimizer.json": None, "optimizer.pt": outside.stat()}  # as seen before
+        files.entry = lambda name: first.pop(name) if name in first else real(name)
+        raced = load_optimizer(files, uri)
+    assert raced["param_names"] == state["param_names"]

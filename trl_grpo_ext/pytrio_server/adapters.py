@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 
 from trl_grpo_ext.compat import set_active_adapter
+from trl_grpo_ext.pytrio_server.base_model import short_name
 from trl_grpo_ext.pytrio_server.errors import EngineError
 from trl_grpo_ext.pytrio_server.optimizer_state import has_optimizer, load_optimizer, save_optimizer
 from trl_grpo_ext.pytrio_server.storage import ADAPTER_FILE, CheckpointFolder
@@ -127,7 +128,10 @@ class LoraAdapters:
         wanted += UNEMBED_MODULES if lora.train_unembed else ()
         found = [m for m in wanted if m in self._linear_names]
         if not found:
-            raise EngineError("invalid_lora_config", f"no LoRA target modules {list(wanted)} in {self.model_path}")
+            # the model by its short name: the answer holds no path of the server's disk
+            raise EngineError(
+                "invalid_lora_config", f"no LoRA target modules {list(wanted)} in {short_name(self.model_path)!r}"
+            )
         return found
 
     def peft_config(self, lora: LoraSettings):

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 from dataclasses import dataclass, field
 
 import torch
@@ -116,19 +117,28 @@ def _bf16_bytes(tensor: torch.Tensor):
     return tensor.detach().to(device="cpu", dtype=torch.bfloat16).contiguous().view(torch.int16).numpy()
 
 
+def short_name(name: str) -> str:
+    """`name` as an answer to a client shows it: a hub id as it is, a local folder by its last part only (where a
+    model lies on the server's disk is no client's business; the server's log has the full path)."""
+    if os.path.isabs(name):
+        return os.path.basename(os.path.normpath(name)) or name
+    return name
+
+
 def mismatch(uri: str, trained_on: BaseModel, served: BaseModel) -> str | None:
     """The one-line refusal of checkpoint `uri`, trained on `trained_on`, on a server serving `served`; None when the
-    fingerprints are equal. A checkpoint that records no base model cannot be checked, so it is refused too."""
+    fingerprints are equal. A checkpoint that records no base model cannot be checked, so it is refused too. Models
+    are named by `short_name`: the answer holds no path."""
     if trained_on.fingerprint and trained_on.fingerprint == served.fingerprint:
         return None
     if not trained_on.fingerprint:
         return (
             f"checkpoint {uri} records no base model (saved before checkpoints recorded theirs), so it cannot be "
-            f"checked against this server's {served.name!r}: refused. Load its adapter files with PEFT on the base "
-            "it was trained on, or train it again"
+            f"checked against this server's {short_name(served.name)!r}: refused. Load its adapter files with PEFT "
+            "on the base it was trained on, or train it again"
         )
     return (
-        f"checkpoint {uri} was trained on base model {trained_on.name!r} ({trained_on.short()}), but this server "
-        f"serves {served.name!r} ({served.short()}): an adapter only fits the model it was trained on. Use it on a "
-        f"server started with --model {trained_on.name}"
+        f"checkpoint {uri} was trained on base model {short_name(trained_on.name)!r} ({trained_on.short()}), but "
+        f"this server serves {short_name(served.name)!r} ({served.short()}): an adapter only fits the model it was "
+        "trained on. Use it on a server started with that model (--model)"
     )

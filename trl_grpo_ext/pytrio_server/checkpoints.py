@@ -109,7 +109,9 @@ class CheckpointStore:
         """409 ``base_model_mismatch`` (one line naming both) for a checkpoint trained on another base model than this
         server's, or one whose base is unknown (it cannot be checked)."""
         problem = mismatch(record.uri, record.base, self.engine.base_model)
-        if problem:
+        if problem:  # the answer names the models by their short names; the log has the full ones
+            logger.info("checkpoint %s: trained on %r, this server serves %r (refused)", record.uri, record.base.name,
+                        self.engine.base_model.name)  # fmt: skip
             raise ApiError(409, "base_model_mismatch", problem)
 
     def _base_differs(self, record: CheckpointRecord) -> bool:

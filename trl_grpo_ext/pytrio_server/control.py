@@ -275,7 +275,8 @@ class ControlHandlers:
         uri = (query.get("checkpoint_uri") or [""])[0]
         record = self.registry.checkpoint(uri, caller)
         lora = record.lora
-        # the name a resume passes back as base_model: this server's where the weights are the same (or unknown)
+        # the name a resume passes back as base_model: this server's where the weights are the same, else the one
+        # the checkpoint records ("" where it records none: it cannot be checked, so no server resumes it)
         base = record.base.name if self._base_differs(record) else self.model_id
         return {"base_model": base, "lora_rank": lora.rank, "seed": lora.seed, "train_mlp": lora.train_mlp,
                 "train_attn": lora.train_attn, "train_unembed": lora.train_unembed}  # fmt: skip

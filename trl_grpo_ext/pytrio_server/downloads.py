@@ -49,9 +49,9 @@ from trl_grpo_ext.runs import ADAPTER_CONFIG_FILENAME
 logger = logging.getLogger(__name__)
 
 FILES_PREFIX = "/files/v1/checkpoints/"
-_ARCHIVE_PATH = re.compile(rf"^{FILES_PREFIX}([A-Za-z0-9_\-]{{1,80}})/archive\.tar$")
-_EXPIRES = re.compile(r"^[0-9]{1,12}$")  # seconds since the epoch, ASCII digits only
-_SIGNATURE = re.compile(r"^[0-9a-f]{64}$")  # `_sign`'s hex digest
+_ARCHIVE_PATH = re.compile(rf"{FILES_PREFIX}([A-Za-z0-9_\-]{{1,80}})/archive\.tar")
+_EXPIRES = re.compile(r"[0-9]{1,12}")  # seconds since the epoch, ASCII digits only
+_SIGNATURE = re.compile(r"[0-9a-f]{64}")  # `_sign`'s hex digest
 URL_LIFETIME_SECONDS = 3600  # the client asks for a new URL within 60 s of its expiry
 CHUNK = 1024 * 1024
 # In this order, those that exist; an optimizer pickle of a checkpoint saved before (`LEGACY_OPTIMIZER`) is
@@ -153,11 +153,11 @@ class CheckpointDownloads:
         """The checkpoint a download URL names, once its signature and expiry hold (`RequestGuard`, before any
         body); 403 otherwise (every malformed expiry or signature: ``download_url_invalid``), 404 when the checkpoint
         is gone since."""
-        match = _ARCHIVE_PATH.match(path)
+        match = _ARCHIVE_PATH.fullmatch(path)
         params = parse_qs(query)
         expires = (params.get("expires") or [""])[0]
         signature = (params.get("signature") or [""])[0]
-        if match is None or not _EXPIRES.match(expires) or not _SIGNATURE.match(signature):
+        if match is None or not _EXPIRES.fullmatch(expires) or not _SIGNATURE.fullmatch(signature):
             raise ApiError(403, "download_url_invalid", "not a download URL of this server; ask Control for one")
         cid = match.group(1)
         if not hmac.compare_digest(signature, self._sign(cid, int(expires))):

@@ -96,7 +96,14 @@ def load_optimizer(folder: CheckpointFolder, checkpoint: str, memory=None) -> di
     `checkpoint` names the checkpoint in error messages (never the folder: a client's business is its URI)."""
     limit = state_limit(folder)
     if folder.entry(OPTIMIZER_META) is None and folder.entry(LEGACY_OPTIMIZER) is not None:
-        return _convert_legacy(folder, checkpoint, limit, memory)
+        state = _convert_legacy(folder, checkpoint, limit, memory)
+        if state is not None:
+            return state
+    return _load_files(folder, checkpoint, limit)
+
+
+def _load_files(folder: CheckpointFolder, checkpoint: str, limit: int) -> dict:
+    """The optimizer state of the new format in `folder` (`load_optimizer`)."""
     from safetensors import SafetensorError
     from safetensors.torch import load_file
 
@@ -178,10 +185,14 @@ def _plain(value, where: str, budget: _Budget | None = None, depth: int = 0):
     raise ValueError(f"{where} holds a {type(value).__name__}, not plain data")
 
 
-def _convert_legacy(folder: CheckpointFolder, checkpoint: str, limit: int, memory) -> dict:
+def _convert_legacy(folder: CheckpointFolder, checkpoint: str, limit: int, memory) -> dict | None:
     """Read the pickled `LEGACY_OPTIMIZER` with torch's restricted unpickler and write it in the new format (the
-    pickle is removed once the new files are complete); the state either way, or EngineError."""
-    size = folder.entry(LEGACY_OPTIMIZER).st_size
+    pickle is removed once the new files are complete); the state either way, or EngineError. None when the pickle
+    is gone: another load (a thread, another server on the folder) converted it meanwhile, so the new files hold it."""
+    legacy = folder.entry(LEGACY_OPTIMIZER)
+    if legacy is None:
+        return None
+    size = legacy.st_size
     if size > limit:
         raise _unreadable(checkpoint, ValueError(f"it has {size} bytes, more than this adapter's state can ({limit})"))
     cost = CONVERSION_COPIES * size
@@ -189,7 +200,11 @@ def _convert_legacy(folder: CheckpointFolder, checkpoint: str, limit: int, memor
         raise _unreadable(checkpoint, MemoryError(f"converting it needs about {cost} bytes, beyond the memory budget"))
     with memory.reserve(cost) if memory is not None else contextlib.nullcontext():
         try:
-            with folder.file_path(LEGACY_OPTIMIZER, limit) as path:
+            with contextlib.ExitStack() as opened:
+                try:
+                    path = opened.enter_context(folder.file_path(LEGACY_OPTIMIZER, limit))
+                except FileNotFoundError:  # converted by another load since `entry` saw it
+                    return None
                 state = torch.load(path, weights_only=True, map_location="cpu")
             if not (isinstance(state, dict) and isinstance(state.get("state_dict"), dict)):
                 raise ValueError("it holds no optimizer state_dict")
@@ -198,6 +213,10 @@ def _convert_legacy(folder: CheckpointFolder, checkpoint: str, limit: int, memor
         except Exception as error:  # noqa: BLE001 - the unpickler refuses with several types; one clear answer
             raise _unreadable(checkpoint, error, folder.path) from None
         try:
+            # `save_optimizer` writes by path: an entry of either name (a link someone put there) is removed first,
+            # never followed, so the files are written into this folder only
+            for name in (OPTIMIZER_TENSORS, OPTIMIZER_META):
+                folder.remove(name)
             save_optimizer(state, folder.pinned)  # its JSON written last and atomically: until then the pickle is read
             folder.remove(LEGACY_OPTIMIZER)
             logger.info(

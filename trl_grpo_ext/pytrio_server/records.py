@@ -38,7 +38,7 @@ FOLDER_KINDS = {folder: kind for kind, folder in KIND_FOLDERS.items()}
 RECORD_FORMAT = 2  # signed; records without a format field came before
 RECORD_LIMIT = 64 * 1024  # a record is a few hundred bytes: a larger file is not one
 VISIBILITIES = ("WORKSPACE", "TEMPORARY")
-_ID = re.compile(r"^[A-Za-z0-9_\-]{1,80}$")  # checkpoint ids and owner ids
+_ID = re.compile(r"[A-Za-z0-9_\-]{1,80}")  # checkpoint ids and owner ids
 _TEXT_LIMIT = 4096  # base model names, fingerprints, server ids
 
 
@@ -94,11 +94,10 @@ def write_record(record: CheckpointRecord, key: StorageKey, storage: Path) -> No
 
 @dataclass
 class Reading:
-    """What reading one record gave: the record, or why it was refused (`unsigned`: written before records were
-    signed, and not adopted); `adopted`: an unsigned record signed now."""
+    """What reading one record gave: the record, or None when it was refused (the reason is logged; `unsigned`:
+    written before records were signed, and not adopted); `adopted`: an unsigned record signed now."""
 
     record: CheckpointRecord | None
-    problem: str = ""
     unsigned: bool = False
     adopted: bool = False
 
@@ -129,14 +128,15 @@ def read_record(
             raise _Refused("it is not a JSON object")
         signature = data.pop("signature", None)
         if signature is None and adopt_on is None:
-            return Reading(None, "it is unsigned (written before checkpoint records were signed)", unsigned=True)
+            return Reading(None, unsigned=True)  # counted, and reported once, by the start (`load_persisted`)
         if signature is not None and not key.verify(data, signature):
             raise _Refused("its signature does not hold (edited, or signed with another storage folder's key)")
         record = _record(data, storage, run, kind, name, legacy=signature is None, legacy_owner=legacy_owner)
-    except (OSError, StorageError, ValueError, TypeError, KeyError) as error:
+    # RecursionError: JSON nested deeper than the parser goes; OverflowError: an integer beyond a float's range
+    except (OSError, StorageError, ValueError, TypeError, KeyError, RecursionError, OverflowError) as error:
         problem = str(error) if isinstance(error, (_Refused, StorageError)) else f"{type(error).__name__}: {error}"
         logger.warning("refusing checkpoint record %s: %s", where, problem)
-        return Reading(None, problem)
+        return Reading(None)
     if signature is None:
         return _adopt(record, key, storage, adopt_on, where)
     return Reading(record)
@@ -149,7 +149,7 @@ def _adopt(record: CheckpointRecord, key: StorageKey, storage: Path, serving: Ba
         write_record(record, key, storage)
     except (OSError, StorageError) as error:
         logger.warning("refusing checkpoint record %s: it is unsigned and could not be signed (%s)", where, error)
-        return Reading(None, f"unsigned, not signed: {error}", unsigned=True)
+        return Reading(None, unsigned=True)
     logger.warning(
         "adopted the unsigned checkpoint record of %s (owner %s, base model %r %s): it is signed now",
         record.uri, record.owner, record.base.name, record.base.short(),
@@ -183,8 +183,8 @@ def _record(data: dict, storage: Path, run: str, kind: str, name: str, legacy: b
     owner = data.get("owner") or (legacy_owner if legacy else None)
     base_name, fingerprint = data.get("base_model") or "", data.get("base_model_fingerprint") or ""
     checks = {
-        "cuid": isinstance(data.get("cuid"), str) and bool(_ID.match(data["cuid"])),
-        "owner": isinstance(owner, str) and bool(_ID.match(owner)),
+        "cuid": isinstance(data.get("cuid"), str) and bool(_ID.fullmatch(data["cuid"])),
+        "owner": isinstance(owner, str) and bool(_ID.fullmatch(owner)),
         "size": _is_int(data.get("size")) and data["size"] >= 0,
         "step": _is_int(data.get("step")) and data["step"] >= 0,
         "visibility": data.get("visibility") in VISIBILITIES,
@@ -221,7 +221,7 @@ def same_checkpoint(folder: CheckpointFolder, record: CheckpointRecord, key: Sto
     owner (a delete checks it first, so it never removes a checkpoint saved again since, nor a planted folder)."""
     try:
         data = json.loads(folder.read(RECORD_FILE, RECORD_LIMIT))
-    except (OSError, StorageError, ValueError):
+    except (OSError, StorageError, ValueError, RecursionError):  # RecursionError: JSON nested beyond the parser
         return False
     if not isinstance(data, dict):
         return False

@@ -36,8 +36,8 @@ from trl_grpo_ext.pytrio_server.storage import RECORD_FILE, StorageKey, scan_lay
 logger = logging.getLogger(__name__)
 
 # run ids and checkpoint names become folder names: no separators, no "..", nothing hidden
-_SAFE_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.\-]{0,199}$")
-_URI = re.compile(rf"^{CHECKPOINT_SCHEME}://([^/]+)/(weights|sampler_weights)/([^/]+)$")
+_SAFE_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.\-]{0,199}")
+_URI = re.compile(rf"{CHECKPOINT_SCHEME}://([^/]+)/(weights|sampler_weights)/([^/]+)")
 # The client renews an actor token within 300 s of expiry; an hour keeps renewals out of normal runs.
 TOKEN_LIFETIME = timedelta(hours=1)
 
@@ -223,7 +223,7 @@ class Registry:
         """The record of `uri` on disk (saved by another server on this root since this one started), if it holds."""
         if self.storage is None or checkpoint_folder(self.storage, uri) is None:
             return None
-        match = _URI.match(uri)
+        match = _URI.fullmatch(uri)
         parts = (match.group(1), match.group(2), match.group(3))
         if not (self.storage.joinpath(*parts) / RECORD_FILE).is_file():
             return None
@@ -259,12 +259,12 @@ class Registry:
 
 def safe_name(name: str) -> bool:
     """Whether `name` can be used as one folder name under the storage root."""
-    return bool(_SAFE_NAME.match(name)) and ".." not in name
+    return bool(_SAFE_NAME.fullmatch(name)) and ".." not in name
 
 
 def checkpoint_folder(storage: Path, uri: str) -> Path | None:
     """``storage/<run>/<weights|sampler_weights>/<name>`` for a well-formed URI of this server, else None."""
-    match = _URI.match(uri)
+    match = _URI.fullmatch(uri)
     if match is None or not (safe_name(match.group(1)) and safe_name(match.group(3))):
         return None
     return storage / match.group(1) / match.group(2) / match.group(3)

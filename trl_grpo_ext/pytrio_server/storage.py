@@ -38,11 +38,14 @@ RECORD_FILE = "trio_record.json"  # a checkpoint's record, written last (its pre
 ADAPTER_FILE = "adapter_model.safetensors"  # a checkpoint's LoRA weights (`adapters.LoraSnapshot`)
 _KEY_HEX = 64  # 32 random bytes, hex
 _KEY_WAIT_SECONDS = 5.0  # a key file another server is writing (created, its line not yet written)
-_SIGNATURE = re.compile(r"^hmac-sha256:[0-9a-f]{64}$")
+_SIGNATURE = re.compile(r"hmac-sha256:[0-9a-f]{64}")
 _CLOEXEC = getattr(os, "O_CLOEXEC", 0)
+# Opening a file to read: a FIFO planted under a file's name would block an open without O_NONBLOCK until someone
+# writes to it (O_NONBLOCK changes nothing for a regular file); the regular-file check follows the open (fstat)
+_READ = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | _CLOEXEC
 _DIRECTORY = os.O_RDONLY | os.O_DIRECTORY | _CLOEXEC
 # One name of the layout: no separator, not "." or "..", nothing the OS would read as more than one entry.
-_PART = re.compile(r"^[A-Za-z0-9_.\-]{1,255}$")
+_PART = re.compile(r"[A-Za-z0-9_.\-]{1,255}")
 # /proc/self/fd/N names the very file or folder descriptor N holds, whatever happens to its path meanwhile
 _PROC_FD = Path("/proc/self/fd")
 
@@ -71,13 +74,13 @@ class StorageKey:
             root_fd = os.open(root, _DIRECTORY)
             try:
                 try:
-                    return cls(_read_key(root_fd, root / KEY_FILE, wait=False))
+                    return cls(_read_key(root_fd, root / KEY_FILE))
                 except FileNotFoundError:
                     pass
                 try:
                     return cls(_create_key(root_fd))
                 except FileExistsError:  # another server on this folder made it first: theirs is the folder's key
-                    return cls(_read_key(root_fd, root / KEY_FILE, wait=True))
+                    return cls(_read_key(root_fd, root / KEY_FILE))
             finally:
                 os.close(root_fd)
         except OSError as error:
@@ -89,9 +92,13 @@ class StorageKey:
 
     def verify(self, fields: dict, signature: object) -> bool:
         """Whether `signature` is this key's over `fields` (anything malformed is simply not)."""
-        if not isinstance(signature, str) or not _SIGNATURE.match(signature):
+        if not isinstance(signature, str) or not _SIGNATURE.fullmatch(signature):
             return False
-        return hmac.compare_digest(signature, self.sign(fields))
+        try:
+            expected = self.sign(fields)
+        except (ValueError, TypeError, RecursionError, OverflowError):  # NaN, nesting deeper than JSON writes out
+            return False  # nothing this key signed: `sign` never wrote such fields
+        return hmac.compare_digest(signature, expected)
 
 
 def _canonical(fields: dict) -> bytes:
@@ -105,17 +112,23 @@ def _create_key(root_fd: int) -> bytes:
     try:
         os.write(fd, f"{text}\n".encode())
         os.fsync(fd)
+    except BaseException:
+        # a key file left empty would refuse every later start: remove it (if it still is the one made here)
+        with contextlib.suppress(OSError):
+            if os.stat(KEY_FILE, dir_fd=root_fd, follow_symlinks=False).st_ino == os.fstat(fd).st_ino:
+                os.unlink(KEY_FILE, dir_fd=root_fd)
+        raise
     finally:
         os.close(fd)
     logger.info("storage key created (%s): it signs this folder's checkpoint records", KEY_FILE)
     return bytes.fromhex(text)
 
 
-def _read_key(root_fd: int, path: Path, wait: bool) -> bytes:
-    deadline = time.monotonic() + (_KEY_WAIT_SECONDS if wait else 0.0)
+def _read_key(root_fd: int, path: Path) -> bytes:
+    deadline = time.monotonic() + _KEY_WAIT_SECONDS
     while True:
         try:
-            fd = os.open(KEY_FILE, os.O_RDONLY | os.O_NOFOLLOW | _CLOEXEC, dir_fd=root_fd)
+            fd = os.open(KEY_FILE, _READ, dir_fd=root_fd)
         except OSError as error:
             if error.errno == errno.ELOOP:
                 raise StorageError(
@@ -133,7 +146,9 @@ def _read_key(root_fd: int, path: Path, wait: bool) -> bytes:
             os.close(fd)
         if re.fullmatch(rf"[0-9a-f]{{{_KEY_HEX}}}", text):
             return bytes.fromhex(text)
-        if time.monotonic() >= deadline:
+        # empty or a beginning of a key: another server created it and is writing it (servers starting together);
+        # anything else holds no key however long one waits
+        if not re.fullmatch(rf"[0-9a-f]{{0,{_KEY_HEX - 1}}}", text) or time.monotonic() >= deadline:
             raise StorageError(
                 f"refusing the storage key {path}: it does not hold a key ({_KEY_HEX} hex digits); remove it (a new "
                 "key is made, and checkpoints signed with the old one are refused)"
@@ -174,7 +189,7 @@ def prepare_root(root: Path) -> None:
 
 # ---------------------------------------------------------------------------------------------------- folders
 def _check_part(part: str) -> None:
-    if not _PART.match(part) or part in (".", ".."):
+    if not _PART.fullmatch(part) or part in (".", ".."):
         raise UnsafeEntry(f"{part!r} is not a name of the storage layout")
 
 
@@ -258,7 +273,7 @@ class CheckpointFolder:
         """(descriptor, size) of the regular file `name`, the server user's, at most `limit` bytes."""
         _check_part(name)
         try:
-            fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | _CLOEXEC, dir_fd=self.fd)
+            fd = os.open(name, _READ, dir_fd=self.fd)
         except OSError as error:
             if error.errno == errno.ELOOP:
                 raise UnsafeEntry(f"{self.path / name} is a symbolic link") from None
@@ -367,7 +382,7 @@ def scan_layout(root: Path, kind_folders: tuple[str, ...]) -> Iterator[tuple[str
                 names = [e.name for e in entries if e.is_dir(follow_symlinks=False) and not e.name.startswith(".")]
         except OSError:
             return []
-        return sorted(n for n in names if _PART.match(n))
+        return sorted(n for n in names if _PART.fullmatch(n))
 
     for run in folders(root):
         for kind in folders(root / run):
