@@ -127,21 +127,12 @@ def other(process) -> ServerProcess:
 
 
 @pytest.fixture
-def local(engine, tiny_model_path, shared, tmp_path):
+def local(make_server, shared):
     """``local(**ServerConfig options)``: an in-process server on the shared folder (keys A and B), the process's
-    pytrio client pointed at it; stopped after the test."""
-    started = []
-
-    def make(**options):
-        options = {"api_key": KEY_A, "api_keys": (KEY_B,), "storage_dir": str(shared), **options}
-        server = LocalPyTrioServer(ServerConfig(model=tiny_model_path, **options), engine=engine).start()
-        server.configure_client(home=str(tmp_path / "trio-home"), retry_initial_delay_seconds=0.05)
-        started.append(server)
-        return server
-
-    yield make
-    for server in started:
-        server.stop()
+    pytrio client pointed at it (conftest's `make_server`: stopped after the test)."""
+    return lambda **options: make_server(
+        **{"api_key": KEY_A, "api_keys": (KEY_B,), "storage_dir": str(shared), **options}
+    )
 
 
 def _trainer(model: str, key: str = KEY_A, seed: int = 0):
