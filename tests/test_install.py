@@ -289,7 +289,8 @@ def test_make_train_samples_with_generate_and_with_vllm_when_asked(tmp_path):
     for venv in (installed, tmp_path / "absent"):
         said, launch, out = train(f"VLLMCPU_VENV={venv}")
         assert "sampler: transformers generate" in said and " .venv/bin/accelerate" in launch
-        assert said.startswith('echo "make train: sampling: asynchronous, max_staleness 1 (faster here')
+        mode = "asynchronous, sample_ahead 1, max_staleness 1, decoupled objective (faster here"
+        assert said.startswith(f'echo "make train: sampling: {mode}')
         assert "--config recipes/gsm8k/embedded_async.yaml" in out
         assert reason(out).startswith("generate: make train's default, the faster sampler here by measurement")
     said, launch, out = train(f"VLLMCPU_VENV={installed}", "SAMPLER=vllm")
