@@ -20,10 +20,10 @@ CELL_TESTS = $(wildcard $(addprefix tests/,test_trainer*.py test_prefix*.py test
 	test_pytrio_parity*.py test_pytrio_server_prefix*.py test_trl_internals*.py test_async_trl*.py))
 
 # The tests whose results follow the CPU's bf16 detection (`bf16: auto`, trl_grpo_ext/cpu/precision.py): `make test` runs
-# them with this machine's answer, `make test-precision` with each answer forced (TRL_GRPO_EXT_CPU_BF16=1, then 0),
-# so CI proves both on any CPU. Found as the tests that fail when the suite runs with an invalid
-# TRL_GRPO_EXT_CPU_BF16 (every reader of the detection then stops); tests that compare numbers in one precision name
-# it themselves and are not listed.
+# them with this machine's answer, `make test-precision` with the other answer forced (TRL_GRPO_EXT_CPU_BF16), so the
+# two prove both answers on any CPU; `make test-precision PRECISION_ANSWERS="1 0"` forces each in turn. Found as the
+# tests that fail when the suite runs with an invalid TRL_GRPO_EXT_CPU_BF16 (every reader of the detection then
+# stops); tests that compare numbers in one precision name it themselves and are not listed.
 PRECISION_TESTS = $(addprefix tests/,test_cispo_notice.py test_cpu_threads.py test_curriculum.py test_data_spec.py \
 	test_dynamic_sampling.py test_kill_resume.py test_prefix.py test_pytrio_client_survival.py test_pytrio_loop.py \
 	test_pytrio_server.py test_recipes.py test_reward_model.py test_rewards_judge_runs.py test_sweep.py \
@@ -137,9 +137,16 @@ train: $(TRAIN_VENV)/.installed
 test: $(STAMP)
 	$(BIN)/python -m pytest -q $(ARGS)
 
+# The answer this machine's detection does not give (read when the recipe runs, after the venv is installed).
+PRECISION_OTHER = $(shell $(BIN)/python -c \
+	"from trl_grpo_ext.cpu.precision import cpu_bf16_units; print(0 if cpu_bf16_units()[0] else 1)")
+PRECISION_ANSWERS ?=
+
 test-precision: $(STAMP)
-	TRL_GRPO_EXT_CPU_BF16=1 $(BIN)/python -m pytest -q $(PRECISION_TESTS) $(ARGS)
-	TRL_GRPO_EXT_CPU_BF16=0 $(BIN)/python -m pytest -q $(PRECISION_TESTS) $(ARGS)
+	answers="$(or $(PRECISION_ANSWERS),$(PRECISION_OTHER))"; \
+	test -n "$$answers" || { echo "test-precision: the bf16 detection gave no answer to force" >&2; exit 1; }; \
+	for answer in $$answers; do \
+		TRL_GRPO_EXT_CPU_BF16=$$answer $(BIN)/python -m pytest -q $(PRECISION_TESTS) $(ARGS) || exit 1; done
 
 # `make test-vllm`, `make test-floor`: one cell's venv and its tests; `make test-cells`: both. (Not .PHONY: make
 # skips pattern rules for phony targets.)

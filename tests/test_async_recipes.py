@@ -1,5 +1,5 @@
 """The two asynchronous embedded recipes as users run them: each YAML file as written, on the embedded model offline,
-shortened to 2 steps (and short completions), through its own entry point in a fresh process (an asynchronous run
+shortened to 2 steps (with short completions and 2 prompts a step), through its own entry point in a fresh process (an asynchronous run
 pins its threads to cores). What is checked: the mode is said at start, the second step trained on a batch drawn one
 step behind, and the run files are written."""
 
@@ -17,6 +17,8 @@ pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parents[1]
 SHORT = ["--max_steps", "2", "--max_completion_length", "12", "--num_train_samples", "24"]
+TWO_PROMPTS_TRL = ["--gradient_accumulation_steps", "1"]  # one pass of 8 completions (2 prompts x 4) a step
+TWO_PROMPTS_PYTRIO = ["--per_device_train_batch_size", "8"]  # the same 2 prompts x 4 on the PyTRIO path
 
 
 def _run(script: str, recipe: str, out: Path, *extra: str) -> tuple[str, str]:
@@ -37,7 +39,9 @@ def _staleness(out: Path) -> list[float]:
 
 def test_the_trl_recipe_runs_asynchronously_on_the_embedded_model(tmp_path):
     out = tmp_path / "trl"
-    _, log = _run("gsm8k_grpo.py", "recipes/gsm8k/embedded_async.yaml", out, "--eval_num_samples", "4")
+    _, log = _run(
+        "gsm8k_grpo.py", "recipes/gsm8k/embedded_async.yaml", out, "--eval_num_samples", "4", *TWO_PROMPTS_TRL
+    )
     mode = "asynchronous, sample_ahead 1, max_staleness 1, decoupled objective"
     assert f"sampling: {mode}" in log
     assert "async sampling: sample_ahead 1, max_staleness 1, decoupled objective (behaviour weight" in log
@@ -50,7 +54,14 @@ def test_the_trl_recipe_runs_asynchronously_on_the_embedded_model(tmp_path):
 def test_the_pytrio_recipe_runs_asynchronously_on_the_embedded_model(tmp_path):
     out = tmp_path / "pytrio"
     printed, log = _run(
-        "gsm8k_pytrio.py", "recipes/pytrio/embedded_async.yaml", out, "--lora_r", "4", "--save_every", "2"
+        "gsm8k_pytrio.py",
+        "recipes/pytrio/embedded_async.yaml",
+        out,
+        "--lora_r",
+        "4",
+        "--save_every",
+        "2",
+        *TWO_PROMPTS_PYTRIO,
     )
     mode = "asynchronous, sample_ahead 1, max_staleness 1, decoupled objective"
     assert f"sampling: {mode}" in log

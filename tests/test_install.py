@@ -232,14 +232,22 @@ def test_the_pytrio028_cell_runs_the_client_tests_with_the_oldest_client():
     assert "make test-pytrio028" in (ROOT / ".ci" / "run").read_text()
 
 
-def test_ci_runs_the_detection_dependent_tests_with_each_bf16_answer():
-    """`make test-precision` runs the same existing test files once with the bf16 detection forced on and once off,
-    and CI calls it after the README's test command."""
-    runs = [line for line in _make_dry_run("test-precision").splitlines() if "-m pytest" in line]
-    assert [line.split()[0] for line in runs] == ["TRL_GRPO_EXT_CPU_BF16=1", "TRL_GRPO_EXT_CPU_BF16=0"]
-    files = [word for word in runs[0].split() if word.startswith("tests/")]
-    assert files and files == [word for word in runs[1].split() if word.startswith("tests/")]
-    assert all((ROOT / f).is_file() for f in files), files
+def test_ci_runs_the_detection_dependent_tests_with_the_other_bf16_answer():
+    """`make test` runs the detection-dependent tests with this CPU's answer; `make test-precision` runs the same
+    existing test files with the other answer forced (or with each answer named in PRECISION_ANSWERS), and CI calls
+    it after the README's test command, so both answers pass on any CPU."""
+    from trl_grpo_ext.cpu.precision import cpu_bf16_units
+
+    def forced(*args):
+        (run,) = [line for line in _make_dry_run("test-precision", *args).splitlines() if "-m pytest" in line]
+        loop = _make_dry_run("test-precision", *args).split('answers="', 1)[1].split('"', 1)[0]
+        assert run.split()[0] == "TRL_GRPO_EXT_CPU_BF16=$answer", run
+        return loop.split(), [word for word in run.split() if word.startswith("tests/")]
+
+    answers, files = forced()
+    assert answers == ["0" if cpu_bf16_units()[0] else "1"]  # the answer make test did not run
+    assert files and all((ROOT / f).is_file() for f in files), files
+    assert forced("PRECISION_ANSWERS=1 0") == (["1", "0"], files)
     ci = (ROOT / ".ci" / "run").read_text()
     assert ci.index("make test\n") < ci.index("make test-precision")
 
