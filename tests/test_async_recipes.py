@@ -1,7 +1,7 @@
 """The two asynchronous embedded recipes as users run them: each YAML file as written, on the embedded model offline,
-shortened to 2 steps (with short completions and 2 prompts a step), through its own entry point in a fresh process (an asynchronous run
-pins its threads to cores). What is checked: the mode is said at start, the second step trained on a batch drawn one
-step behind, and the run files are written."""
+shortened to 2 steps (with short completions and 2 prompts a step), through its own entry point in a fresh process
+(an asynchronous run pins its threads to cores). What is checked: the mode is said at start, the second step trained
+on a batch drawn one step behind, and the run files are written."""
 
 import json
 import os
@@ -53,16 +53,8 @@ def test_the_trl_recipe_runs_asynchronously_on_the_embedded_model(tmp_path):
 
 def test_the_pytrio_recipe_runs_asynchronously_on_the_embedded_model(tmp_path):
     out = tmp_path / "pytrio"
-    printed, log = _run(
-        "gsm8k_pytrio.py",
-        "recipes/pytrio/embedded_async.yaml",
-        out,
-        "--lora_r",
-        "4",
-        "--save_every",
-        "2",
-        *TWO_PROMPTS_PYTRIO,
-    )
+    extra = ["--lora_r", "4", "--save_every", "2", *TWO_PROMPTS_PYTRIO]
+    printed, log = _run("gsm8k_pytrio.py", "recipes/pytrio/embedded_async.yaml", out, *extra)
     mode = "asynchronous, sample_ahead 1, max_staleness 1, decoupled objective"
     assert f"sampling: {mode}" in log
     assert _staleness(out) == [0, 1]

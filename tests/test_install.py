@@ -239,8 +239,9 @@ def test_ci_runs_the_detection_dependent_tests_with_the_other_bf16_answer():
     from trl_grpo_ext.cpu.precision import cpu_bf16_units
 
     def forced(*args):
-        (run,) = [line for line in _make_dry_run("test-precision", *args).splitlines() if "-m pytest" in line]
-        loop = _make_dry_run("test-precision", *args).split('answers="', 1)[1].split('"', 1)[0]
+        out = _make_dry_run("test-precision", *args)
+        (run,) = [line for line in out.splitlines() if "-m pytest" in line]
+        loop = out.split('answers="', 1)[1].split('"', 1)[0]
         assert run.split()[0] == "TRL_GRPO_EXT_CPU_BF16=$answer", run
         return loop.split(), [word for word in run.split() if word.startswith("tests/")]
 
