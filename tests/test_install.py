@@ -235,7 +235,7 @@ def test_the_pytrio028_cell_runs_the_client_tests_with_the_oldest_client():
 def test_ci_runs_the_detection_dependent_tests_with_the_other_bf16_answer():
     """`make test` runs the detection-dependent tests with this CPU's answer; `make test-precision` runs the same
     existing test files with the other answer forced (or with each answer named in PRECISION_ANSWERS), and CI calls
-    it after the README's test command, so both answers pass on any CPU."""
+    both (in two streams at once, the README's test command written first), so both answers pass on any CPU."""
     from trl_grpo_ext.cpu.precision import cpu_bf16_units
 
     def forced(*args):
