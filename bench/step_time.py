@@ -218,22 +218,7 @@ def run_config(label, overrides, steps, rates):
             clock.wrap(trainer)
             trainer.add_callback(clock)
             trainers[name], clocks[name] = trainer, clock
-        errors = []
-
-        def train(name):
-            try:
-                trainers[name].train()
-            except BaseException as exc:  # report after both threads stop
-                errors.append((name, exc))
-                turns.pass_on(name, finished=True)
-
-        threads = [threading.Thread(target=train, args=(name,)) for name in ("vanilla", "ours")]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-        if errors:
-            raise RuntimeError(f"{label}: {errors[0][0]} failed") from errors[0][1]
+        train_in_turns(trainers, turns, label)
         stats = getattr(trainers["ours"], "prefix_sharing_stats", {})
 
     result = {"label": label, "flops": {}, "phases": {}, "stats": dict(stats)}
@@ -245,6 +230,27 @@ def run_config(label, overrides, steps, rates):
         result["flops"][name] = clock.flops
     result["same_completions"] = clocks["vanilla"].completions == clocks["ours"].completions
     return result
+
+
+def train_in_turns(trainers: dict, turns: Turns, label: str) -> None:
+    """Train each of `trainers` (name -> trainer, their `StepClock`s sharing `turns`) in a thread of its own, the
+    threads taking turns step by step; a failure is raised once both have stopped."""
+    errors = []
+
+    def train(name):
+        try:
+            trainers[name].train()
+        except BaseException as exc:  # report after both threads stop
+            errors.append((name, exc))
+            turns.pass_on(name, finished=True)
+
+    threads = [threading.Thread(target=train, args=(name,)) for name in trainers]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        raise RuntimeError(f"{label}: {errors[0][0]} failed") from errors[0][1]
 
 
 def measure_rates(rates: dict, seconds: float) -> None:

@@ -89,10 +89,14 @@ def live_model_identity(model) -> dict | None:
     return None if folder is None else {"model": folder_identity(folder)}
 
 
-def live_model_settings(model, max_new_tokens: int) -> dict:
-    """Generation settings of a greedy eval that change its outputs: the token limit, dtype and device."""
+def live_model_settings(model, max_new_tokens: int, decode_engine: str = "generate") -> dict:
+    """Generation settings of a greedy eval that change its outputs: the token limit, dtype and device, and a decode
+    engine other than transformers' generate (its logits differ by rounding: a near tie can go the other way)."""
     param = next(model.parameters())
-    return {"max_new_tokens": max_new_tokens, "device": param.device.type, "dtype": str(param.dtype)}
+    settings = {"max_new_tokens": max_new_tokens, "device": param.device.type, "dtype": str(param.dtype)}
+    if decode_engine != "generate":  # the default adds no key: the keys of evals cached before engines existed hold
+        settings["decode_engine"] = decode_engine
+    return settings
 
 
 def eval_set_hash(problems: Sequence[Problem]) -> str:

@@ -45,7 +45,15 @@ def run_eval(cfg: EvalRun, make_generator=None, identify=None) -> dict:
     if make_generator is None:
 
         def make_generator(model, adapter):
-            return HFGenerator(model, adapter, cfg.max_new_tokens, cfg.temperature, cfg.top_p, cfg.seed)
+            return HFGenerator(
+                model,
+                adapter,
+                cfg.max_new_tokens,
+                cfg.temperature,
+                cfg.top_p,
+                cfg.seed,
+                decode_engine=cfg.decode_engine,
+            )
 
         identify = identify or model_identity
     rows = load_rows(
@@ -53,7 +61,10 @@ def run_eval(cfg: EvalRun, make_generator=None, identify=None) -> dict:
     )
     if not rows:
         raise ValueError(f"eval data '{cfg.data}' holds no problems")
+    # the settings that change the results (the cache key's): the default engine adds none, as before engines existed
     settings = {k: v for k, v in asdict(cfg).items() if k != "progress"}
+    if settings["decode_engine"] == "generate":
+        del settings["decode_engine"]
 
     def one(model, adapter, desc):
         start = time.monotonic()

@@ -27,6 +27,7 @@ class HFGenerator:
         seed: int = 0,
         device: str | None = None,
         bf16: bool = False,
+        decode_engine: str = "generate",
     ):
         import torch
         from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -47,9 +48,11 @@ class HFGenerator:
             self.model = merge_and_unload(PeftModel.from_pretrained(self.model, adapter))
         self.model.to(self.device).eval()
         govern_cpu_threads(self.model)  # on the CPU: fewer threads while other processes are busy
-        self._settings(max_new_tokens, temperature, top_p, seed, bf16)
+        self._settings(max_new_tokens, temperature, top_p, seed, bf16, decode_engine)
 
-    def _settings(self, max_new_tokens: int, temperature: float, top_p: float, seed: int, bf16: bool) -> None:
+    def _settings(
+        self, max_new_tokens: int, temperature: float, top_p: float, seed: int, bf16: bool, decode_engine: str
+    ) -> None:
         self.chat = bool(self.tokenizer.chat_template)
         self.max_new_tokens = max_new_tokens
         self.temperature = temperature
@@ -57,6 +60,7 @@ class HFGenerator:
         self.seed = seed
         # bf16 autocast around each generate call (the run's precision, `trl_grpo_ext.cpu.precision`); fp32 weights stay
         self.bf16 = bool(bf16)
+        self.decode_engine = decode_engine  # the loop after the prompts are encoded (trl_grpo_ext.decode)
         self._calls = 0
         self.last_completion_tokens: list[int] | None = None
 
@@ -71,13 +75,14 @@ class HFGenerator:
         top_p: float = 1.0,
         seed: int = 0,
         bf16: bool = False,
+        decode_engine: str = "generate",
     ):
         """A generator over a model already in memory (a trainer's), for the duration of a `with` block: eval mode
         and left padding inside, the model's train/eval mode and the tokenizer's padding side restored after."""
         gen = cls.__new__(cls)
         gen.model, gen.tokenizer = model, tokenizer
         gen.device = str(next(model.parameters()).device)
-        gen._settings(max_new_tokens, temperature, top_p, seed, bf16)
+        gen._settings(max_new_tokens, temperature, top_p, seed, bf16, decode_engine)
         was_training, side, pad = model.training, tokenizer.padding_side, tokenizer.pad_token
         model.eval()
         tokenizer.padding_side = "left"
@@ -132,7 +137,7 @@ class HFGenerator:
         # one autocast region for the whole call: each weight is cast to bf16 once, not at every decode step; sampled
         # tokens drawn as torch.multinomial draws them, vectorised (trl_grpo_ext.cpu.token_draws)
         with torch.no_grad(), bf16_autocast(self.bf16, torch.device(self.device).type), fast_token_draws():
-            out = shared_prefix_generate(self.model, rows, **kwargs)
+            out = shared_prefix_generate(self.model, rows, engine=self.decode_engine, **kwargs)
         new = out[:, enc["input_ids"].shape[1] :]
         # Tokens up to the end of each completion (padding after EOS excluded), for the mean length.
         self.last_completion_tokens = (

@@ -13,6 +13,7 @@ import difflib
 import typing
 from dataclasses import dataclass, field
 
+from trl_grpo_ext.decode import ENGINES as DECODE_ENGINES
 from trl_grpo_ext.evaluation.problems import EMBEDDED_DATA, GSM8K_TEST
 from trl_grpo_ext.task.spec import data_field
 
@@ -45,6 +46,13 @@ class EvalOptions:
     temperature: float = field(default=0.7, metadata={"help": "sampling temperature for the k samples"})
     top_p: float = field(default=1.0, metadata={"help": "nucleus sampling for the k samples"})
     seed: int = field(default=0, metadata={"help": "seed of the k samples (and of a JSONL file's problem order)"})
+    decode_engine: str = field(
+        default="generate",
+        metadata={
+            "help": "the decode loop: 'generate' (transformers') or 'packed' (a static KV cache and prepacked "
+            "weights: Llama-layout fp32 models on the CPU; elsewhere generate decodes), docs/decode.md"
+        },
+    )
     # the data spec's option (its name and default); the help describes the CLI's --no_one_shot flag
     one_shot: bool = data_field(
         "one_shot", help="prompt without the one-shot worked example (the training default includes it)"
@@ -67,6 +75,8 @@ class EvalOptions:
             raise ValueError("--batch_size and --k must be >= 1")
         if self.max_new_tokens < 1:
             raise ValueError(f"--max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if self.decode_engine not in DECODE_ENGINES:
+            raise ValueError(f"--decode_engine must be one of {', '.join(DECODE_ENGINES)}, got {self.decode_engine!r}")
 
 
 @dataclass(kw_only=True)
@@ -86,7 +96,7 @@ class EvalRun(EvalOptions):
 
 # The flags of `trl-grpo-ext eval`, in the order its --help lists them.
 CLI_ORDER = ("model", "adapter", "data", "tasks", "limit", "k", "batch_size", "max_new_tokens", "temperature",
-             "top_p", "seed", "one_shot", "out", "compare_model", "cache", "progress")  # fmt: skip
+             "top_p", "seed", "decode_engine", "one_shot", "out", "compare_model", "cache", "progress")  # fmt: skip
 # Set by a sweep for each run it evaluates; everything else of `EvalRun` may stand in its `evaluate:` mapping.
 SWEEP_SET = ("model", "adapter", "out")
 
@@ -171,5 +181,6 @@ def recipe_eval_options(script_args, training_args) -> EvalOptions:
     return EvalOptions(
         max_new_tokens=script_args.eval_max_new_tokens or training_args.max_completion_length,
         batch_size=RECIPE_EVAL_BATCH_SIZE,
+        decode_engine=getattr(training_args, "decode_engine", "generate"),
         progress=not getattr(training_args, "disable_tqdm", False),
     )

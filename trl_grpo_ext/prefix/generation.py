@@ -56,6 +56,7 @@ def shared_prefix_generate(
     pad_token_id: int,
     generation_config=None,
     pad_to_multiple_of: int | None = None,
+    engine: str = "generate",
     **generate_kwargs,
 ) -> torch.Tensor:
     """``model.generate`` of `prompts` (token id lists) with each shared prompt token encoded once.
@@ -67,8 +68,15 @@ def shared_prefix_generate(
     rows, and ``generate`` continues from the last prompt token with its own decoding loop, so greedy decoding
     gives the same tokens and sampling the same per-step logits (to float rounding) for the same seed. Falls back to
     the plain ``generate`` (logging why once) where that would not hold or nothing is shared.
+
+    `engine`: the decode loop after the prompts are encoded (`trl_grpo_ext.decode`): ``generate`` (transformers')
+    or ``packed`` (a static cache and prepacked weights, where it applies).
     """
     from transformers import DynamicCache
+
+    from trl_grpo_ext.decode import check_engine, decode
+
+    check_engine(engine)
 
     device = next(model.parameters()).device
     padded, padded_mask = _left_pad(prompts, pad_token_id, pad_to_multiple_of, device)
@@ -90,7 +98,7 @@ def shared_prefix_generate(
     if reason is not None:
         log_fallback_once(reason)
     if reason is not None or not plan.shares:
-        return model.generate(input_ids=padded, attention_mask=padded_mask, **kwargs)
+        return decode(model, engine, padded, padded_mask, **kwargs)
 
     cache = DynamicCache(config=_config_of(model))
     length = plan.prefix_length
@@ -123,7 +131,7 @@ def shared_prefix_generate(
     head = head.reshape(len(plan.prompts), length)
     ids = torch.cat([head, rest_ids[rows], last], dim=1)
     mask = torch.cat([torch.ones_like(head), rest_mask[rows], torch.ones_like(last)], dim=1)
-    out = model.generate(input_ids=ids, attention_mask=mask, **cache_kwargs(model, cache), **kwargs)
+    out = decode(model, engine, ids, mask, cache=cache, **kwargs)
     if isinstance(out, torch.Tensor):
         return torch.cat([padded, out[:, ids.size(1) :]], dim=1)
     out.sequences = torch.cat([padded, out.sequences[:, ids.size(1) :]], dim=1)  # return_dict_in_generate

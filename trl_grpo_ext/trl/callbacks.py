@@ -215,7 +215,7 @@ class BeforeAfterEvalCallback(TrainerCallback):
         out, main = Path(args.output_dir), state.is_world_process_zero
         eval_set = self._eval_set()
         identity = live_model_identity(model) if o.cache else None
-        settings = live_model_settings(model, o.max_new_tokens)
+        settings = live_model_settings(model, o.max_new_tokens, o.decode_engine)
         if _eval_bf16(args):  # bf16 results are not fp32's: their own cache entry (fp32 keys stay as they were)
             settings["autocast"] = "bfloat16"
         start = time.perf_counter()
@@ -239,7 +239,13 @@ class BeforeAfterEvalCallback(TrainerCallback):
 
                 def borrow():
                     return stack.enter_context(
-                        HFGenerator.borrowing(model, processing_class, o.max_new_tokens, bf16=_eval_bf16(args))
+                        HFGenerator.borrowing(
+                            model,
+                            processing_class,
+                            o.max_new_tokens,
+                            bf16=_eval_bf16(args),
+                            decode_engine=o.decode_engine,
+                        )
                     )
 
                 results, info = cached_greedy_eval(
@@ -270,7 +276,9 @@ class BeforeAfterEvalCallback(TrainerCallback):
                 print("[eval after] skipped: training was stopped by Ctrl-C", flush=True)
             return
         start = time.perf_counter()
-        with HFGenerator.borrowing(model, processing_class, o.max_new_tokens, bf16=_eval_bf16(args)) as gen:
+        with HFGenerator.borrowing(
+            model, processing_class, o.max_new_tokens, bf16=_eval_bf16(args), decode_engine=o.decode_engine
+        ) as gen:
             results, _ = evaluate(self.problems, gen, 1, o.batch_size, progress=o.progress and main, desc="eval after")
         entry = {
             **greedy_summary(results),

@@ -14,6 +14,7 @@ import trl
 from trl_grpo_ext.compat import resolve_checkpointing_fields
 from trl_grpo_ext.cpu.precision import Precision, resolve_precision
 from trl_grpo_ext.cpu.threads import runs_on_cpu
+from trl_grpo_ext.decode import ENGINES as DECODE_ENGINES
 from trl_grpo_ext.errors import raise_problems
 from trl_grpo_ext.grpo.async_sampling import asynchronous, staleness_span_problems
 from trl_grpo_ext.grpo.loss_table import (
@@ -115,6 +116,16 @@ class GRPOConfig(GRPOSpec, trl.GRPOConfig):
         },
     )
 
+    decode_engine: str = field(
+        default="generate",
+        metadata={
+            "help": "The sampler's decode loop when transformers samples in this process (not vLLM): 'generate' "
+            "(transformers' generate) or 'packed' (the same token selection over a static KV cache and "
+            "oneDNN-prepacked weights: Llama-layout fp32 models on the CPU; elsewhere generate decodes and the "
+            "reason is logged once). The recipes' before/after eval uses it too. See docs/decode.md."
+        },
+    )
+
     def __post_init__(self):
         normalize_values(self)  # scale_rewards true/false (CLI / YAML strings too)
         # Every problem at once, before TRL's own setup (which would fail later, one at a time, and less clearly).
@@ -145,6 +156,8 @@ class GRPOConfig(GRPOSpec, trl.GRPOConfig):
             problems.append(str(error))
         if self.distillation is not None and self.cast_lm_head_to_fp32:
             problems.append("cast_lm_head_to_fp32 is not supported with a distillation teacher; unset one of them")
+        if self.decode_engine not in DECODE_ENGINES:
+            problems.append(f"decode_engine={self.decode_engine!r} must be one of {', '.join(DECODE_ENGINES)}")
         packed = self.max_packed_tokens
         if packed is not None and (isinstance(packed, bool) or not isinstance(packed, int) or packed < 1):
             problems.append(f"max_packed_tokens={packed!r} must be a positive integer or None")
@@ -213,6 +226,7 @@ class ExtensionOptions:
     share_prompt_prefix: bool
     share_prompt_prefix_across_microbatches: bool
     max_packed_tokens: int | None
+    decode_engine: str
     async_sampling: bool
     max_staleness: int
     sample_ahead: int

@@ -61,6 +61,7 @@ class PrefixSharingMixin:
         self.share_prompt_prefix = options.share_prompt_prefix
         self.share_prompt_prefix_across_microbatches = options.share_prompt_prefix_across_microbatches
         self.max_packed_tokens = options.max_packed_tokens
+        self.decode_engine = options.decode_engine  # the sampler's decode loop (trl_grpo_ext.decode)
         # chunks and generate calls run shared / plain and their tokens, over the trainer's life (`_count_*`)
         self.prefix_sharing_stats = collections.Counter()
         self._prefix_cycle: _Cycle | None = None
@@ -369,6 +370,7 @@ class PrefixSharingMixin:
                 internals.pad_token_id(self),
                 generation_config=self.generation_config,
                 pad_to_multiple_of=self.pad_to_multiple_of,
+                engine=self.decode_engine,
                 **kwargs,
             )
 
