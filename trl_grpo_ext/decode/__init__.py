@@ -16,9 +16,9 @@ from __future__ import annotations
 
 import logging
 
-# the engines, importable without torch (configs validate the name before any model loads)
 logger = logging.getLogger(__name__)
 
+# the engines, importable without torch (configs validate the name before any model loads)
 ENGINES = ("generate", "packed")
 _logged: set[str] = set()
 
