@@ -38,7 +38,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from precision import memory_bandwidth, weight_bytes  # noqa: E402
-from step_time import ROOT, StepClock, Turns, build_trainer, train_in_turns  # noqa: E402
+from step_time import ROOT, StepClock, Turns, build_trainer, heldout_eval, train_in_turns  # noqa: E402
 
 ROWS = (12, 24, 48)
 PROMPT_TOKENS = 120
@@ -156,17 +156,9 @@ def sampling_seconds(overrides: list[str], steps: int) -> dict[str, float]:
 def eval_seconds(model_name: str, limit: int, max_new_tokens: int) -> dict[str, float]:
     """Seconds of the eval's greedy pass over `limit` held-out problems per engine (best of two, alternated), and
     the number of completions that differ between them."""
-    from trl_grpo_ext.evaluation import (
-        EMBEDDED_DATA,
-        HELDOUT_SEED,
-        HFGenerator,
-        evaluate,
-        load_rows,
-        problems_from_rows,
-    )
+    from trl_grpo_ext.evaluation import evaluate
 
-    gen = HFGenerator(model_name, max_new_tokens=max_new_tokens, seed=0)
-    problems = problems_from_rows(load_rows(EMBEDDED_DATA, limit, HELDOUT_SEED, None), one_shot=True, chat=gen.chat)
+    gen, problems = heldout_eval(model_name, limit, max_new_tokens)
     seconds: dict[str, list[float]] = {"generate": [], "packed": []}
     texts = {}
     for engine in ("generate", "packed", "generate", "packed"):

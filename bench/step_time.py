@@ -328,30 +328,36 @@ def report(result, rate):
     return ratio, phases["ours"]["total"] / (result["flops"]["ours"] / rate)
 
 
-def plain_generate(model, prompts, pad_token_id, generation_config=None, pad_to_multiple_of=None, **kwargs):
-    """`shared_prefix_generate`'s contract without sharing: ``model.generate`` on the left-padded prompts."""
+def plain_generate(
+    model, prompts, pad_token_id, generation_config=None, pad_to_multiple_of=None, engine="generate", **kwargs
+):
+    """`shared_prefix_generate`'s contract without sharing: the left-padded prompts decoded by `engine`
+    (`trl_grpo_ext.decode`)."""
+    from trl_grpo_ext.decode import decode
     from trl_grpo_ext.prefix.generation import _left_pad
 
     ids, mask = _left_pad(prompts, pad_token_id, pad_to_multiple_of, next(model.parameters()).device)
     kwargs.setdefault("pad_token_id", pad_token_id)
-    return model.generate(input_ids=ids, attention_mask=mask, generation_config=generation_config, **kwargs)
+    return decode(model, engine, ids, mask, generation_config=generation_config, **kwargs)
+
+
+def heldout_eval(model_name: str, limit: int, max_new_tokens: int):
+    """`trl-grpo-ext eval`'s generator for `model_name` and the first `limit` held-out problems of the embedded
+    eval set, prompted as the eval prompts them."""
+    from trl_grpo_ext.evaluation import EMBEDDED_DATA, HELDOUT_SEED, HFGenerator, load_rows, problems_from_rows
+
+    gen = HFGenerator(model_name, max_new_tokens=max_new_tokens, seed=0)
+    problems = problems_from_rows(load_rows(EMBEDDED_DATA, limit, HELDOUT_SEED, None), one_shot=True, chat=gen.chat)
+    return gen, problems
 
 
 def eval_time(model_name: str, limit: int, max_new_tokens: int = 64):
     """Seconds of the eval's greedy pass over `limit` held-out problems (``trl-grpo-ext eval`` without the
     cache), with the generator's plain ``generate`` (no sharing) and with prefix sharing, alternated."""
     import trl_grpo_ext.prefix as prefix
-    from trl_grpo_ext.evaluation import (
-        EMBEDDED_DATA,
-        HELDOUT_SEED,
-        HFGenerator,
-        evaluate,
-        load_rows,
-        problems_from_rows,
-    )
+    from trl_grpo_ext.evaluation import evaluate
 
-    gen = HFGenerator(model_name, max_new_tokens=max_new_tokens, seed=0)
-    problems = problems_from_rows(load_rows(EMBEDDED_DATA, limit, HELDOUT_SEED, None), one_shot=True, chat=gen.chat)
+    gen, problems = heldout_eval(model_name, limit, max_new_tokens)
     shared = prefix.shared_prefix_generate
     seconds, texts = defaultdict(list), {}
     try:
