@@ -192,3 +192,11 @@ def test_the_async_samplers_packed_engine_keeps_every_ratio_1_at_staleness_0(tin
     assert first["sample/staleness_max"] == 0
     assert first["sampling/sampler_kl"] <= 1e-5
     assert 0.999 <= first["sampling/is_ratio_raw/min"] <= first["sampling/is_ratio_raw/max"] <= 1.001
+
+
+def test_the_eval_cache_keeps_the_engines_apart_and_the_defaults_key_as_it_was(model):
+    from trl_grpo_ext.evaluation.cache import live_model_settings
+
+    default = live_model_settings(model, 8)
+    assert default == {"max_new_tokens": 8, "device": "cpu", "dtype": "torch.float32"}
+    assert live_model_settings(model, 8, "packed") == {**default, "decode_engine": "packed"}

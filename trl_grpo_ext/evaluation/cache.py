@@ -89,14 +89,18 @@ def live_model_identity(model) -> dict | None:
     return None if folder is None else {"model": folder_identity(folder)}
 
 
+def engine_settings(decode_engine: str) -> dict:
+    """A cache key's entry for the decode engine: none for transformers' generate (the keys of evals cached before
+    engines existed hold), the name for another (its logits differ by rounding: a near tie can go the other way)."""
+    return {} if decode_engine == "generate" else {"decode_engine": decode_engine}
+
+
 def live_model_settings(model, max_new_tokens: int, decode_engine: str = "generate") -> dict:
-    """Generation settings of a greedy eval that change its outputs: the token limit, dtype and device, and a decode
-    engine other than transformers' generate (its logits differ by rounding: a near tie can go the other way)."""
+    """Generation settings of a greedy eval that change its outputs: the token limit, dtype and device, and the
+    decode engine (`engine_settings`)."""
     param = next(model.parameters())
     settings = {"max_new_tokens": max_new_tokens, "device": param.device.type, "dtype": str(param.dtype)}
-    if decode_engine != "generate":  # the default adds no key: the keys of evals cached before engines existed hold
-        settings["decode_engine"] = decode_engine
-    return settings
+    return {**settings, **engine_settings(decode_engine)}
 
 
 def eval_set_hash(problems: Sequence[Problem]) -> str:

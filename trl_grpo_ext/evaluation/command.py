@@ -9,7 +9,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from trl_grpo_ext.evaluation.cache import cached_greedy_eval, local_model_folder, model_identity
+from trl_grpo_ext.evaluation.cache import cached_greedy_eval, engine_settings, local_model_folder, model_identity
 from trl_grpo_ext.evaluation.generator import HFGenerator
 from trl_grpo_ext.evaluation.options import EvalRun
 from trl_grpo_ext.evaluation.paired import compare_results, paired_comparison
@@ -61,10 +61,9 @@ def run_eval(cfg: EvalRun, make_generator=None, identify=None) -> dict:
     )
     if not rows:
         raise ValueError(f"eval data '{cfg.data}' holds no problems")
-    # the settings that change the results (the cache key's): the default engine adds none, as before engines existed
-    settings = {k: v for k, v in asdict(cfg).items() if k != "progress"}
-    if settings["decode_engine"] == "generate":
-        del settings["decode_engine"]
+    # the settings that change the results (the cache key's)
+    settings = {k: v for k, v in asdict(cfg).items() if k not in ("progress", "decode_engine")}
+    settings.update(engine_settings(cfg.decode_engine))
 
     def one(model, adapter, desc):
         start = time.monotonic()
