@@ -25,13 +25,17 @@ import copy
 import torch
 
 from trl_grpo_ext.compat import _base_model, cache_kwargs
-from trl_grpo_ext.decode.weights import packed_kernels_available, packed_linear, packed_linear_add, packed_weights
+from trl_grpo_ext.decode.weights import (
+    layer_linears,
+    packed_kernels_available,
+    packed_linear,
+    packed_linear_add,
+    packed_weights,
+)
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "mistral")
 # generate's keyword arguments the loop honours (anything else: generate decodes)
 SUPPORTED_KWARGS = frozenset({"generation_config", "logits_processor"})
-_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj")
-_MLP = ("gate_proj", "up_proj", "down_proj")
 
 
 def _model_reason(model) -> str | None:
@@ -52,8 +56,7 @@ def _model_reason(model) -> str | None:
         return "not the Llama layout (model.model.layers, rotary_emb, lm_head)"
     for layer in base.layers:
         attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
-        linears = [getattr(attn, n, None) for n in _PROJECTIONS] + [getattr(mlp, n, None) for n in _MLP]
-        if any(type(m) is not torch.nn.Linear for m in linears) or not hasattr(mlp, "act_fn"):
+        if any(type(m) is not torch.nn.Linear for m in layer_linears(layer)) or not hasattr(mlp, "act_fn"):
             return "a layer that is not plain linear projections (adapters, quantization, another layout)"
         if getattr(attn, "q_norm", None) is not None or getattr(attn, "sinks", None) is not None:
             return "per-head query/key norms or attention sinks"

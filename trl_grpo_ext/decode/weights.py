@@ -8,11 +8,11 @@ output layer (576 x 49,152 fp32, 113 MB) that is a read, a write and a read agai
 linears); the per-layer projections gain 1.2-2x (`bench/decode.py`). The results differ from ``linear``'s by the
 rounding of another summation order (largest difference ~4e-6 on unit-scale inputs).
 
-`PackedWeights` packs once per set of weights: it is kept on the model and rebuilt when any weight changed (an
+`PackedWeights` packs once per set of weights: it is kept beside the model and rebuilt when any weight changed (an
 optimizer step or a weight load bumps the tensor's version counter), so a sampler that keeps its weights for many
 batches (evaluation, an asynchronous sampler's version) packs once, and an on-policy trainer once per generation.
-The packed copy holds the weights a second time (the model's own stay where they are for training); it is kept
-beside the model (freed with it, or by `release_packed`).
+The packed copy holds the weights a second time (the model's own stay where they are for training) until the model
+is freed or its weights change.
 """
 
 from __future__ import annotations
@@ -26,6 +26,9 @@ import torch
 _lock = threading.Lock()
 # model -> its packed copy; beside the model rather than on it, so copying or pickling a model never meets one
 _packed: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+# each decoder layer's linear projections, by attribute: the attention's, then the MLP's
+ATTENTION_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj")
+MLP_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
 
 
 def packed_kernels_available() -> bool:
@@ -112,16 +115,21 @@ class PackedWeights:
         return cls(layers, _pack(head.weight, rows), _bias(head), (rows, cls.version_key(model)))
 
 
+def layer_linears(layer) -> list:
+    """A decoder layer's projections (`ATTENTION_PROJECTIONS` then `MLP_PROJECTIONS`; None where one is missing)."""
+    attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
+    return [getattr(attn, n, None) for n in ATTENTION_PROJECTIONS] + [getattr(mlp, n, None) for n in MLP_PROJECTIONS]
+
+
 def _linears_of(model):
     for layer in model.model.layers:
-        attn, mlp = layer.self_attn, layer.mlp
-        yield from (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj)
+        yield from layer_linears(layer)
     yield model.lm_head
 
 
 def packed_weights(model, rows: int) -> PackedWeights:
-    """`model`'s weights packed for `rows` rows: the copy kept on the model if its weights have not changed since,
-    else a new one (which replaces it: one packed copy per model)."""
+    """`model`'s weights packed for `rows` rows: the copy kept beside the model if its row count and weights have not
+    changed since, else a new one (which replaces it: one packed copy per model)."""
     key = (rows, PackedWeights.version_key(model))
     with _lock:  # a trainer and its asynchronous sampler hold different models; one model, one packing at a time
         cached = _packed.get(model)
@@ -130,9 +138,3 @@ def packed_weights(model, rows: int) -> PackedWeights:
         _packed.pop(model, None)  # the old copy freed before the new one is built
         packed = _packed[model] = PackedWeights.build(model, rows)
         return packed
-
-
-def release_packed(model) -> None:
-    """Free `model`'s packed copy (the next packed call builds it again)."""
-    with _lock:
-        _packed.pop(model, None)
