@@ -5,6 +5,7 @@ aside with a reason where it does not apply, and is what the TRL sampler and the
 
 from __future__ import annotations
 
+import argparse
 import logging
 
 import pytest
@@ -158,6 +159,51 @@ def test_an_unknown_engine_is_one_line_before_any_model_loads(tmp_path):
         EvalOptions(decode_engine="fast")
     with pytest.raises(ValueError, match="decode_engine must be one of"):
         shared_prefix_generate(None, [[1, 2]], 0, engine="fast")
+    # the engine decodes after the shared prefill: without it TRL's generate would sample, whatever the setting said
+    with pytest.raises(ValueError, match="decode_engine='packed' decodes after the shared prompt prefill") as error:
+        GRPOConfig(output_dir=str(tmp_path), use_cpu=True, decode_engine="packed", share_prompt_prefix=False)
+    assert len(str(error.value).strip().splitlines()) == 1
+
+
+def test_the_sampler_line_and_the_run_summary_name_the_decode_engine(tmp_path, monkeypatch):
+    from trl_grpo_ext.trl.config import GRPOConfig
+    from trl_grpo_ext.trl.recipe import ENV_SAMPLER_REASON, run_sampler, sampler_line
+
+    monkeypatch.delenv(ENV_SAMPLER_REASON, raising=False)
+
+    reason = "use_vllm: false set in the config"
+    for engine, name in (("generate", "transformers generate"), ("packed", "transformers, the packed decode engine")):
+        args = GRPOConfig(output_dir=str(tmp_path), use_cpu=True, decode_engine=engine)
+        assert sampler_line(args) == f"sampler: {name} ({reason}; decode_engine: {engine})"
+        assert run_sampler(None, args) == {"name": "generate", "reason": reason, "decode_engine": engine}
+
+
+def test_the_eval_command_decodes_packed_by_default_and_says_so_first(tmp_path, monkeypatch, capsys):
+    """`trl-grpo-ext eval` runs the packed engine unless told otherwise, and its first line names the loop; the
+    recipes' eval options keep following their config (generate unless it says packed)."""
+    from types import SimpleNamespace
+
+    from trl_grpo_ext.cli import evaluate as command
+    from trl_grpo_ext.evaluation.options import EvalOptions, EvalRun, recipe_eval_options
+
+    assert EvalRun(model="m").decode_engine == "packed"
+    recipe = SimpleNamespace(eval_max_new_tokens=None)
+    assert recipe_eval_options(recipe, SimpleNamespace(max_completion_length=8)).decode_engine == "generate"
+    assert EvalOptions().decode_engine == "generate"  # the callbacks' own default (a recipe's config sets it)
+    seen = []
+
+    def run_eval(cfg):  # the settings the command hands on; no model is loaded
+        seen.append(cfg.decode_engine)
+        raise ValueError("stopped before any model loads")
+
+    monkeypatch.setattr(command, "run_eval", run_eval)
+    for flags, engine in (([], "packed"), (["--decode_engine", "generate"], "generate")):
+        parser = argparse.ArgumentParser()
+        command.add_arguments(parser)
+        assert command.run(parser.parse_args(["--model", "m", *flags])) == 2
+        first = capsys.readouterr().out.splitlines()[0]
+        assert first.startswith(f"decode engine: {engine} (")
+    assert seen == ["packed", "generate"]
 
 
 def test_the_evaluator_decodes_with_the_engine_it_is_given(tiny_model_path, monkeypatch):
@@ -173,6 +219,39 @@ def test_the_evaluator_decodes_with_the_engine_it_is_given(tiny_model_path, monk
         answers[engine] = gen.generate(prompts, 1, True)
     assert calls  # the packed engine ran
     assert answers["packed"] == answers["generate"]
+
+
+def test_a_packed_copy_is_freed_when_the_weights_will_change_or_the_model_is_given_back(tiny_model_path, tmp_path):
+    """The on-policy trainer's generation (an optimizer step follows) and a borrowed eval model (training follows)
+    keep no packed copy after: it would hold the weights a second time and be stale."""
+    from test_async_trl import _train
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from trl_grpo_ext.decode import weights
+    from trl_grpo_ext.evaluation.generator import HFGenerator
+
+    held = []
+    real = engine_module.packed_generate
+
+    def recording(model, *args, **kwargs):
+        out = real(model, *args, **kwargs)
+        held.append(model in weights._packed)  # the copy exists while the sampler decodes
+        return out
+
+    engine_module.packed_generate, restore = recording, engine_module.packed_generate
+    try:
+        trainer, _ = _train(tiny_model_path, tmp_path, "on", async_sampling=False, max_steps=2, decode_engine="packed")
+        assert held and all(held)
+        assert trainer.model not in weights._packed
+        model = AutoModelForCausalLM.from_pretrained(tiny_model_path).eval()
+        with HFGenerator.borrowing(
+            model, AutoTokenizer.from_pretrained(tiny_model_path), 6, decode_engine="packed"
+        ) as gen:
+            gen.generate(["What is 2 + 2?"], 1, True)
+            assert model in weights._packed  # kept across the eval's batches
+        assert model not in weights._packed
+    finally:
+        engine_module.packed_generate = restore
 
 
 @pytest.mark.slow

@@ -447,5 +447,6 @@ def test_recipe_prints_and_records_the_precision_and_sampler(tiny_model_path, tm
         "setting": "auto",
         "reason": f"{ENV_CPU_BF16}=0 forces the detection off",
     }
-    assert "sampler: transformers generate (make train's default without vLLM)" in printed
-    assert summary["sampler"] == {"name": "generate", "reason": "make train's default without vLLM"}
+    reason = "make train's default without vLLM"
+    assert f"sampler: transformers generate ({reason}; decode_engine: generate)" in printed
+    assert summary["sampler"] == {"name": "generate", "reason": reason, "decode_engine": "generate"}

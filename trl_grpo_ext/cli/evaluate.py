@@ -15,7 +15,9 @@ def add_arguments(parser) -> None:
 
 def run(args) -> int:
     try:
-        payload = run_eval(eval_run_from_args(args))
+        cfg = eval_run_from_args(args)
+        print(cfg.engine_line(), flush=True)
+        payload = run_eval(cfg)
     except (FileNotFoundError, ValueError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -55,4 +55,11 @@ def decode(model, engine: str, input_ids, attention_mask, cache=None, **generate
     return model.generate(input_ids=input_ids, attention_mask=attention_mask, **extra, **generate_kwargs)
 
 
-__all__ = ["ENGINES", "check_engine", "decode"]
+def release_packed(model) -> None:
+    """Free the packed engine's copy of `model`'s weights (`trl_grpo_ext.decode.weights.release_packed`)."""
+    from trl_grpo_ext.decode.weights import release_packed as release
+
+    release(model)
+
+
+__all__ = ["ENGINES", "check_engine", "decode", "release_packed"]

@@ -138,3 +138,10 @@ def packed_weights(model, rows: int) -> PackedWeights:
         _packed.pop(model, None)  # the old copy freed before the new one is built
         packed = _packed[model] = PackedWeights.build(model, rows)
         return packed
+
+
+def release_packed(model) -> None:
+    """Drop `model`'s packed copy, if it has one: for a model whose weights are about to change (a trainer's, after
+    its generation) or that is done sampling (an evaluation's borrowed model), a copy kept would only hold memory."""
+    with _lock:
+        _packed.pop(model, None)

@@ -91,6 +91,9 @@ class HFGenerator:
         try:
             yield gen
         finally:
+            from trl_grpo_ext.decode import release_packed
+
+            release_packed(model)  # the packed engine's copy of the weights: training changes them next
             tokenizer.padding_side = side
             if pad is None:
                 tokenizer.pad_token = None

@@ -92,6 +92,26 @@ class EvalRun(EvalOptions):
         default="eval_results.jsonl",
         metadata={"help": "per-problem results (JSONL); the summary goes next to it as <stem>_summary.json"},
     )
+    # the command's own default: the faster loop where it applies (docs/decode.md); the recipes' eval follows
+    # their GRPOConfig.decode_engine instead
+    decode_engine: str = field(
+        default="packed",
+        metadata={
+            "help": "the decode loop: 'packed' (default: a static KV cache and prepacked weights, for "
+            "Llama-layout fp32 models on the CPU; elsewhere generate decodes and says why) or 'generate' "
+            "(transformers'), docs/decode.md"
+        },
+    )
+
+    def engine_line(self) -> str:
+        """The command's first line: which decode loop runs and why."""
+        if self.decode_engine == "generate":
+            return "decode engine: generate (transformers' generate, --decode_engine generate)"
+        return (
+            f"decode engine: {self.decode_engine} (trl-grpo-ext eval's default: the same greedy answers as "
+            "transformers' generate in about 0.6 of its time on a CPU, docs/decode.md; where it does not apply, "
+            "generate decodes and the reason is logged; --decode_engine generate runs generate)"
+        )
 
 
 # The flags of `trl-grpo-ext eval`, in the order its --help lists them.

@@ -158,6 +158,12 @@ class GRPOConfig(GRPOSpec, trl.GRPOConfig):
             problems.append("cast_lm_head_to_fp32 is not supported with a distillation teacher; unset one of them")
         if self.decode_engine not in DECODE_ENGINES:
             problems.append(f"decode_engine={self.decode_engine!r} must be one of {', '.join(DECODE_ENGINES)}")
+        elif self.decode_engine != "generate" and self.share_prompt_prefix is False and not self.use_vllm:
+            # the engine decodes after the shared-prefix prefill; without it TRL's own generate call samples
+            problems.append(
+                f"decode_engine={self.decode_engine!r} decodes after the shared prompt prefill: set "
+                "share_prompt_prefix: true, or decode_engine: generate"
+            )
         packed = self.max_packed_tokens
         if packed is not None and (isinstance(packed, bool) or not isinstance(packed, int) or packed < 1):
             problems.append(f"max_packed_tokens={packed!r} must be a positive integer or None")

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
+from trl_grpo_ext.decode import release_packed
 from trl_grpo_ext.prefix.context import PromptContext, context_logps_and_entropies, encode_prompt_context
 from trl_grpo_ext.prefix.generation import generation_unsupported_reason, shared_prefix_generate
 from trl_grpo_ext.prefix.packing import shared_prefix_logps_and_entropies
@@ -340,7 +341,8 @@ class PrefixSharingMixin:
             )
         self._count_prefix_tokens(None, len(prompt_ids), True, kind="generations")
         recorder = self._sampler_logprob_recorder()  # bf16 sampler: its token log-probs (trl.sampler_precision)
-        completion_ids, _ = internals.generate_single_turn(self, prompt_ids, self._text_generate(True, recorder))
+        generate = self._text_generate(True, recorder, release=self.model.training)
+        completion_ids, _ = internals.generate_single_turn(self, prompt_ids, generate)
         return completion_ids, recorder.per_row(completion_ids) if recorder is not None else None
 
     def _generation_sharing_reason(self, model, multimodal: bool = False) -> str | None:
@@ -354,24 +356,30 @@ class PrefixSharingMixin:
             return "multimodal inputs"
         return generation_unsupported_reason(model, self.generation_config)
 
-    def _text_generate(self, shared: bool, recorder=None):
+    def _text_generate(self, shared: bool, recorder=None, release: bool = False):
         """``generate(model, prompt_ids) -> prompt and completion ids``: TRL 1.16 ``_generate_single_turn``'s text
         generation (`internals.left_padded_generate`), or the shared-prefix prefill (`shared_prefix_generate`) in
         its place; with `recorder` (`trl.sampler_precision.SampledTokenLogprobs`) the sampled tokens' log-probs are
-        recorded. For the trainer's model (`internals.generate_single_turn`) and the asynchronous sampler's."""
+        recorded. For the trainer's model (`internals.generate_single_turn`) and the asynchronous sampler's.
+        `release`: free the decode engine's packed copy of the model after (a training model's weights change at
+        the next optimizer step, so a copy kept through it would only hold memory)."""
         kwargs = recorder.generate_kwargs() if recorder is not None else {}
         if not shared:
             return lambda model, prompts: internals.left_padded_generate(self, model, prompts, **kwargs)
 
         def generate(model, prompts):
-            return shared_prefix_generate(
-                model,
-                prompts,
-                internals.pad_token_id(self),
-                generation_config=self.generation_config,
-                pad_to_multiple_of=self.pad_to_multiple_of,
-                engine=self.decode_engine,
-                **kwargs,
-            )
+            try:
+                return shared_prefix_generate(
+                    model,
+                    prompts,
+                    internals.pad_token_id(self),
+                    generation_config=self.generation_config,
+                    pad_to_multiple_of=self.pad_to_multiple_of,
+                    engine=self.decode_engine,
+                    **kwargs,
+                )
+            finally:
+                if release:
+                    release_packed(model)
 
         return generate

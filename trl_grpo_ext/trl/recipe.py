@@ -176,8 +176,16 @@ def sampler_choice(training_args, environ=None) -> dict:
 def sampler_line(training_args) -> str:
     """The recipe's startup line on the sampler: ``sampler: <choice> (<why>)``, as `precision_line` for precision."""
     choice = sampler_choice(training_args)
-    name = f"vLLM, {choice['vllm_mode']} mode" if choice["name"] == "vllm" else "transformers generate"
-    return f"sampler: {name} ({choice['reason']})"
+    if choice["name"] == "vllm":
+        return f"sampler: vLLM, {choice['vllm_mode']} mode ({choice['reason']})"
+    engine = decode_engine(training_args)
+    name = "transformers generate" if engine == "generate" else f"transformers, the {engine} decode engine"
+    return f"sampler: {name} ({choice['reason']}; decode_engine: {engine})"
+
+
+def decode_engine(training_args) -> str:
+    """The loop that decodes for the in-process sampler (`GRPOConfig.decode_engine`; TRL's own config: generate)."""
+    return getattr(training_args, "decode_engine", "generate")
 
 
 def run_sampler(trainer, training_args) -> dict:
@@ -186,6 +194,8 @@ def run_sampler(trainer, training_args) -> dict:
     choice = sampler_choice(training_args)
     if choice["name"] == "vllm":
         choice["weight_sync"] = getattr(trainer, "vllm_weight_sync", None)
+    else:
+        choice["decode_engine"] = decode_engine(training_args)
     return choice
 
 
