@@ -17,7 +17,7 @@ CELLS := vllm floor
 # (tests/test_prefix_*.py) stays in.
 CELL_TESTS = $(wildcard $(addprefix tests/,test_trainer*.py test_prefix*.py test_losses*.py test_dynamic_sampling*.py \
 	test_recipes*.py test_gpu_recipes*.py test_eval*.py test_multiprocess*.py test_models*.py \
-	test_pytrio_parity*.py test_pytrio_server_prefix*.py test_trl_internals*.py test_async_trl*.py))
+	test_pytrio_parity*.py test_pytrio_server_prefix*.py test_trl_internals*.py test_async_trl*.py test_decode_engine*.py))
 
 # The tests whose results follow the CPU's bf16 detection (`bf16: auto`, trl_grpo_ext/cpu/precision.py): `make test` runs
 # them with this machine's answer, `make test-precision` with the other answer forced (TRL_GRPO_EXT_CPU_BF16), so the

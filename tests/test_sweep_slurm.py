@@ -254,11 +254,32 @@ def tiny_sweep(tmp_path, tiny_model_path, **changes) -> dict:
     return sweep
 
 
+GATED_RECIPE = textwrap.dedent(
+    """
+    # The TRL recipe, held before its first step until the test opens the gate: the array's first tasks cannot
+    # finish (and free their slots) before the test has seen the others queued, however slow the machine.
+    import runpy, sys, time
+    from pathlib import Path
+
+    GATE = Path({gate!r})
+    for _ in range(1800):
+        if GATE.exists():
+            break
+        time.sleep(0.5)
+    sys.argv[0] = {recipe!r}
+    runpy.run_path({recipe!r}, run_name="__main__")
+    """
+)
+
+
 @pytest.mark.slow
 def test_tiny_2x2_sweep_on_slurm_status_and_compare(slurm_cluster, cancel_on_exit, tiny_model_path, tmp_path):
     from trl_grpo_ext.experiments.compare import build_report
 
+    gate, recipe = tmp_path / "gate", tmp_path / "gated_recipe.py"
+    recipe.write_text(GATED_RECIPE.format(gate=str(gate), recipe=str(REPO / "recipes" / "gsm8k_grpo.py")))
     sweep = tiny_sweep(tmp_path, tiny_model_path, grid={"loss_type": ["cispo", "dapo"], "learning_rate": [1e-5, 4e-5]})
+    sweep["scripts"] = {"trl": str(recipe)}
     spec = load_sweep(write_sweep(tmp_path, **sweep))
     cancel_on_exit(spec)
     # --parallel 2: at most 2 tasks of the array at once, so the other 2 are seen queued on any number of cores
@@ -268,16 +289,20 @@ def test_tiny_2x2_sweep_on_slurm_status_and_compare(slurm_cluster, cancel_on_exi
     seen: dict[str, set] = {run.name: set() for run in expand(spec)}
     status_lines = []
 
-    def all_done():
+    def statuses_seen() -> list[str]:
         code, out, err = cli(spec.source, "--status")
         assert code == 0, err
         status_lines.append(out)
-        for line in out.splitlines()[1:]:
+        lines = out.splitlines()[1:]
+        for line in lines:
             status, name = line.split()[:2]
             seen[name].add(status)
-        return all(line.startswith("done") for line in out.splitlines()[1:])
+        return [line.split()[0] for line in lines]
 
-    wait_until(all_done, "the 4 runs to finish", spec)
+    # the gate holds the first two tasks: the other two stay queued until it opens
+    wait_until(lambda: statuses_seen().count("queued") == 2, "two runs queued behind the throttle", spec)
+    gate.write_text("")
+    wait_until(lambda: all(status == "done" for status in statuses_seen()), "the 4 runs to finish", spec)
     statuses = set().union(*seen.values())
     assert {"queued", "running", "done"} <= statuses, status_lines
     assert "failed" not in statuses and "pending" not in statuses, status_lines
