@@ -221,11 +221,13 @@ def test_the_evaluator_decodes_with_the_engine_it_is_given(tiny_model_path, monk
     assert answers["packed"] == answers["generate"]
 
 
-def test_a_packed_copy_is_freed_when_the_weights_will_change_or_the_model_is_given_back(tiny_model_path, tmp_path):
+def test_a_packed_copy_is_freed_when_the_weights_will_change_or_the_model_is_given_back(
+    tiny_model_path, tmp_path, monkeypatch
+):
     """The on-policy trainer's generation (an optimizer step follows) and a borrowed eval model (training follows)
     keep no packed copy after: it would hold the weights a second time and be stale."""
     from test_async_trl import _train
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
 
     from trl_grpo_ext.decode import weights
     from trl_grpo_ext.evaluation.generator import HFGenerator
@@ -238,20 +240,16 @@ def test_a_packed_copy_is_freed_when_the_weights_will_change_or_the_model_is_giv
         held.append(model in weights._packed)  # the copy exists while the sampler decodes
         return out
 
-    engine_module.packed_generate, restore = recording, engine_module.packed_generate
-    try:
-        trainer, _ = _train(tiny_model_path, tmp_path, "on", async_sampling=False, max_steps=2, decode_engine="packed")
-        assert held and all(held)
-        assert trainer.model not in weights._packed
-        model = AutoModelForCausalLM.from_pretrained(tiny_model_path).eval()
-        with HFGenerator.borrowing(
-            model, AutoTokenizer.from_pretrained(tiny_model_path), 6, decode_engine="packed"
-        ) as gen:
-            gen.generate(["What is 2 + 2?"], 1, True)
-            assert model in weights._packed  # kept across the eval's batches
-        assert model not in weights._packed
-    finally:
-        engine_module.packed_generate = restore
+    monkeypatch.setattr(engine_module, "packed_generate", recording)
+    trainer, _ = _train(tiny_model_path, tmp_path, "on", async_sampling=False, max_steps=2, decode_engine="packed")
+    assert held and all(held)
+    assert trainer.model not in weights._packed
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_path).eval()
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_path)
+    with HFGenerator.borrowing(model, tokenizer, 6, decode_engine="packed") as gen:
+        gen.generate(["What is 2 + 2?"], 1, True)
+        assert model in weights._packed  # kept across the eval's batches
+    assert model not in weights._packed
 
 
 @pytest.mark.slow
