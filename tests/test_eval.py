@@ -1,5 +1,6 @@
 """`trl-grpo-ext eval`: scoring with a fake generator (exact numbers), and one real tiny-model generation."""
 
+import dataclasses
 import json
 
 import pytest
@@ -386,6 +387,11 @@ def test_cli_eval_caches_greedy_before_model(tmp_path, monkeypatch):
     assert "paired gain +0.750" in format_summary(payload)
     payload = run_eval(cfg, make_generator=make, identify=model_identity)
     assert len(built) == 2 and payload["compare_summary"]["cached"] and payload["summary"]["cached"]
+    # another decode engine is another key (a near tie can go the other way): generated, then cached in turn
+    other = dataclasses.replace(cfg, decode_engine="generate" if cfg.decode_engine == "packed" else "packed")
+    payload = run_eval(other, make_generator=make, identify=model_identity)
+    assert len(built) == 4 and not payload["summary"]["cached"] and not payload["compare_summary"]["cached"]
+    assert run_eval(other, make_generator=make, identify=model_identity)["summary"]["cached"] and len(built) == 4
 
 
 def _callback_problems():

@@ -95,12 +95,17 @@ def engine_settings(decode_engine: str) -> dict:
     return {} if decode_engine == "generate" else {"decode_engine": decode_engine}
 
 
+def greedy_settings(max_new_tokens: int, device: str, dtype: str, decode_engine: str = "generate") -> dict:
+    """Generation settings of a greedy eval that change its outputs (a cache key's): the token limit, device and
+    dtype, and the decode engine (`engine_settings`). The recipes' eval and `trl-grpo-ext eval` both key by it, so
+    the same model evaluated the same way by either is one cache entry."""
+    return {"max_new_tokens": max_new_tokens, "device": device, "dtype": dtype, **engine_settings(decode_engine)}
+
+
 def live_model_settings(model, max_new_tokens: int, decode_engine: str = "generate") -> dict:
-    """Generation settings of a greedy eval that change its outputs: the token limit, dtype and device, and the
-    decode engine (`engine_settings`)."""
+    """`greedy_settings` of a model in memory (its parameters' device and dtype)."""
     param = next(model.parameters())
-    settings = {"max_new_tokens": max_new_tokens, "device": param.device.type, "dtype": str(param.dtype)}
-    return {**settings, **engine_settings(decode_engine)}
+    return greedy_settings(max_new_tokens, param.device.type, str(param.dtype), decode_engine)
 
 
 def eval_set_hash(problems: Sequence[Problem]) -> str:

@@ -9,7 +9,13 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from trl_grpo_ext.evaluation.cache import cached_greedy_eval, engine_settings, local_model_folder, model_identity
+from trl_grpo_ext.evaluation.cache import (
+    cached_greedy_eval,
+    engine_settings,
+    greedy_settings,
+    local_model_folder,
+    model_identity,
+)
 from trl_grpo_ext.evaluation.generator import HFGenerator
 from trl_grpo_ext.evaluation.options import EvalRun
 from trl_grpo_ext.evaluation.paired import compare_results, paired_comparison
@@ -75,7 +81,7 @@ def run_eval(cfg: EvalRun, make_generator=None, identify=None) -> dict:
                 problems,
                 lambda: make_generator(model, adapter),
                 identity,
-                {"max_new_tokens": cfg.max_new_tokens, "device": _default_device(), "dtype": _default_dtype()},
+                greedy_settings(cfg.max_new_tokens, _default_device(), _default_dtype(), cfg.decode_engine),
                 cfg.batch_size,
                 cfg.progress,
                 desc,
